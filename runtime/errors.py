@@ -1,0 +1,20 @@
+"""Typed errors. The HTTP layer turns `InvalidRequestError` into a 400 naming `field`."""
+
+from __future__ import annotations
+
+
+class SpecserveError(Exception):
+    """Base class of every error this project raises on purpose."""
+
+
+class InvalidRequestError(SpecserveError, ValueError):
+    """Bad user input: a request field has a value we cannot serve."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class ModelLoadError(SpecserveError):
+    """A model path that is missing, not a model, or of an unsupported architecture."""
