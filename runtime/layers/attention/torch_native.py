@@ -1,0 +1,99 @@
+"""`torch_native` attention: any device, paged KV through index gathers, SDPA with a bool mask.
+
+Every mode reduces to one padded SDPA call per layer: queries padded to [B, max_q], KV gathered
+to [B, max_kv] (padding reads slot 0), and one bool mask [B, 1, max_q, max_kv] planned once per
+forward. The mask is what differs between modes, so tree verification is as exact as prefill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from runtime.layers.attention.base import AttentionBackend
+from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
+
+
+@dataclass(slots=True)
+class TorchNativeMetadata:
+    kv_gather: torch.Tensor  # [B, max_kv] slot indices, 0 where padded
+    mask: torch.Tensor | None  # [B, 1, max_q, max_kv] bool, None when nothing is masked
+    q_pad_index: torch.Tensor | None  # [T] position of each token in the flat [B * max_q]
+    batch_size: int
+    max_q: int
+
+
+def build_attention_mask(batch: ForwardBatch, max_q: int, max_kv: int) -> torch.Tensor:
+    """Bool [B, 1, max_q, max_kv]: True where query i of request b may attend KV column j.
+
+    Columns are the request's KV in order: prefix (`prefix_len`) then its new tokens. Padded
+    query rows attend column 0 only, so no row is fully masked (SDPA would return NaN).
+    """
+    bsz = batch.batch_size
+    mask = torch.zeros((bsz, 1, max_q, max_kv), dtype=torch.bool)
+    q_idx = torch.arange(max_q).unsqueeze(1)  # [max_q, 1]
+    kv_idx = torch.arange(max_kv).unsqueeze(0)  # [1, max_kv]
+    for b, (prefix_len, extend_len) in enumerate(zip(batch.prefix_lens, batch.extend_lens)):
+        if batch.mode.uses_custom_mask:
+            m = mask[b, 0]
+            m[:extend_len, :prefix_len] = True
+            m[:extend_len, prefix_len : prefix_len + extend_len] = batch.custom_masks[b]
+        else:
+            # causal: query i sits at KV column prefix_len + i
+            mask[b, 0] = kv_idx <= q_idx + prefix_len
+            mask[b, 0, :, prefix_len + extend_len :] = False
+        mask[b, 0, extend_len:, 0] = True
+    return mask
+
+
+class TorchNativeBackend(AttentionBackend):
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        device = self.kv_pool.device
+        bsz = batch.batch_size
+        seq_lens = batch.seq_lens
+        max_q, max_kv = max(batch.extend_lens), max(seq_lens)
+        if bsz == 1:
+            kv_gather = batch.kv_indices.view(1, -1).to(device)
+            q_pad_index = None
+        else:
+            kv_gather = torch.zeros((bsz, max_kv), dtype=torch.int64)
+            q_pad_index = torch.empty(batch.num_tokens, dtype=torch.int64)
+            kv_start = tok = 0
+            for b, (seq_len, extend_len) in enumerate(zip(seq_lens, batch.extend_lens)):
+                kv_gather[b, :seq_len] = batch.kv_indices[kv_start : kv_start + seq_len]
+                q_pad_index[tok : tok + extend_len] = torch.arange(extend_len) + b * max_q
+                kv_start += seq_len
+                tok += extend_len
+            kv_gather = kv_gather.to(device)
+            q_pad_index = q_pad_index.to(device)
+        trivial = batch.mode == ForwardMode.DECODE and bsz == 1
+        mask = None if trivial else build_attention_mask(batch, max_q, max_kv).to(device)
+        batch.attn_metadata = TorchNativeMetadata(kv_gather, mask, q_pad_index, bsz, max_q)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        meta: TorchNativeMetadata = batch.attn_metadata
+        self.kv_pool.write(layer_id, batch.out_cache_loc, k, v)
+        bsz, max_q = meta.batch_size, meta.max_q
+        num_tokens = q.shape[0]
+        # [B, max_kv, num_kv_heads, head_dim] → [B, num_kv_heads, max_kv, head_dim]
+        keys = self.kv_pool.k[layer_id][meta.kv_gather].transpose(1, 2)
+        values = self.kv_pool.v[layer_id][meta.kv_gather].transpose(1, 2)
+        if meta.q_pad_index is None:
+            qp = q.view(1, num_tokens, self.num_heads, self.head_dim)
+        else:
+            qp = q.new_zeros((bsz * max_q, self.num_heads, self.head_dim))
+            qp[meta.q_pad_index] = q
+            qp = qp.view(bsz, max_q, self.num_heads, self.head_dim)
+        qp = qp.transpose(1, 2).to(keys.dtype)  # [B, num_heads, max_q, head_dim]
+        out = F.scaled_dot_product_attention(
+            qp, keys, values, attn_mask=meta.mask, scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )  # [B, num_heads, max_q, head_dim]
+        out = out.transpose(1, 2).reshape(bsz * max_q, self.num_heads, self.head_dim)
+        if meta.q_pad_index is not None:
+            out = out[meta.q_pad_index]
+        return out.to(q.dtype)

@@ -1,0 +1,174 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm).
+
+Written for serving: fused QKV and gate/up projections, RoPE computed once per forward, the batch
+passed in as `ForwardBatch`, attention through the backend interface, logits only for the rows
+the caller asks for, and optional capture of hidden states entering chosen layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.layers.attention.base import AttentionBackend
+from runtime.layers.linear import Linear
+from runtime.layers.norm import RMSNorm
+from runtime.layers.rotary import RotaryEmbedding, apply_rotary
+from runtime.model_loader.config import ModelConfig
+from runtime.model_runner.forward_batch import ForwardBatch
+
+
+class ModelOutput(NamedTuple):
+    logits: torch.Tensor | None  # [num_logits, vocab] float32
+    # hidden state entering layer i ([T, hidden]); key num_layers = after the last layer
+    captured: dict[int, torch.Tensor]
+    final_hidden: torch.Tensor | None  # [T, hidden] after the final norm, when asked for
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+        )
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+        backend: AttentionBackend, batch: ForwardBatch,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+        out = backend.forward(q, k, v, self.layer_id, batch)  # [T, num_heads, head_dim]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, layer_id)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, x, cos_sin, backend, batch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, backend, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens  # one tensor; packing later makes its own copy
+        max_pos = max(cfg.max_position_embeddings, 1)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling, device, dtype
+        )
+
+    def pack_weights(self) -> int:
+        """Prepack every linear for the CPU fast path; returns how many were packed."""
+        return sum(m.pack() for m in self.modules() if isinstance(m, Linear))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed_tokens)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden] (already normed) → logits [n, vocab] float32."""
+        return self.lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def forward(
+        self, batch: ForwardBatch, backend: AttentionBackend, return_final_hidden: bool = False,
+    ) -> ModelOutput:
+        x = self.embed(batch.input_ids)  # [T, hidden]
+        cos_sin = self.rotary.cos_sin(batch.positions)
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in batch.capture_layers:
+                captured[i] = x
+            x = layer(x, cos_sin, backend, batch)
+        if len(self.layers) in batch.capture_layers:
+            captured[len(self.layers)] = x
+        if return_final_hidden:
+            final = self.norm(x)
+            logits = self.compute_logits(final[batch.logits_indices])
+            return ModelOutput(logits, captured, final)
+        logits = self.compute_logits(self.norm(x[batch.logits_indices]))
+        return ModelOutput(logits, captured, None)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors, fusing q/k/v and gate/up into their packed parameters."""
+        cfg = self.config
+        q_size = cfg.num_attention_heads * cfg.head_dim
+        kv_size = cfg.num_key_value_heads * cfg.head_dim
+        fused = {
+            "q_proj": ("qkv", 0, q_size), "k_proj": ("qkv", q_size, kv_size),
+            "v_proj": ("qkv", q_size + kv_size, kv_size),
+            "gate_proj": ("gate_up", 0, cfg.intermediate_size),
+            "up_proj": ("gate_up", cfg.intermediate_size, cfg.intermediate_size),
+        }
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            name = name.removeprefix("model.")
+            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue  # tied: some checkpoints still store a copy
+            parts = name.split(".")
+            target = name
+            if len(parts) >= 4 and parts[0] == "layers" and parts[3] in fused:
+                kind, offset, size = fused[parts[3]]
+                attr = {"qkv": "self_attn.qkv_proj", "gate_up": "mlp.gate_up_proj"}[kind]
+                target = f"layers.{parts[1]}.{attr}.{parts[4]}"
+                param = self.get_parameter(target)
+                param.data[offset : offset + size].copy_(tensor)
+            else:
+                target = target.replace("embed_tokens.weight", "embed_tokens")
+                param = self.get_parameter(target)
+                assert param.shape == tensor.shape, (
+                    f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}"
+                )
+                param.data.copy_(tensor)
+            loaded.add(target)
+        expected = {n for n, _ in self.named_parameters()}
+        missing = expected - loaded
+        assert not missing, f"checkpoint is missing weights: {sorted(missing)[:8]}"

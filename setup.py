@@ -1,0 +1,36 @@
+"""specserve: an LLM serving runtime built around lossless speculative decoding."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="specserve",
+    version="0.1.0",
+    description="LLM serving runtime with lossless speculative decoding (EAGLE, NGRAM, ...)",
+    python_requires=">=3.10",
+    packages=find_packages(include=["runtime*", "speculative*", "kernels*", "launch*"]),
+    py_modules=["launch_server"],
+    install_requires=[
+        # torch is installed first, pinned, by the Makefile (a CPU build on CPU machines);
+        # this range only checks it.
+        "torch>=2.5",
+        "numpy",
+        "safetensors",
+        "tokenizers",
+        "transformers>=4.45",
+        "jinja2",
+        "gguf>=0.10",
+        "tqdm",
+        "msgspec",
+        "pyzmq",
+        "fastapi",
+        "uvicorn",
+        "uvloop; platform_system != 'Windows'",
+        "prometheus-client",
+        "httpx",
+    ],
+    extras_require={
+        "gpu": ["flashinfer-python", "sgl-kernel"],
+        "bench": ["matplotlib", "aiohttp"],
+        "dev": ["pytest", "ruff", "openai", "matplotlib"],
+    },
+)
