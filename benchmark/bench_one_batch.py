@@ -1,0 +1,163 @@
+"""Latency of one static batch: prefill, decode, and the verify-cost curve.
+
+    python -m benchmark.bench_one_batch --batch-sizes 1,8 --compare-hf
+
+- prefill: one EXTEND over `--input-len` tokens per request;
+- decode: tokens/s of steady-state decode steps at each batch size (`--output-len` steps);
+- verify-cost curve: one TARGET_VERIFY forward of n chain nodes on a `--verify-prefix`-token
+  prefix, n = 1..64, and T(n)/T(1) — what a speculative step costs against a plain decode;
+- `--compare-hf`: Hugging Face transformers greedy `generate` on the same prompt, same run,
+  and the end-to-end tokens/s ratio.
+Prints a table last and writes JSON (`--output`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+import torch
+from tqdm import tqdm
+
+from benchmark.common import format_table, machine_info, median_time, write_json
+from runtime.mem_cache import TokenSlotAllocator
+from runtime.model_loader.default_model import resolve_model_path
+from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
+from runtime.model_runner.local_generator import GenerateTimings, LocalGenerator
+from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
+from runtime.sampling.sampling_params import SamplingParams
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def random_prompts(batch_size: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab - 100, (batch_size, length), generator=gen).tolist()
+
+
+def bench_decode(runner: ModelRunner, bs: int, args) -> dict:
+    gen = LocalGenerator(runner)
+    prompts = random_prompts(bs, args.input_len, runner.vocab_size, args.seed)
+    params = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    gen.generate(prompts, params)  # warm-up
+    runs = []
+    for _ in range(args.reps):
+        t = GenerateTimings()
+        gen.generate(prompts, params, timings=t)
+        runs.append(t)
+    runs.sort(key=lambda t: t.decode_s)
+    t = runs[len(runs) // 2]
+    step_s = t.decode_s / max(t.decode_steps, 1)
+    return {
+        "batch_size": bs, "input_len": args.input_len, "output_len": args.output_len,
+        "prefill_s": t.prefill_s, "decode_step_s": step_s,
+        "decode_tokens_per_s": bs / step_s,
+        "e2e_tokens_per_s": bs * args.output_len / (t.prefill_s + t.decode_s),
+    }
+
+
+def bench_verify_curve(runner: ModelRunner, args) -> list[dict]:
+    alloc = TokenSlotAllocator(runner.kv_capacity)
+    prefix = args.verify_prefix
+    slots = alloc.alloc(prefix + max(args.verify_ns))
+    prompt = random_prompts(1, prefix, runner.vocab_size, args.seed)[0]
+    runner.forward(ForwardBatch.build(ForwardMode.EXTEND, [prompt], [slots[:prefix]], [0]))
+    out = []
+    for n in tqdm(args.verify_ns, desc="verify-cost curve", leave=False):
+        chain = torch.tril(torch.ones(n, n, dtype=torch.bool))
+        batch_args = dict(
+            positions=[torch.arange(prefix, prefix + n)], custom_masks=[chain], logits="all"
+        )
+
+        def step(n=n, batch_args=batch_args):
+            batch = ForwardBatch.build(
+                ForwardMode.TARGET_VERIFY, [prompt[:n]], [slots[: prefix + n]], [prefix],
+                **batch_args,
+            )
+            runner.forward(batch)
+
+        out.append({"n": n, "time_s": median_time(step, args.verify_reps, warmup=2)})
+    base = out[0]["time_s"]
+    for row in out:
+        row["ratio_to_n1"] = row["time_s"] / base
+    alloc.free(slots)
+    return out
+
+
+def bench_hf(model_dir: str, args) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    vocab = hf.config.vocab_size
+    ids = torch.tensor(random_prompts(1, args.input_len, vocab, args.seed))
+    n = args.output_len
+
+    def run():
+        with torch.no_grad():
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                        min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+    e2e = median_time(run, args.reps, warmup=1)
+    return {"batch_size": 1, "e2e_s": e2e, "e2e_tokens_per_s": n / e2e}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model-path", default=None, help="HF dir, .gguf, or default")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--batch-sizes", type=ints, default=[1, 8])
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--verify-prefix", type=int, default=512)
+    p.add_argument("--verify-ns", type=ints, default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--verify-reps", type=int, default=7)
+    p.add_argument("--no-pack", action="store_true", help="disable oneDNN weight prepacking")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--compare-hf", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", default="results/bench_one_batch.json")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = str(resolve_model_path(args.model_path))
+    runner = ModelRunner(RunnerConfig(
+        model_dir, args.device, args.dtype,
+        max_total_tokens=max(args.verify_prefix + 128, max(args.batch_sizes)
+                             * (args.input_len + args.output_len + 8)),
+        pack_weights=not args.no_pack,
+    ))
+    result = {"machine": machine_info(), "args": vars(args), "model_dir": model_dir,
+              "dtype": str(runner.dtype), "decode": [], "verify_curve": [], "hf": None}
+    for bs in tqdm(args.batch_sizes, desc="decode batch sizes"):
+        result["decode"].append(bench_decode(runner, bs, args))
+    result["verify_curve"] = bench_verify_curve(runner, args)
+    if args.compare_hf:
+        t0 = time.perf_counter()
+        result["hf"] = bench_hf(model_dir, args)
+        logging.info("HF baseline measured in %.0fs", time.perf_counter() - t0)
+    path = write_json(args.output, result)
+
+    rows = [[f"decode bs={d['batch_size']}", d["prefill_s"] * 1e3, d["decode_step_s"] * 1e3,
+             d["decode_tokens_per_s"], d["e2e_tokens_per_s"]] for d in result["decode"]]
+    if result["hf"]:
+        ours = result["decode"][0]
+        rows.append(["HF generate bs=1", "-", "-", "-", result["hf"]["e2e_tokens_per_s"]])
+        rows.append(["ours / HF (bs=1 e2e)", "-", "-", "-",
+                     ours["e2e_tokens_per_s"] / result["hf"]["e2e_tokens_per_s"]])
+    print(f"\nJSON: {path}\n")
+    print(format_table(["verify n", "T(n) ms", "T(n)/T(1)"],
+                       [[r["n"], r["time_s"] * 1e3, r["ratio_to_n1"]]
+                        for r in result["verify_curve"]]))
+    print()
+    print(format_table(["run", "prefill ms", "step ms", "decode tok/s", "e2e tok/s"], rows))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""Shared benchmark helpers: timing, medians, tables, JSON output."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def median_time(fn: Callable[[], Any], reps: int, warmup: int = 1) -> float:
+    """Median wall time of `fn` in seconds over `reps` runs after `warmup` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def machine_info() -> dict[str, Any]:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def format_table(headers: list[str], rows: list[list[Any]]) -> str:
+    cells = [[f"{c:.2f}" if isinstance(c, float) else str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    line = "  ".join(h.rjust(w) for h, w in zip(headers, widths))
+    out = [line, "-" * len(line)]
+    out += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    return "\n".join(out)
+
+
+def write_json(path: str | Path, data: dict[str, Any]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2))
+    return path
