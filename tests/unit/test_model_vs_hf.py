@@ -120,3 +120,19 @@ def test_capture_layers_returns_hidden_states_entering_layers(tiny_dirs):
         torch.testing.assert_close(out.captured[i], hs[i][0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out.final_hidden, hs[2][0], atol=1e-4, rtol=1e-4)
     assert set(out.captured) == {0, 1, 2}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs_and_stays_close_to_fp32(tiny_dirs, dtype):
+    ids = list(range(3, 40))
+    ref = run_prefill_then_decode(
+        ModelRunner(RunnerConfig(str(tiny_dirs["qwen2"]), "cpu", "float32", max_total_tokens=64)),
+        ids, split=30,
+    )
+    runner = ModelRunner(RunnerConfig(str(tiny_dirs["qwen2"]), "cpu", dtype, max_total_tokens=64))
+    assert runner.kv_pool.k[0].dtype == getattr(torch, dtype)
+    ours = run_prefill_then_decode(runner, ids, split=30)
+    assert ours.dtype == torch.float32 and torch.isfinite(ours).all()
+    # half precision: logits agree to ~1e-2 relative; argmax mostly agrees
+    assert (ours - ref).abs().max().item() < 0.1 * ref.abs().max().item()
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() > 0.8

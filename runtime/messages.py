@@ -1,0 +1,110 @@
+"""Typed IPC messages, grouped by the process that receives them, encoded with msgpack.
+
+No pickle crosses a socket: every message is a `msgspec.Struct` with a tag, decoded against the
+union its receiver accepts. Token ids travel as lists of ints; bulk KV slot lists travel as raw
+little-endian int64 bytes (`pack_ints` / `unpack_ints`).
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import torch
+
+
+def pack_ints(t: torch.Tensor) -> bytes:
+    return t.to(torch.int64).cpu().numpy().astype("<i8", copy=False).tobytes()
+
+
+def unpack_ints(b: bytes) -> torch.Tensor:
+    return torch.from_numpy(np.frombuffer(b, dtype="<i8").copy())
+
+
+class Msg(msgspec.Struct, tag=True, array_like=False):
+    pass
+
+
+# ---- received by the scheduler (from the tokenizer process / Engine) -------------------------
+class GenerateReq(Msg):
+    rid: str
+    input_ids: list[int]
+    sampling_params: dict  # validated SamplingParams.to_dict()
+    stream: bool = False
+
+
+class AbortReq(Msg):
+    rid: str
+
+
+class FlushCacheReq(Msg):
+    req_id: str
+
+
+class GetInfoReq(Msg):
+    req_id: str
+
+
+# ---- received by the tokenizer process / Engine (from the scheduler) -------------------------
+class TokenOut(Msg):
+    """New tokens for some requests. `finish_reasons[i]` is None while request i runs."""
+
+    rids: list[str]
+    new_token_ids: list[list[int]]
+    finish_reasons: list[dict | None]
+    meta_infos: list[dict]
+
+
+class InfoOut(Msg):
+    req_id: str
+    info: dict
+
+
+class ReadyOut(Msg):
+    """Sent once by the scheduler when it and the model runner are ready."""
+
+    info: dict
+
+
+# ---- received by the model runner (from the scheduler) --------------------------------------
+class ReqBatchEntry(Msg):
+    rid: str
+    new_token_ids: list[int]
+    prefix_len: int
+    kv_slots: bytes  # pack_ints([seq_len] slots: prefix then new tokens)
+    sampling_params: dict | None = None  # sent when the runner first sees the request
+    prompt_len: int = 0  # tokens of the original prompt (history for penalties)
+
+
+class RunBatch(Msg):
+    batch_id: int
+    mode: str  # ForwardMode value
+    reqs: list[ReqBatchEntry]
+    released_rids: list[str] = []  # requests the runner can forget (finished or aborted)
+
+
+class ShutdownReq(Msg):
+    pass
+
+
+# ---- received by the scheduler (from the model runner) --------------------------------------
+class BatchResult(Msg):
+    batch_id: int
+    # per request: tokens to append (1 for plain decode; accepted + bonus when speculative)
+    next_token_ids: list[list[int]]
+    # per request, speculative only: slots of the committed tokens / slots to free
+    spec_info: list[dict] | None = None
+    forward_s: float = 0.0
+
+
+class RunnerReady(Msg):
+    info: dict
+
+
+class RunnerError(Msg):
+    message: str
+
+
+TO_SCHEDULER = GenerateReq | AbortReq | FlushCacheReq | GetInfoReq
+TO_TOKENIZER = TokenOut | InfoOut | ReadyOut
+TO_RUNNER = RunBatch | ShutdownReq
+FROM_RUNNER = BatchResult | RunnerReady | RunnerError
