@@ -71,8 +71,12 @@ class ReqBatchEntry(Msg):
     new_token_ids: list[int]
     prefix_len: int
     kv_slots: bytes  # pack_ints([seq_len] slots: prefix then new tokens)
-    sampling_params: dict | None = None  # sent when the runner first sees the request
-    prompt_len: int = 0  # tokens of the original prompt (history for penalties)
+    # sent once, when the runner first sees the request: its parameters and whole prompt
+    # (token history for penalties and drafters; chunks and cache hits send only new tokens)
+    sampling_params: dict | None = None
+    prompt_ids: list[int] | None = None
+    # False for a prefill chunk that does not end the prompt: nothing is sampled
+    needs_token: bool = True
 
 
 class RunBatch(Msg):

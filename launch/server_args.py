@@ -1,0 +1,106 @@
+"""`ServerArgs`: the one configuration dataclass; argparse lives only here.
+
+Defaults are read from the dataclass. "auto" values are resolved in `resolve()`, which returns a
+new object and never mutates the original.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, fields
+
+HELP = {
+    "model_path": "HF model directory (Llama/Mistral/Qwen2/Qwen3), a .gguf file, or 'default' "
+    "(the embedded SmolLM2-135M-Instruct)",
+    "host": "address to bind; 127.0.0.1 keeps the server local",
+    "port": "HTTP port",
+    "api_key": "require 'Authorization: Bearer <key>' on every endpoint but /health",
+    "dtype": "weights/KV dtype: auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16",
+    "device": "auto, cpu or cuda",
+    "attention_backend": "auto or torch_native",
+    "max_running_requests": "most requests decoding at once",
+    "max_total_tokens": "KV cache capacity in tokens (default: sized from context length)",
+    "context_length": "longest prompt + output per request (default: the model's)",
+    "chunked_prefill_size": "most prompt tokens prefilled in one step; longer prompts are split",
+    "schedule_policy": "fcfs (arrival order) or lpm (longest cached prefix first)",
+    "disable_radix_cache": "do not reuse KV of shared prompt prefixes",
+    "enable_metrics": "serve Prometheus metrics at /metrics",
+    "log_level": "debug, info, warning or error",
+    "chat_template": "a Jinja chat template file (or inline template) overriding the model's",
+    "max_request_bytes": "largest accepted HTTP request body (413 above)",
+    "served_model_name": "model name reported by /v1/models (default: the model dir name)",
+    "num_threads": "torch threads in the model-runner process (default: all cores)",
+}
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model_path: str = "default"
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    attention_backend: str = "auto"
+    max_running_requests: int = 32
+    max_total_tokens: int | None = None
+    context_length: int | None = None
+    chunked_prefill_size: int = 512
+    schedule_policy: str = "fcfs"
+    disable_radix_cache: bool = False
+    enable_metrics: bool = False
+    log_level: str = "info"
+    chat_template: str | None = None
+    max_request_bytes: int = 4 * 1024 * 1024
+    served_model_name: str | None = None
+    num_threads: int | None = None
+
+    def resolve(self) -> ServerArgs:
+        """Return a copy with "auto"/None values made concrete and every value checked."""
+        from runtime.model_loader.default_model import resolve_model_path
+
+        choices = {
+            "dtype": ("auto", "float32", "bfloat16", "float16"),
+            "device": ("auto", "cpu", "cuda"),
+            "attention_backend": ("auto", "torch_native"),
+            "schedule_policy": ("fcfs", "lpm"),
+            "log_level": ("debug", "info", "warning", "error"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"--{name.replace('_', '-')} must be one of {allowed}")
+        for name in ("max_running_requests", "chunked_prefill_size", "max_request_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        model_dir = str(resolve_model_path(self.model_path))
+        name = self.served_model_name or (
+            "SmolLM2-135M-Instruct" if self.model_path in ("default", None)
+            else os.path.basename(os.path.normpath(self.model_path))
+        )
+        threads = self.num_threads or os.cpu_count() or 1
+        return dataclasses.replace(
+            self, model_path=model_dir, served_model_name=name, num_threads=threads
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m launch_server",
+        description="specserve: an LLM server with lossless speculative decoding",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for f in fields(ServerArgs):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action="store_true", help=HELP[f.name])
+            continue
+        kind = {"int": int, "int | None": int}.get(str(f.type), str)
+        parser.add_argument(flag, type=kind, default=f.default, help=HELP[f.name])
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> ServerArgs:
+    ns = build_parser().parse_args(argv)
+    return ServerArgs(**vars(ns))

@@ -1,0 +1,137 @@
+"""The model-runner process: receives `RunBatch`, runs one step, replies `BatchResult`.
+
+It keeps per-request state the scheduler does not need: sampling parameters, the seeded
+generator (so a seeded stream continues across steps and retractions) and the token history
+(penalties; drafters later). KV *tensors* live here; which slot means what is the scheduler's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from runtime.ipc import Receiver, Sender, ipc_addr
+from runtime.messages import (
+    TO_RUNNER,
+    BatchResult,
+    RunBatch,
+    RunnerError,
+    RunnerReady,
+    ShutdownReq,
+    unpack_ints,
+)
+from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
+from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
+from runtime.proc_utils import die_with_parent, parent_alive, setup_logging
+from runtime.sampling.sampler import SamplingBatchInfo, make_generator, sample
+from runtime.sampling.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunnerReqState:
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+
+class RunnerWorker:
+    """Executes batches on a `ModelRunner`; separate from the process loop so tests can call it."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.states: dict[str, RunnerReqState] = {}
+
+    def _state(self, entry) -> RunnerReqState:
+        st = self.states.get(entry.rid)
+        if st is None:
+            assert entry.sampling_params is not None, f"{entry.rid}: first batch lacks params"
+            params = SamplingParams(**entry.sampling_params)
+            gen = None
+            if params.seed is not None:
+                gen = make_generator(params.seed, self.runner.device)
+            st = RunnerReqState(params, list(entry.prompt_ids or []), generator=gen)
+            self.states[entry.rid] = st
+        return st
+
+    def run(self, msg: RunBatch) -> BatchResult:
+        t0 = time.perf_counter()
+        for rid in msg.released_rids:
+            self.states.pop(rid, None)
+        if not msg.reqs:
+            return BatchResult(batch_id=msg.batch_id, next_token_ids=[])
+        mode = ForwardMode(msg.mode)
+        states = [self._state(e) for e in msg.reqs]
+        batch = ForwardBatch.build(
+            mode,
+            [e.new_token_ids for e in msg.reqs],
+            [unpack_ints(e.kv_slots) for e in msg.reqs],
+            [e.prefix_len for e in msg.reqs],
+        )
+        logits = self.runner.forward(batch).logits  # [B, vocab]
+        rows = [i for i, e in enumerate(msg.reqs) if e.needs_token]
+        out: list[list[int]] = [[] for _ in msg.reqs]
+        if rows:
+            sel = [states[i] for i in rows]
+            info = SamplingBatchInfo.from_params(
+                [s.params for s in sel], logits.shape[-1], logits.device,
+                generators=[s.generator for s in sel],
+            )
+            tokens = sample(
+                logits[rows], info, [s.prompt_ids for s in sel], [s.output_ids for s in sel]
+            ).tolist()
+            for i, st, tok in zip(rows, sel, tokens):
+                st.output_ids.append(tok)
+                out[i] = [tok]
+        return BatchResult(
+            batch_id=msg.batch_id, next_token_ids=out, forward_s=time.perf_counter() - t0
+        )
+
+
+def run_model_runner_process(server_args, ipc_dir: str, parent_pid: int) -> None:
+    die_with_parent()
+    setup_logging(server_args.log_level, "runner")
+    torch.set_num_threads(server_args.num_threads)
+    logger.info("model runner: %d torch threads (pid %d)", torch.get_num_threads(), os.getpid())
+    ctx = zmq.Context()
+    recv = Receiver(ctx, ipc_addr(ipc_dir, "runner_in"), bind=True, msg_type=TO_RUNNER)
+    send = Sender(ctx, ipc_addr(ipc_dir, "runner_out"), bind=False)
+    try:
+        runner = ModelRunner(RunnerConfig(
+            server_args.model_path, server_args.device, server_args.dtype,
+            server_args.attention_backend, server_args.max_total_tokens,
+            server_args.context_length,
+        ))
+    except Exception as exc:  # noqa: BLE001 - reported to the scheduler, then we exit
+        send.send(RunnerError(message=f"model runner failed to start: {exc}"))
+        raise
+    worker = RunnerWorker(runner)
+    mc = runner.model_config
+    send.send(RunnerReady(info={
+        "kv_capacity": runner.kv_capacity, "context_length": runner.context_length,
+        "vocab_size": mc.vocab_size, "eos_token_ids": mc.eos_token_ids,
+        "device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
+        "architecture": mc.architecture, "num_layers": mc.num_hidden_layers,
+        "threads": torch.get_num_threads(),
+    }))
+    while True:
+        msg = recv.recv(timeout_ms=1000)
+        if msg is None:
+            if not parent_alive(parent_pid):
+                return
+            continue
+        if isinstance(msg, ShutdownReq):
+            return
+        try:
+            send.send(worker.run(msg))
+        except Exception:  # noqa: BLE001 - a failed step must reach the scheduler, not vanish
+            send.send(RunnerError(message=traceback.format_exc()))
+            raise

@@ -1,0 +1,51 @@
+"""`Req`: the scheduler's view of one request."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from runtime.sampling.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    # KV slots of the first `kv_len` tokens of `fill_ids` (prefix first). The first
+    # `cache_len` of them belong to the radix cache (locked through `cache_node`).
+    kv_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    cache_node: Any = None
+    cache_len: int = 0
+    cached_tokens: int = 0  # prompt tokens reused from the cache at first admission (reported)
+    finish_reason: dict | None = None
+    runner_knows: bool = False  # the runner holds our sampling state
+    arrival: float = field(default_factory=time.monotonic)
+    num_retractions: int = 0
+    spec_verify_ct: int = 0
+    spec_accept_hist: list[int] = field(default_factory=list)
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Every token whose KV the request needs before its next token: prompt + outputs."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def kv_len(self) -> int:
+        return self.kv_slots.numel()
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens of `fill_ids` without KV yet; the step that feeds them all samples the next
+        token. 1 in decode (the last sampled token); more in prefill or after a retraction."""
+        return len(self.prompt_ids) + len(self.output_ids) - self.kv_len
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

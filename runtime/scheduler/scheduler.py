@@ -1,0 +1,305 @@
+"""The scheduler: admission, continuous batching, chunked prefill, retraction, stop checks.
+
+One `step()` forms one batch, sends it to the model runner (`run_batch`) and turns the result
+into `TokenOut` messages (`emit`). It never runs the model and is the only writer of KV slot
+bookkeeping (allocator, radix cache, each request's slot list). Feeding a request's pending
+tokens is one rule for every phase: a step extends `fill_ids[kv_len:]` (all of them, or a chunk)
+and, when the chunk reaches the end, samples the next token. Decode is the 1-pending case.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from runtime.mem_cache.allocator import OutOfSlotsError, TokenSlotAllocator
+from runtime.mem_cache.radix_cache import RadixCache
+from runtime.messages import (
+    AbortReq,
+    BatchResult,
+    FlushCacheReq,
+    GenerateReq,
+    GetInfoReq,
+    InfoOut,
+    ReqBatchEntry,
+    RunBatch,
+    TokenOut,
+    pack_ints,
+)
+from runtime.model_runner.forward_batch import ForwardMode
+from runtime.sampling.sampling_params import SamplingParams
+from runtime.scheduler.req import Req
+from runtime.scheduler.stop import StopChecker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int = 32
+    chunked_prefill_size: int = 512
+    schedule_policy: str = "fcfs"  # fcfs | lpm
+    disable_radix_cache: bool = False
+    # KV kept free for running requests' future tokens, as a fraction of their remaining budget
+    decode_reserve_ratio: float = 0.3
+
+
+class Scheduler:
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        kv_capacity: int,
+        stop_checker: StopChecker,
+        run_batch: Callable[[RunBatch], BatchResult],
+        emit: Callable[[object], None],
+    ) -> None:
+        self.cfg = cfg
+        self.allocator = TokenSlotAllocator(kv_capacity)
+        self.cache = RadixCache(self.allocator, disable=cfg.disable_radix_cache)
+        self.stop = stop_checker
+        self.run_batch = run_batch
+        self.emit = emit
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.released: list[str] = []
+        self.batch_id = 0
+        self.totals = {"requests": 0, "finished": 0, "aborted": 0, "retracted": 0,
+                       "prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0}
+
+    # ---- messages from the tokenizer side ------------------------------------------------
+    def handle(self, msg) -> None:
+        if isinstance(msg, GenerateReq):
+            req = Req(msg.rid, list(msg.input_ids), SamplingParams(**msg.sampling_params),
+                      msg.stream)
+            if len(req.prompt_ids) >= self.stop.context_length or not req.prompt_ids:
+                self._finish_now(req, {"type": "abort", "message": "prompt length invalid"})
+                return
+            self.totals["requests"] += 1
+            self.waiting.append(req)
+        elif isinstance(msg, AbortReq):
+            self.abort(msg.rid)
+        elif isinstance(msg, FlushCacheReq):
+            ok = self.idle
+            if ok:
+                self.cache.reset()
+            self.emit(InfoOut(req_id=msg.req_id, info={"success": ok}))
+        elif isinstance(msg, GetInfoReq):
+            self.emit(InfoOut(req_id=msg.req_id, info=self.info()))
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def abort(self, rid: str) -> None:
+        for req in list(self.waiting):
+            if req.rid == rid:
+                self.waiting.remove(req)
+                self._release(req)
+                self._finish_now(req, {"type": "abort"})
+                return
+        for req in self.running:
+            if req.rid == rid:
+                req.finish_reason = {"type": "abort"}
+                self._retire(req)
+                self.emit(self._token_out([req], {rid: 0}))
+                return
+
+    def info(self) -> dict:
+        return {
+            "num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting),
+            "kv_capacity": self.allocator.capacity, "kv_free": self.allocator.num_free,
+            "kv_used_by_requests": self.allocator.num_used - self.cache.total_size,
+            "radix_cache_tokens": self.cache.total_size,
+            "kv_usage": self.allocator.num_used / self.allocator.capacity,
+            **self.totals,
+        }
+
+    # ---- one step ------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Run one batch if there is work; returns whether anything ran."""
+        entries = self._prefill_batch()
+        mode = ForwardMode.EXTEND
+        if not entries:
+            entries = self._decode_batch()
+            mode = ForwardMode.DECODE
+        if not entries:
+            return False
+        self.batch_id += 1
+        msg = RunBatch(
+            batch_id=self.batch_id, mode=mode.value,
+            reqs=[e for _, e, _ in entries], released_rids=self.released,
+        )
+        self.released = []
+        result = self.run_batch(msg)
+        assert result.batch_id == self.batch_id, "runner answered another batch"
+        self._apply(entries, result)
+        return True
+
+    def _alloc(self, n: int) -> torch.Tensor | None:
+        if self.allocator.num_free < n:
+            self.cache.evict(n - self.allocator.num_free)
+        try:
+            return self.allocator.alloc(n)
+        except OutOfSlotsError:
+            return None
+
+    def _entry(self, req: Req, chunk: int, new_slots: torch.Tensor) -> tuple:
+        fill = req.fill_ids
+        start = req.kv_len
+        slots = torch.cat([req.kv_slots, new_slots])
+        entry = ReqBatchEntry(
+            rid=req.rid, new_token_ids=fill[start : start + chunk], prefix_len=start,
+            kv_slots=pack_ints(slots), needs_token=chunk == req.num_pending,
+        )
+        if not req.runner_knows:
+            entry.sampling_params = req.params.to_dict()
+            entry.prompt_ids = req.prompt_ids
+            req.runner_knows = True
+        return req, entry, new_slots
+
+    def _reserved(self) -> int:
+        return int(sum(
+            (r.params.max_new_tokens - len(r.output_ids)) for r in self.running
+        ) * self.cfg.decode_reserve_ratio)
+
+    def _prefill_batch(self) -> list[tuple]:
+        budget = self.cfg.chunked_prefill_size
+        entries = []
+        for req in self.running:  # unfinished chunked prefills first
+            if req.num_pending > 1 and budget > 0:
+                chunk = min(req.num_pending, budget)
+                slots = self._alloc(chunk)
+                if slots is None:
+                    break
+                entries.append(self._entry(req, chunk, slots))
+                budget -= chunk
+        if self.cfg.schedule_policy == "lpm" and len(self.waiting) > 1:
+            # longest cached prefix first: reuse KV before it is evicted
+            order = sorted(self.waiting, key=lambda r: -len(self.cache.match_prefix(
+                r.fill_ids[:-1]).slots))
+            self.waiting = deque(order)
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
+            req = self.waiting[0]
+            m = self.cache.match_prefix(req.fill_ids[:-1])  # keep >= 1 token to compute
+            pending = len(req.fill_ids) - m.slots.numel()
+            chunk = min(pending, budget)
+            headroom = self.allocator.num_free + self.cache.evictable_size - self._reserved()
+            if chunk > headroom and self.running:
+                break  # wait for running requests to finish
+            self.cache.lock(m.node)
+            req.kv_slots, req.cache_node, req.cache_len = m.slots.clone(), m.node, m.slots.numel()
+            slots = self._alloc(chunk)
+            if slots is None:
+                self.cache.unlock(m.node)
+                req.kv_slots, req.cache_node, req.cache_len = req.kv_slots[:0], None, 0
+                break
+            self.waiting.popleft()
+            if req.num_retractions == 0:
+                req.cached_tokens = req.cache_len
+                self.totals["cached_tokens"] += req.cache_len
+                self.totals["prompt_tokens"] += len(req.prompt_ids)
+            self.running.append(req)
+            entries.append(self._entry(req, chunk, slots))
+            budget -= chunk
+        return entries
+
+    def _decode_batch(self, tokens_per_req: int = 1) -> list[tuple]:
+        decoding = [r for r in self.running if r.num_pending == 1]
+        if not decoding:
+            return []
+        # retract before allocating anything, so no batch entry ever points at freed KV
+        while (
+            len(decoding) * tokens_per_req > self.allocator.num_free + self.cache.evictable_size
+            and len(decoding) > 1
+        ):
+            victim = max(decoding, key=lambda r: r.arrival)  # latest arrival loses least work
+            decoding.remove(victim)
+            self._retract(victim)
+        entries = []
+        for req in decoding:
+            slots = self._alloc(tokens_per_req)
+            if slots is None:
+                raise RuntimeError("KV cache too small for a single request")
+            entries.append(self._entry(req, 1, slots))
+        return entries
+
+    def _retract(self, req: Req) -> None:
+        logger.info("KV cache full: retracting %s (%d tokens) to the queue", req.rid, req.kv_len)
+        self.totals["retracted"] += 1
+        self.running.remove(req)
+        self._free_kv(req)
+        req.num_retractions += 1
+        self.waiting.appendleft(req)
+
+    def _free_kv(self, req: Req) -> None:
+        fill = req.fill_ids
+        self.cache.cache_finished(fill[: req.kv_len], req.kv_slots, req.cache_node, req.cache_len)
+        req.kv_slots, req.cache_node, req.cache_len = req.kv_slots[:0], None, 0
+
+    def _apply(self, entries: list[tuple], result: BatchResult) -> None:
+        got: dict[str, int] = {}
+        out_reqs = []
+        for (req, _entry, new_slots), tokens in zip(entries, result.next_token_ids):
+            req.kv_slots = torch.cat([req.kv_slots, new_slots])
+            if not tokens:
+                continue
+            req.output_ids.extend(tokens)
+            self.totals["generation_tokens"] += len(tokens)
+            reason = self.stop.check(req, len(tokens))
+            n_new = len(tokens)
+            if reason is not None:
+                keep = reason.pop("keep")
+                n_new -= len(req.output_ids) - keep
+                del req.output_ids[keep:]
+                req.finish_reason = reason
+            got[req.rid] = n_new
+            out_reqs.append(req)
+        for req in out_reqs:
+            if req.finished:
+                self._retire(req)
+        if out_reqs:
+            self.emit(self._token_out(out_reqs, got))
+
+    def _retire(self, req: Req) -> None:
+        self.running.remove(req)
+        self._free_kv(req)
+        self._release(req)
+        self.totals["aborted" if req.finish_reason["type"] == "abort" else "finished"] += 1
+
+    def _release(self, req: Req) -> None:
+        if req.runner_knows:
+            self.released.append(req.rid)
+
+    def _finish_now(self, req: Req, reason: dict) -> None:
+        req.finish_reason = reason
+        self.emit(self._token_out([req], {req.rid: 0}))
+
+    def _token_out(self, reqs: list[Req], got: dict[str, int]) -> TokenOut:
+        metas = []
+        for r in reqs:
+            meta = {}
+            if r.finished:
+                meta = {"prompt_tokens": len(r.prompt_ids),
+                        "completion_tokens": len(r.output_ids),
+                        "cached_tokens": r.cached_tokens}
+            metas.append(meta)
+        return TokenOut(
+            rids=[r.rid for r in reqs],
+            new_token_ids=[r.output_ids[len(r.output_ids) - got[r.rid]:] if got[r.rid] else []
+                           for r in reqs],
+            finish_reasons=[r.finish_reason for r in reqs],
+            meta_infos=metas,
+        )
+
+    def check_no_leak(self) -> None:
+        """Idle invariant: every slot is free or held by the radix cache."""
+        assert self.idle, "requests still running"
+        self.cache.check_integrity()
+        assert self.allocator.num_free + self.cache.total_size == self.allocator.capacity, (
+            f"KV leak: {self.allocator.num_free} free + {self.cache.total_size} cached "
+            f"!= {self.allocator.capacity}"
+        )

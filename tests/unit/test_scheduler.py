@@ -1,0 +1,134 @@
+"""Scheduler + in-process runner worker on a tiny model: batching must not change outputs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from runtime.messages import AbortReq, FlushCacheReq, GenerateReq, TokenOut
+from runtime.model_loader.tokenizer import load_tokenizer
+from runtime.model_runner.local_generator import LocalGenerator
+from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
+from runtime.model_runner.runner_process import RunnerWorker
+from runtime.sampling.sampling_params import SamplingParams
+from runtime.scheduler.scheduler import Scheduler, SchedulerConfig
+from runtime.scheduler.stop import StopChecker
+from tests.helpers.tiny_models import write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = write_tiny_model(tmp_path_factory.mktemp("sched") / "m", "llama", seed=3)
+    runner = ModelRunner(RunnerConfig(str(d), "cpu", "float32", max_total_tokens=4096))
+    return d, runner
+
+
+class Harness:
+    def __init__(self, tiny, capacity=4096, **cfg):
+        model_dir, runner = tiny
+        self.worker = RunnerWorker(runner)
+        self.outputs: dict[str, list[int]] = {}
+        self.finish: dict[str, dict] = {}
+        self.meta: dict[str, dict] = {}
+        stop = StopChecker(load_tokenizer(model_dir), [2], 256)
+        self.sched = Scheduler(SchedulerConfig(**cfg), capacity, stop, self.worker.run, self.emit)
+
+    def emit(self, msg):
+        if isinstance(msg, TokenOut):
+            for rid, toks, fin, meta in zip(msg.rids, msg.new_token_ids, msg.finish_reasons,
+                                            msg.meta_infos):
+                self.outputs.setdefault(rid, []).extend(toks)
+                if fin is not None:
+                    self.finish[rid] = fin
+                    self.meta[rid] = meta
+
+    def submit(self, rid, ids, **params):
+        p = SamplingParams(**{"temperature": 0.0, "max_new_tokens": 12, **params})
+        self.sched.handle(GenerateReq(rid=rid, input_ids=ids, sampling_params=p.to_dict()))
+
+    def run(self, max_steps=10_000):
+        for _ in range(max_steps):
+            if not self.sched.step():
+                return
+        raise AssertionError("scheduler did not go idle")
+
+
+def prompts(n, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 300) for _ in range(rng.randrange(2, 60))] for _ in range(n)]
+
+
+def reference(tiny, ps, **params):
+    gen = LocalGenerator(tiny[1])
+    p = SamplingParams(**{"temperature": 0.0, "max_new_tokens": 12, **params})
+    return [r.output_ids for r in gen.generate(ps, [p] * len(ps))]
+
+
+def test_continuous_batching_with_chunked_prefill_matches_one_at_a_time(tiny):
+    ps = prompts(10)
+    ref = reference(tiny, ps, ignore_eos=True)
+    h = Harness(tiny, chunked_prefill_size=16, max_running_requests=4)
+    for i, p in enumerate(ps[:5]):
+        h.submit(f"r{i}", p, ignore_eos=True)
+    for _ in range(3):  # let some decode before the rest arrive
+        h.sched.step()
+    for i, p in enumerate(ps[5:], start=5):
+        h.submit(f"r{i}", p, ignore_eos=True)
+    h.run()
+    assert [h.outputs[f"r{i}"] for i in range(10)] == ref
+    assert all(h.finish[f"r{i}"]["type"] == "length" for i in range(10))
+    h.sched.check_no_leak()
+
+
+def test_retraction_under_tiny_kv_keeps_outputs(tiny):
+    ps = prompts(6, seed=1)
+    ref = reference(tiny, ps, ignore_eos=True, max_new_tokens=40)
+    h = Harness(tiny, capacity=160, chunked_prefill_size=64, decode_reserve_ratio=0.0)
+    for i, p in enumerate(ps):
+        h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=40)
+    h.run()
+    assert h.sched.totals["retracted"] > 0, "capacity was meant to force retractions"
+    assert [h.outputs[f"r{i}"] for i in range(6)] == ref
+    h.sched.check_no_leak()
+
+
+def test_radix_cache_reports_cached_tokens_and_keeps_output(tiny):
+    base = list(range(10, 50))
+    h = Harness(tiny)
+    h.submit("a", base + [7, 8])
+    h.run()
+    h.submit("b", base + [9])
+    h.run()
+    assert h.meta["a"]["cached_tokens"] == 0
+    assert h.meta["b"]["cached_tokens"] >= len(base)
+    assert h.outputs["b"] == reference(tiny, [base + [9]])[0]
+    h.sched.check_no_leak()
+    h.sched.handle(FlushCacheReq(req_id="f"))
+    assert h.sched.allocator.num_free == h.sched.allocator.capacity
+
+
+def test_abort_waiting_and_running_frees_kv(tiny):
+    h = Harness(tiny, max_running_requests=1)
+    h.submit("run", list(range(5, 30)), max_new_tokens=50, ignore_eos=True)
+    h.submit("wait", list(range(5, 20)))
+    h.sched.step()
+    h.sched.step()
+    h.sched.handle(AbortReq(rid="wait"))
+    h.sched.handle(AbortReq(rid="run"))
+    assert h.finish["wait"]["type"] == "abort" and h.finish["run"]["type"] == "abort"
+    assert not h.sched.step()
+    h.sched.check_no_leak()
+    h.sched.handle(FlushCacheReq(req_id="f"))
+    assert h.sched.allocator.num_free == h.sched.allocator.capacity
+
+
+def test_stop_token_ids_and_max_tokens(tiny):
+    ps = prompts(1, seed=5)
+    ref = reference(tiny, ps, ignore_eos=True, max_new_tokens=12)[0]
+    h = Harness(tiny)
+    h.submit("s", ps[0], ignore_eos=True, stop_token_ids=[ref[4]])
+    h.run()
+    cut = ref.index(ref[4]) + 1
+    assert h.outputs["s"] == ref[:cut]
+    assert h.finish["s"] == {"type": "stop", "matched": ref[4]}
