@@ -32,7 +32,28 @@ HELP = {
     "max_request_bytes": "largest accepted HTTP request body (413 above)",
     "served_model_name": "model name reported by /v1/models (default: the model dir name)",
     "num_threads": "torch threads in the model-runner process (default: all cores)",
+    "speculative_algorithm": "speculative decoding algorithm: NGRAM (none when unset)",
+    "speculative_num_draft_tokens": "draft tree nodes per request per step, root included "
+    "(default: 8 for NGRAM)",
+    "speculative_accept_threshold_single": "LOSSY when < 1: also accept a draft token whose "
+    "target probability is at least this (sampling only)",
+    "speculative_accept_threshold_acc": "LOSSY when < 1: divide the acceptance test's ratio by "
+    "this (sampling only)",
+    "speculative_disable_adaptive": "always draft the full budget, even when drafts keep failing",
+    "speculative_ngram_capacity": "NGRAM: most trie nodes kept (least recently used evicted)",
+    "speculative_ngram_max_trie_depth": "NGRAM: longest n-gram stored and suffix matched",
+    "speculative_ngram_min_match_window": "NGRAM: shortest context suffix that counts as a match",
+    "speculative_ngram_max_bfs_breadth": "NGRAM: tree breadth at depth 1 (BFS)",
+    "speculative_ngram_min_bfs_breadth": "NGRAM: tree breadth at the deepest level (BFS)",
+    "speculative_ngram_match_type": "NGRAM: BFS (most recent continuations) or PROB (most "
+    "frequent)",
+    "speculative_ngram_external_corpus_path": "NGRAM: JSONL/text corpus preloaded into the trie",
 }
+
+
+# Tree nodes per step (root included) when --speculative-num-draft-tokens is unset. On this CPU
+# a verify pass of 8 nodes costs ~1.15x a decode step and 16 nodes ~1.4x (docs/benchmarks.md).
+DEFAULT_NUM_DRAFT_TOKENS = {"NGRAM": 8}
 
 
 @dataclass(frozen=True)
@@ -56,6 +77,39 @@ class ServerArgs:
     max_request_bytes: int = 4 * 1024 * 1024
     served_model_name: str | None = None
     num_threads: int | None = None
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int | None = None
+    speculative_accept_threshold_single: float = 1.0
+    speculative_accept_threshold_acc: float = 1.0
+    speculative_disable_adaptive: bool = False
+    speculative_ngram_capacity: int = 1_000_000
+    speculative_ngram_max_trie_depth: int = 18
+    speculative_ngram_min_match_window: int = 1
+    speculative_ngram_max_bfs_breadth: int = 10
+    speculative_ngram_min_bfs_breadth: int = 1
+    speculative_ngram_match_type: str = "BFS"
+    speculative_ngram_external_corpus_path: str | None = None
+
+    def spec_config(self):
+        """The speculative configuration (None without speculation); call on resolved args."""
+        if self.speculative_algorithm is None:
+            return None
+        from speculative.base import SpecConfig
+
+        return SpecConfig(
+            algorithm=self.speculative_algorithm,
+            num_draft_tokens=self.speculative_num_draft_tokens,
+            ngram_capacity=self.speculative_ngram_capacity,
+            ngram_max_trie_depth=self.speculative_ngram_max_trie_depth,
+            ngram_min_match_window=self.speculative_ngram_min_match_window,
+            ngram_max_bfs_breadth=self.speculative_ngram_max_bfs_breadth,
+            ngram_min_bfs_breadth=self.speculative_ngram_min_bfs_breadth,
+            ngram_match_type=self.speculative_ngram_match_type,
+            ngram_external_corpus_path=self.speculative_ngram_external_corpus_path,
+            accept_threshold_single=self.speculative_accept_threshold_single,
+            accept_threshold_acc=self.speculative_accept_threshold_acc,
+            adaptive=not self.speculative_disable_adaptive,
+        )
 
     def resolve(self) -> ServerArgs:
         """Return a copy with "auto"/None values made concrete and every value checked."""
@@ -74,6 +128,21 @@ class ServerArgs:
         for name in ("max_running_requests", "chunked_prefill_size", "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        spec = {}
+        if self.speculative_algorithm is not None:
+            from speculative.base import check_algorithm
+
+            algo = check_algorithm(self.speculative_algorithm)
+            n = self.speculative_num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS[algo]
+            if n < 1:
+                raise ValueError("--speculative-num-draft-tokens must be >= 1")
+            if self.speculative_ngram_match_type not in ("BFS", "PROB"):
+                raise ValueError("--speculative-ngram-match-type must be BFS or PROB")
+            for name in ("single", "acc"):
+                v = getattr(self, f"speculative_accept_threshold_{name}")
+                if not 0.0 < v <= 1.0:
+                    raise ValueError(f"--speculative-accept-threshold-{name} must be in (0, 1]")
+            spec = {"speculative_algorithm": algo, "speculative_num_draft_tokens": n}
         model_dir = str(resolve_model_path(self.model_path))
         name = self.served_model_name or (
             "SmolLM2-135M-Instruct" if self.model_path in ("default", None)
@@ -81,7 +150,7 @@ class ServerArgs:
         )
         threads = self.num_threads or os.cpu_count() or 1
         return dataclasses.replace(
-            self, model_path=model_dir, served_model_name=name, num_threads=threads
+            self, model_path=model_dir, served_model_name=name, num_threads=threads, **spec
         )
 
 
@@ -96,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
         if f.type in ("bool", bool):
             parser.add_argument(flag, action="store_true", help=HELP[f.name])
             continue
-        kind = {"int": int, "int | None": int}.get(str(f.type), str)
+        kind = {"int": int, "int | None": int, "float": float}.get(str(f.type), str)
         parser.add_argument(flag, type=kind, default=f.default, help=HELP[f.name])
     return parser
 

@@ -31,6 +31,7 @@ from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
 from runtime.proc_utils import die_with_parent, parent_alive, setup_logging
 from runtime.sampling.sampler import SamplingBatchInfo, make_generator, sample
 from runtime.sampling.sampling_params import SamplingParams
+from speculative.worker import SpecEntry, SpeculativeWorker
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +45,15 @@ class RunnerReqState:
 
 
 class RunnerWorker:
-    """Executes batches on a `ModelRunner`; separate from the process loop so tests can call it."""
+    """Executes batches on a `ModelRunner`; separate from the process loop so tests can call it.
 
-    def __init__(self, runner: ModelRunner) -> None:
+    With a `SpeculativeWorker`, a decode batch whose entries carry more fresh KV slots than
+    input tokens is a speculative step (draft → verify → commit); everything else is plain.
+    """
+
+    def __init__(self, runner: ModelRunner, spec: SpeculativeWorker | None = None) -> None:
         self.runner = runner
+        self.spec = spec
         self.states: dict[str, RunnerReqState] = {}
 
     def _state(self, entry) -> RunnerReqState:
@@ -60,16 +66,39 @@ class RunnerWorker:
                 gen = make_generator(params.seed, self.runner.device)
             st = RunnerReqState(params, list(entry.prompt_ids or []), generator=gen)
             self.states[entry.rid] = st
+            if self.spec is not None and st.prompt_ids:
+                self.spec.drafter.observe(entry.rid, st.prompt_ids, len(st.prompt_ids))
         return st
+
+    def _append(self, rid: str, st: RunnerReqState, tokens: list[int]) -> None:
+        st.output_ids.extend(tokens)
+        if self.spec is not None:
+            self.spec.drafter.observe(rid, st.prompt_ids + st.output_ids, len(tokens))
+
+    def _run_spec(self, msg: RunBatch, states: list[RunnerReqState], t0: float) -> BatchResult:
+        entries = [
+            SpecEntry(e.rid, st.prompt_ids + st.output_ids, e.prefix_len, unpack_ints(e.kv_slots),
+                      st)
+            for e, st in zip(msg.reqs, states)
+        ]
+        out, infos = self.spec.step(entries)
+        for e, st, toks in zip(msg.reqs, states, out):
+            self._append(e.rid, st, toks)
+        return BatchResult(batch_id=msg.batch_id, next_token_ids=out, spec_info=infos,
+                           forward_s=time.perf_counter() - t0)
 
     def run(self, msg: RunBatch) -> BatchResult:
         t0 = time.perf_counter()
         for rid in msg.released_rids:
             self.states.pop(rid, None)
+            if self.spec is not None:
+                self.spec.release(rid)
         if not msg.reqs:
             return BatchResult(batch_id=msg.batch_id, next_token_ids=[])
         mode = ForwardMode(msg.mode)
         states = [self._state(e) for e in msg.reqs]
+        if mode == ForwardMode.DECODE and self.spec is not None:
+            return self._run_spec(msg, states, t0)
         batch = ForwardBatch.build(
             mode,
             [e.new_token_ids for e in msg.reqs],
@@ -89,7 +118,7 @@ class RunnerWorker:
                 logits[rows], info, [s.prompt_ids for s in sel], [s.output_ids for s in sel]
             ).tolist()
             for i, st, tok in zip(rows, sel, tokens):
-                st.output_ids.append(tok)
+                self._append(msg.reqs[i].rid, st, [tok])
                 out[i] = [tok]
         return BatchResult(
             batch_id=msg.batch_id, next_token_ids=out, forward_s=time.perf_counter() - t0
@@ -113,7 +142,15 @@ def run_model_runner_process(server_args, ipc_dir: str, parent_pid: int) -> None
     except Exception as exc:  # noqa: BLE001 - reported to the scheduler, then we exit
         send.send(RunnerError(message=f"model runner failed to start: {exc}"))
         raise
-    worker = RunnerWorker(runner)
+    spec = None
+    spec_cfg = server_args.spec_config()
+    if spec_cfg is not None:
+        from speculative.base import create_drafter
+
+        spec = SpeculativeWorker(spec_cfg, create_drafter(spec_cfg, runner), runner)
+        logger.info("speculative decoding: %s, %d draft tokens per step (root included)",
+                    spec_cfg.algorithm, spec_cfg.num_draft_tokens)
+    worker = RunnerWorker(runner, spec)
     mc = runner.model_config
     send.send(RunnerReady(info={
         "kv_capacity": runner.kv_capacity, "context_length": runner.context_length,

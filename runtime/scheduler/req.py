@@ -29,7 +29,8 @@ class Req:
     arrival: float = field(default_factory=time.monotonic)
     num_retractions: int = 0
     spec_verify_ct: int = 0
-    spec_accept_hist: list[int] = field(default_factory=list)
+    spec_drafted: int = 0
+    spec_accept_hist: list[int] = field(default_factory=list)  # [k] = steps accepting k drafts
 
     @property
     def fill_ids(self) -> list[int]:

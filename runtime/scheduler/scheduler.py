@@ -46,6 +46,9 @@ class SchedulerConfig:
     disable_radix_cache: bool = False
     # KV kept free for running requests' future tokens, as a fraction of their remaining budget
     decode_reserve_ratio: float = 0.3
+    # speculative decoding: fresh KV slots per request per decode step (tree nodes incl. root);
+    # 1 = plain decoding
+    num_draft_tokens: int = 1
 
 
 class Scheduler:
@@ -69,6 +72,10 @@ class Scheduler:
         self.batch_id = 0
         self.totals = {"requests": 0, "finished": 0, "aborted": 0, "retracted": 0,
                        "prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0}
+        # speculative counters (vLLM names): verify steps, draft tokens, accepted, per position
+        self.spec_totals = {"spec_verify_steps": 0, "spec_decode_num_draft_tokens": 0,
+                            "spec_decode_num_accepted_tokens": 0, "spec_tokens_from_verify": 0}
+        self.spec_accepted_per_pos: list[int] = []
 
     # ---- messages from the tokenizer side ------------------------------------------------
     def handle(self, msg) -> None:
@@ -116,7 +123,16 @@ class Scheduler:
             "radix_cache_tokens": self.cache.total_size,
             "kv_usage": self.allocator.num_used / self.allocator.capacity,
             **self.totals,
+            **self._spec_info(),
         }
+
+    def _spec_info(self) -> dict:
+        if self.cfg.num_draft_tokens <= 1:
+            return {}
+        t = self.spec_totals
+        steps = max(t["spec_verify_steps"], 1)
+        return {**t, "spec_decode_num_accepted_tokens_per_pos": list(self.spec_accepted_per_pos),
+                "avg_spec_accept_length": t["spec_tokens_from_verify"] / steps}
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> bool:
@@ -124,7 +140,7 @@ class Scheduler:
         entries = self._prefill_batch()
         mode = ForwardMode.EXTEND
         if not entries:
-            entries = self._decode_batch()
+            entries = self._decode_batch(self.cfg.num_draft_tokens)
             mode = ForwardMode.DECODE
         if not entries:
             return False
@@ -207,7 +223,7 @@ class Scheduler:
             budget -= chunk
         return entries
 
-    def _decode_batch(self, tokens_per_req: int = 1) -> list[tuple]:
+    def _decode_batch(self, tokens_per_req: int) -> list[tuple]:
         decoding = [r for r in self.running if r.num_pending == 1]
         if not decoding:
             return []
@@ -221,7 +237,9 @@ class Scheduler:
             self._retract(victim)
         entries = []
         for req in decoding:
-            slots = self._alloc(tokens_per_req)
+            # never draft past the context length: the tree's positions must exist
+            room = self.stop.context_length - req.kv_len
+            slots = self._alloc(max(1, min(tokens_per_req, room)))
             if slots is None:
                 raise RuntimeError("KV cache too small for a single request")
             entries.append(self._entry(req, 1, slots))
@@ -243,8 +261,17 @@ class Scheduler:
     def _apply(self, entries: list[tuple], result: BatchResult) -> None:
         got: dict[str, int] = {}
         out_reqs = []
-        for (req, _entry, new_slots), tokens in zip(entries, result.next_token_ids):
-            req.kv_slots = torch.cat([req.kv_slots, new_slots])
+        spec_info = result.spec_info or [None] * len(entries)
+        for (req, entry, new_slots), tokens, spec in zip(entries, result.next_token_ids,
+                                                         spec_info):
+            # a prefill chunk keeps all its slots; a (speculative) decode step keeps one per
+            # token gained (root + accepted drafts) and frees the rest of its tree's slots
+            keep_slots = len(tokens) if entry.needs_token and len(entry.new_token_ids) == 1 \
+                else len(new_slots)
+            req.kv_slots = torch.cat([req.kv_slots, new_slots[:keep_slots]])
+            self.allocator.free(new_slots[keep_slots:])
+            if spec is not None:
+                self._count_spec(req, spec, len(tokens))
             if not tokens:
                 continue
             req.output_ids.extend(tokens)
@@ -256,6 +283,7 @@ class Scheduler:
                 n_new -= len(req.output_ids) - keep
                 del req.output_ids[keep:]
                 req.finish_reason = reason
+                self._trim_kv(req)
             got[req.rid] = n_new
             out_reqs.append(req)
         for req in out_reqs:
@@ -263,6 +291,30 @@ class Scheduler:
                 self._retire(req)
         if out_reqs:
             self.emit(self._token_out(out_reqs, got))
+
+    def _trim_kv(self, req: Req) -> None:
+        """After a stop cut the output short, drop KV of tokens past the new end."""
+        limit = len(req.prompt_ids) + len(req.output_ids) - 1
+        if req.kv_len > limit:
+            self.allocator.free(req.kv_slots[limit:])
+            req.kv_slots = req.kv_slots[:limit]
+
+    def _count_spec(self, req: Req, spec: dict, num_tokens: int) -> None:
+        t = self.spec_totals
+        t["spec_verify_steps"] += 1
+        t["spec_decode_num_draft_tokens"] += spec["drafted"]
+        t["spec_decode_num_accepted_tokens"] += spec["accepted"]
+        t["spec_tokens_from_verify"] += num_tokens
+        acc = spec["accepted"]
+        if len(self.spec_accepted_per_pos) < acc:
+            self.spec_accepted_per_pos += [0] * (acc - len(self.spec_accepted_per_pos))
+        for pos in range(acc):
+            self.spec_accepted_per_pos[pos] += 1
+        req.spec_verify_ct += 1
+        req.spec_drafted += spec["drafted"]
+        if len(req.spec_accept_hist) <= acc:
+            req.spec_accept_hist += [0] * (acc + 1 - len(req.spec_accept_hist))
+        req.spec_accept_hist[acc] += 1
 
     def _retire(self, req: Req) -> None:
         self.running.remove(req)
@@ -286,6 +338,17 @@ class Scheduler:
                 meta = {"prompt_tokens": len(r.prompt_ids),
                         "completion_tokens": len(r.output_ids),
                         "cached_tokens": r.cached_tokens}
+                if r.spec_verify_ct:
+                    accepted = sum(k * c for k, c in enumerate(r.spec_accept_hist))
+                    meta.update(
+                        spec_verify_ct=r.spec_verify_ct,
+                        # SGLang's definition: completion tokens per verify step
+                        spec_accept_length=len(r.output_ids) / r.spec_verify_ct,
+                        spec_accept_rate=accepted / max(r.spec_drafted, 1),
+                        spec_num_correct_drafts=accepted,
+                        spec_num_proposed_drafts=r.spec_drafted,
+                        spec_accept_histogram=r.spec_accept_hist,
+                    )
             metas.append(meta)
         return TokenOut(
             rids=[r.rid for r in reqs],

@@ -1,0 +1,95 @@
+"""`python -m launch_server`: start the processes, serve HTTP, shut everything down cleanly.
+
+The launcher process is the tokenizer process: it runs the HTTP server (uvicorn + uvloop) and
+the `TokenizerManager`. A watchdog checks the children every 0.5 s; if one dies, requests in
+flight fail, /health turns 503, and the launcher exits non-zero within seconds, naming the dead
+process. SIGINT/SIGTERM stop uvicorn, then the children are terminated (killed after 3 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+import time
+
+import uvicorn
+
+from launch.processes import Backend, StartupError
+from launch.server_args import ServerArgs, parse_args
+from runtime.entrypoints.http_server import create_app
+from runtime.proc_utils import setup_logging
+from runtime.sampling.sampling_params import SamplingParams
+from runtime.tokenizer.tokenizer_manager import TokenizerManager
+
+logger = logging.getLogger("specserve")
+
+
+async def _warm_up(tm: TokenizerManager) -> float:
+    t0 = time.perf_counter()
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    async for _ in tm.generate(tm.tokenize("Warm-up request."), params):
+        pass
+    return time.perf_counter() - t0
+
+
+def serve(args: ServerArgs) -> int:
+    args = args.resolve()
+    setup_logging(args.log_level, "launcher")
+    t0 = time.perf_counter()
+    backend = Backend(args)
+    exit_code = 0
+    try:
+        try:
+            info = backend.start()
+        except StartupError as exc:
+            logger.error("start-up failed: %s", exc)
+            return 1
+        tm = TokenizerManager(args, backend.ipc_dir, info)
+        app = create_app(tm, args)
+        config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop",
+                                log_level=args.log_level, access_log=args.log_level == "debug",
+                                timeout_graceful_shutdown=3)
+        server = uvicorn.Server(config)
+        dead: list[str] = []
+
+        async def watchdog() -> None:
+            while not server.should_exit:
+                name = backend.dead_process()
+                if name:
+                    logger.error("%s died: failing requests in flight and shutting down", name)
+                    tm.mark_dead(f"{name} died")
+                    dead.append(name)
+                    await asyncio.sleep(0.5)  # let in-flight requests receive their error
+                    server.should_exit = True
+                    return
+                await asyncio.sleep(0.5)
+
+        async def main() -> None:
+            await tm.start()
+            warm = await _warm_up(tm)
+            task = asyncio.get_running_loop().create_task(watchdog())
+            logger.info(
+                "ready in %.1fs (warm-up %.2fs): http://%s:%d  model=%s device=%s dtype=%s "
+                "kv_slots=%d", time.perf_counter() - t0, warm, args.host, args.port,
+                args.served_model_name, info["device"], info["dtype"], info["kv_capacity"],
+            )
+            try:
+                await server.serve()
+            finally:
+                task.cancel()
+                await tm.stop()
+
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(main())
+        if dead:
+            exit_code = 1
+    finally:
+        backend.shutdown()
+        logger.info("shut down (exit code %d)", exit_code)
+    return exit_code
+
+
+def main(argv: list[str] | None = None) -> None:
+    sys.exit(serve(parse_args(argv)))

@@ -1,0 +1,88 @@
+"""Start the scheduler and model-runner processes, wait for readiness, watch, tear down.
+
+Shared by the HTTP launcher and `runtime.Engine`. Children ask the kernel to kill them if this
+process dies (PR_SET_PDEATHSIG) and also exit when they see their parent gone, so no child is
+ever orphaned.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import time
+
+import zmq
+
+from launch.server_args import ServerArgs
+from runtime.ipc import Receiver, ipc_addr, make_ipc_dir
+from runtime.messages import TO_TOKENIZER, ReadyOut
+from runtime.model_runner.runner_process import run_model_runner_process
+from runtime.scheduler.scheduler_process import run_scheduler_process
+
+logger = logging.getLogger(__name__)
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+class Backend:
+    """The scheduler + model-runner processes of one server."""
+
+    def __init__(self, args: ServerArgs) -> None:
+        self.args = args
+        self.ipc_dir = make_ipc_dir()
+        ctx = mp.get_context("spawn")
+        parent = os.getpid()
+        self.procs = {
+            "model_runner": ctx.Process(
+                target=run_model_runner_process, args=(args, self.ipc_dir, parent),
+                name="specserve-model-runner", daemon=True,
+            ),
+            "scheduler": ctx.Process(
+                target=run_scheduler_process, args=(args, self.ipc_dir, parent),
+                name="specserve-scheduler", daemon=True,
+            ),
+        }
+        self.ready_info: dict = {}
+
+    def start(self, timeout_s: float = 900.0) -> dict:
+        """Start the children and block until the scheduler reports ready (with model facts)."""
+        for proc in self.procs.values():
+            proc.start()
+        ctx = zmq.Context.instance()
+        recv = Receiver(ctx, ipc_addr(self.ipc_dir, "tokenizer_in"), bind=True,
+                        msg_type=TO_TOKENIZER)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline:
+                msg = recv.recv(timeout_ms=500)
+                if isinstance(msg, ReadyOut):
+                    self.ready_info = msg.info
+                    return msg.info
+                dead = self.dead_process()
+                if dead:
+                    raise StartupError(f"{dead} process exited during start-up (see its log)")
+            raise StartupError(f"server not ready after {timeout_s:.0f}s")
+        finally:
+            recv.close()
+
+    def dead_process(self) -> str | None:
+        for name, proc in self.procs.items():
+            if not proc.is_alive():
+                return f"{name} (pid {proc.pid}, exit code {proc.exitcode})"
+        return None
+
+    def shutdown(self) -> None:
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.terminate()
+        deadline = time.monotonic() + 3.0
+        for proc in self.procs.values():
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(1.0)
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)

@@ -1,0 +1,160 @@
+"""`Engine`: the serving system without HTTP, for Python users, tests and benchmarks.
+
+    with Engine(model_path="default") as engine:
+        out = engine.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})
+        print(out["text"])
+
+It starts the same scheduler and model-runner processes as the server; the tokenizer manager
+runs on a private event loop thread in the caller's process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from launch.processes import Backend
+from launch.server_args import ServerArgs
+from runtime.sampling.sampling_params import SamplingParams
+from runtime.tokenizer.tokenizer_manager import GenerateChunk, TokenizerManager
+
+logger = logging.getLogger(__name__)
+
+
+def chunk_to_dict(chunk: GenerateChunk) -> dict[str, Any]:
+    return {"text": chunk.text, "output_ids": chunk.output_ids, "meta_info": chunk.meta_info}
+
+
+class Engine:
+    def __init__(self, **server_args: Any) -> None:
+        self.server_args = ServerArgs(**server_args).resolve()
+        self.backend = Backend(self.server_args)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="engine-loop",
+                                        daemon=True)
+        self._closed = False
+        try:
+            info = self.backend.start()
+            self._thread.start()
+            self.tm = TokenizerManager(self.server_args, self.backend.ipc_dir, info)
+            self._run(self.tm.start())
+        except BaseException:
+            self.backend.shutdown()
+            raise
+        self._watch = threading.Thread(target=self._watchdog, name="engine-watchdog", daemon=True)
+        self._watch.start()
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _watchdog(self) -> None:
+        while not self._closed:
+            dead = self.backend.dead_process()
+            if dead:
+                logger.error("%s died; failing requests in flight", dead)
+                self._loop.call_soon_threadsafe(self.tm.mark_dead, f"{dead} died")
+                return
+            threading.Event().wait(0.5)
+
+    # ---- inputs -----------------------------------------------------------------------
+    def _inputs(self, prompt, input_ids, sampling_params) -> tuple[list[list[int]], list, bool]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("pass exactly one of prompt and input_ids")
+        if prompt is not None:
+            single = isinstance(prompt, str)
+            ids = [self.tm.tokenize(p) for p in ([prompt] if single else prompt)]
+        else:
+            single = bool(input_ids) and isinstance(input_ids[0], int)
+            ids = [list(input_ids)] if single else [list(x) for x in input_ids]
+        sp = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(ids)
+        params = [SamplingParams.from_dict(p or {}, self.tm.vocab_size) for p in sp]
+        return ids, params, single
+
+    # ---- generation -------------------------------------------------------------------
+    async def _collect(self, ids, params) -> dict:
+        last = None
+        async for chunk in self.tm.generate(ids, params, stream=False):
+            last = chunk
+        return chunk_to_dict(last)
+
+    def generate(
+        self, prompt: str | list[str] | None = None, sampling_params: dict | list | None = None,
+        input_ids: list[int] | list[list[int]] | None = None, stream: bool = False,
+    ) -> dict | list[dict] | Iterator[dict]:
+        """Generate for one prompt (dict) or several (list of dicts, run concurrently).
+
+        With `stream=True` (one prompt), returns an iterator of cumulative chunks.
+        """
+        ids, params, single = self._inputs(prompt, input_ids, sampling_params)
+        if stream:
+            if not single:
+                raise ValueError("stream=True takes a single prompt")
+            return self._stream_sync(ids[0], params[0])
+
+        async def run_all():
+            return await asyncio.gather(*(self._collect(i, p) for i, p in zip(ids, params)))
+
+        outs = self._run(run_all())
+        return outs[0] if single else outs
+
+    def _stream_sync(self, ids, params) -> Iterator[dict]:
+        agen = self.tm.generate(ids, params, stream=True)
+        try:
+            while True:
+                try:
+                    chunk = self._run(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+                yield chunk_to_dict(chunk)
+        finally:
+            self._run(agen.aclose())
+
+    async def async_generate(
+        self, prompt: str | None = None, sampling_params: dict | None = None,
+        input_ids: list[int] | None = None, stream: bool = False,
+    ) -> dict | AsyncIterator[dict]:
+        """Awaitable from any event loop; `stream=True` gives an async iterator of chunks."""
+        ids, params, _ = self._inputs(prompt, input_ids, sampling_params)
+        if not stream:
+            fut = asyncio.run_coroutine_threadsafe(self._collect(ids[0], params[0]), self._loop)
+            return await asyncio.wrap_future(fut)
+        return self._stream_async(ids[0], params[0])
+
+    async def _stream_async(self, ids, params) -> AsyncIterator[dict]:
+        agen = self.tm.generate(ids, params, stream=True)
+        try:
+            while True:
+                fut = asyncio.run_coroutine_threadsafe(agen.__anext__(), self._loop)
+                try:
+                    chunk = await asyncio.wrap_future(fut)
+                except StopAsyncIteration:
+                    return
+                yield chunk_to_dict(chunk)
+        finally:
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(agen.aclose(), self._loop))
+
+    def server_info(self) -> dict:
+        return self._run(self.tm.server_info())
+
+    def flush_cache(self) -> bool:
+        return self._run(self.tm.flush_cache())
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._run(self.tm.stop())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(2.0)
+            self.backend.shutdown()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -1,0 +1,257 @@
+"""`TokenizerManager`: request state in the tokenizer process (HTTP server or `Engine`).
+
+It turns prompts into ids, validates, sends `GenerateReq` to the scheduler, and turns the
+scheduler's `TokenOut` messages back into text per request (incrementally, no broken UTF-8,
+stop strings cut). It never touches tensors. All methods run on one asyncio loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from runtime.errors import InvalidRequestError, SpecserveError
+from runtime.ipc import ipc_addr
+from runtime.messages import (
+    TO_TOKENIZER, AbortReq, FlushCacheReq, GenerateReq, GetInfoReq, InfoOut, TokenOut,
+)
+from runtime.model_loader.tokenizer import apply_chat_template, load_tokenizer
+from runtime.sampling.sampling_params import SamplingParams
+from runtime.tokenizer.detokenizer import IncrementalText
+from runtime.tokenizer.metrics import ServingMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class BackendDeadError(SpecserveError):
+    """A server process died; requests in flight cannot complete."""
+
+
+@dataclass(frozen=True)
+class GenerateChunk:
+    rid: str
+    text: str  # cumulative text so far (final text at finish)
+    output_ids: list[int]  # cumulative output ids
+    finished: bool
+    finish_reason: dict | None
+    meta_info: dict
+
+
+@dataclass
+class _ReqState:
+    rid: str
+    detok: IncrementalText
+    prompt_tokens: int
+    created: float = field(default_factory=time.perf_counter)
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    finished: bool = False
+    finish_reason: dict | None = None
+    meta: dict = field(default_factory=dict)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    error: str | None = None
+
+
+class TokenizerManager:
+    def __init__(self, server_args, ipc_dir: str, ready_info: dict) -> None:
+        self.server_args = server_args
+        self.model_name = server_args.served_model_name
+        self.tokenizer = load_tokenizer(server_args.model_path)
+        self.chat_template = _read_template(server_args.chat_template)
+        self.context_length = int(ready_info["context_length"])
+        self.vocab_size = int(ready_info["vocab_size"])
+        self.ready_info = ready_info
+        self.metrics = ServingMetrics(self.model_name)
+        self.healthy = True
+        self.dead_reason: str | None = None
+        self._ipc_dir = ipc_dir
+        self._states: dict[str, _ReqState] = {}
+        self._info_waiters: dict[str, asyncio.Future] = {}
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(TO_TOKENIZER)
+        self._recv_task: asyncio.Task | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        """Open sockets and start the receive loop; call from the serving event loop."""
+        ctx = zmq.asyncio.Context.instance()
+        self._send = ctx.socket(zmq.PUSH)
+        self._send.setsockopt(zmq.LINGER, 0)
+        self._send.connect(ipc_addr(self._ipc_dir, "scheduler_in"))
+        self._recv = ctx.socket(zmq.PULL)
+        self._recv.setsockopt(zmq.LINGER, 0)
+        self._recv.bind(ipc_addr(self._ipc_dir, "tokenizer_in"))
+        self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
+
+    async def stop(self) -> None:
+        if self._recv_task is not None:
+            self._recv_task.cancel()
+        for sock in (getattr(self, "_send", None), getattr(self, "_recv", None)):
+            if sock is not None:
+                sock.close(0)
+
+    def mark_dead(self, reason: str) -> None:
+        """A child process died: fail every request in flight and turn /health to 503."""
+        self.healthy = False
+        self.dead_reason = reason
+        for st in self._states.values():
+            st.error = reason
+            st.event.set()
+        for fut in self._info_waiters.values():
+            if not fut.done():
+                fut.set_exception(BackendDeadError(reason))
+
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = self._dec.decode(await self._recv.recv())
+            if isinstance(msg, TokenOut):
+                self._on_tokens(msg)
+            elif isinstance(msg, InfoOut):
+                fut = self._info_waiters.pop(msg.req_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg.info)
+
+    def _on_tokens(self, msg: TokenOut) -> None:
+        now = time.perf_counter()
+        for rid, ids, reason, meta in zip(
+            msg.rids, msg.new_token_ids, msg.finish_reasons, msg.meta_infos
+        ):
+            st = self._states.get(rid)
+            if st is None:
+                continue  # aborted by us already
+            if ids:
+                st.detok.extend(ids)
+                if st.first_token_at is None:
+                    st.first_token_at = now
+                    self.metrics.ttft.observe(now - st.created)
+                else:
+                    self.metrics.itl.observe(now - st.last_token_at)
+                st.last_token_at = now
+            if reason is not None:
+                st.finished, st.finish_reason, st.meta = True, reason, meta
+                self._count_finished(st, now)
+            st.event.set()
+
+    def _count_finished(self, st: _ReqState, now: float) -> None:
+        m = self.metrics
+        if st.finish_reason.get("type") == "abort":
+            m.aborted.inc()
+            return
+        m.requests.inc()
+        m.prompt_tokens.inc(st.meta.get("prompt_tokens", 0))
+        m.generation_tokens.inc(st.meta.get("completion_tokens", 0))
+        m.cached_tokens.inc(st.meta.get("cached_tokens", 0))
+        m.e2e.observe(now - st.created)
+
+    # ---- prompts -----------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        try:
+            return apply_chat_template(
+                self.tokenizer, messages, add_generation_prompt, self.chat_template
+            )
+        except SpecserveError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a template error is the caller's input
+            raise InvalidRequestError("messages", f"cannot apply the chat template: {exc}") from exc
+
+    def check_prompt(self, input_ids: list[int], params: SamplingParams) -> None:
+        if not input_ids:
+            raise InvalidRequestError("prompt", "the prompt is empty")
+        if any((not isinstance(t, int)) or t < 0 or t >= self.vocab_size for t in input_ids):
+            raise InvalidRequestError("input_ids", f"token ids must be in [0, {self.vocab_size})")
+        if len(input_ids) >= self.context_length:
+            raise InvalidRequestError(
+                "prompt", f"the prompt has {len(input_ids)} tokens; this server's context length "
+                f"is {self.context_length}, and at least one token must be generated",
+            )
+        params.validate(self.vocab_size)
+
+    # ---- requests ----------------------------------------------------------------------
+    async def generate(
+        self, input_ids: list[int], params: SamplingParams, stream: bool = False,
+        rid: str | None = None,
+    ) -> AsyncIterator[GenerateChunk]:
+        """Yield chunks (each new step when `stream`, else only the final one).
+
+        If the consumer stops early (client disconnect → cancellation), the request is aborted
+        on the scheduler and its KV freed.
+        """
+        if not self.healthy:
+            raise BackendDeadError(self.dead_reason or "server is shutting down")
+        rid = rid or uuid.uuid4().hex
+        if rid in self._states:
+            raise InvalidRequestError("rid", f"request id {rid!r} is already running")
+        self.check_prompt(input_ids, params)
+        st = _ReqState(rid, IncrementalText(self.tokenizer, params.stop), len(input_ids))
+        self._states[rid] = st
+        self._send.send(self._enc.encode(GenerateReq(
+            rid=rid, input_ids=list(input_ids), sampling_params=params.to_dict(), stream=stream,
+        )))
+        try:
+            while True:
+                await st.event.wait()
+                st.event.clear()
+                if st.error is not None:
+                    raise BackendDeadError(st.error)
+                if st.finished:
+                    yield self._chunk(st, final=True)
+                    return
+                if stream:
+                    yield self._chunk(st, final=False)
+        finally:
+            if not st.finished and st.error is None:
+                self.abort(rid)
+            self._states.pop(rid, None)
+
+    def _chunk(self, st: _ReqState, final: bool) -> GenerateChunk:
+        text = st.detok.finalize(st.finish_reason) if final else st.detok.visible()
+        meta = {"id": st.rid, "prompt_tokens": st.prompt_tokens,
+                "completion_tokens": len(st.detok.ids), **st.meta}
+        if final:
+            meta["finish_reason"] = st.finish_reason
+            meta["e2e_latency"] = time.perf_counter() - st.created
+        return GenerateChunk(st.rid, text, list(st.detok.ids), final, st.finish_reason, meta)
+
+    def abort(self, rid: str) -> None:
+        if self.healthy:
+            self._send.send(self._enc.encode(AbortReq(rid=rid)))
+
+    async def _ask(self, msg, req_id: str, timeout: float = 30.0) -> dict:
+        if not self.healthy:
+            raise BackendDeadError(self.dead_reason or "server is shutting down")
+        fut = asyncio.get_running_loop().create_future()
+        self._info_waiters[req_id] = fut
+        self._send.send(self._enc.encode(msg))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._info_waiters.pop(req_id, None)
+
+    async def flush_cache(self) -> bool:
+        req_id = uuid.uuid4().hex
+        return bool((await self._ask(FlushCacheReq(req_id=req_id), req_id))["success"])
+
+    async def server_info(self) -> dict:
+        req_id = uuid.uuid4().hex
+        info = await self._ask(GetInfoReq(req_id=req_id), req_id)
+        self.metrics.update_from_server_info(info)
+        return info
+
+
+def _read_template(value: str | None) -> str | None:
+    if value is None:
+        return None
+    path = Path(value)
+    return path.read_text() if path.is_file() else value
