@@ -200,9 +200,11 @@ async def _discover_model(client: httpx.AsyncClient, headers: dict[str, str]) ->
         return "default"
 
 
-async def fetch_server_info(client: httpx.AsyncClient) -> dict[str, Any] | None:
+async def fetch_server_info(
+    client: httpx.AsyncClient, headers: dict[str, str] | None = None
+) -> dict[str, Any] | None:
     try:
-        resp = await client.get("/server_info")
+        resp = await client.get("/server_info", headers=headers or {})
         return resp.json() if resp.status_code == 200 else None
     except (httpx.HTTPError, ValueError) as exc:
         logger.warning("GET /server_info failed: %s", exc)
@@ -266,7 +268,9 @@ async def run_benchmark(
         records = list(await asyncio.gather(*tasks))
         duration = time.perf_counter() - t_zero
         bar.close()
-        server_info = await fetch_server_info(client) if cfg.backend == "specserve" else None
+        server_info = None
+        if cfg.backend == "specserve":
+            server_info = await fetch_server_info(client, headers)
 
     for rec in records:  # tokenize after the run so it never delays a stream's timestamps
         if rec.success:

@@ -22,7 +22,13 @@ import zmq.asyncio
 from runtime.errors import InvalidRequestError, SpecserveError
 from runtime.ipc import ipc_addr
 from runtime.messages import (
-    TO_TOKENIZER, AbortReq, FlushCacheReq, GenerateReq, GetInfoReq, InfoOut, TokenOut,
+    TO_TOKENIZER,
+    AbortReq,
+    FlushCacheReq,
+    GenerateReq,
+    GetInfoReq,
+    InfoOut,
+    TokenOut,
 )
 from runtime.model_loader.tokenizer import apply_chat_template, load_tokenizer
 from runtime.sampling.sampling_params import SamplingParams
@@ -169,7 +175,7 @@ class TokenizerManager:
     def check_prompt(self, input_ids: list[int], params: SamplingParams) -> None:
         if not input_ids:
             raise InvalidRequestError("prompt", "the prompt is empty")
-        if any((not isinstance(t, int)) or t < 0 or t >= self.vocab_size for t in input_ids):
+        if any(type(t) is not int or t < 0 or t >= self.vocab_size for t in input_ids):
             raise InvalidRequestError("input_ids", f"token ids must be in [0, {self.vocab_size})")
         if len(input_ids) >= self.context_length:
             raise InvalidRequestError(

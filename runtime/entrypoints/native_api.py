@@ -1,0 +1,126 @@
+"""SGLang's native /generate: text or token ids in, cumulative text + ids + meta_info out."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from runtime.entrypoints.protocol import (
+    GenerateRequest,
+    clamp_max_new_tokens,
+    is_int_list,
+    is_str_list,
+    parse_model,
+    read_json,
+    unsupported,
+)
+from runtime.entrypoints.streaming import (
+    SSEResponse,
+    first_chunks,
+    gather_all,
+    last_chunk,
+    merge,
+    sse_events,
+    until_disconnect,
+)
+from runtime.errors import InvalidRequestError
+from runtime.sampling.sampling_params import SamplingParams
+
+
+class _Item:
+    __slots__ = ("input_ids", "params", "rid")
+
+    def __init__(self, input_ids: list[int], params: SamplingParams, rid: str | None) -> None:
+        self.input_ids, self.params, self.rid = input_ids, params, rid
+
+
+def chunk_json(chunk: Any, index: int | None) -> dict:
+    meta = {"finish_reason": None, **chunk.meta_info}
+    out = {"text": chunk.text, "output_ids": chunk.output_ids, "meta_info": meta}
+    if index is not None:  # batched streams interleave; SGLang tags each chunk
+        out["index"] = index
+    return out
+
+
+def parse_generate(body: GenerateRequest, tm: Any) -> tuple[bool, list[_Item]]:
+    """(is_batch, items) with every prompt and sampling dict validated."""
+    if (body.text is None) == (body.input_ids is None):
+        raise InvalidRequestError("text", "give exactly one of 'text' and 'input_ids'")
+    if body.return_logprob:
+        unsupported("return_logprob")
+    if body.text is not None:
+        field = "text"
+        if isinstance(body.text, str):
+            batch, prompts = False, [tm.tokenize(body.text)]
+        elif is_str_list(body.text) and body.text:
+            batch, prompts = True, [tm.tokenize(t) for t in body.text]
+        else:
+            raise InvalidRequestError("text", "must be a string or a non-empty list of strings")
+    else:
+        field, ids = "input_ids", body.input_ids
+        if is_int_list(ids):
+            batch, prompts = False, [list(ids)]
+        elif isinstance(ids, list) and all(is_int_list(p) for p in ids):
+            batch, prompts = True, [list(p) for p in ids]
+        else:
+            raise InvalidRequestError("input_ids", "must be a list of token ids or a list of "
+                                      "lists of token ids")
+    params = _per_item(body.sampling_params, "sampling_params", batch, len(prompts), dict, {})
+    rids = _per_item(body.rid, "rid", batch, len(prompts), str, None)
+    items = []
+    for k, (ids, sp, rid) in enumerate(zip(prompts, params, rids)):
+        where = f"item {k}: " if batch else ""
+        try:
+            p = SamplingParams.from_dict(sp, tm.vocab_size)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"sampling_params.{exc.field}", where + exc.message) \
+                from None
+        try:
+            tm.check_prompt(ids, p)
+        except InvalidRequestError as exc:
+            name = field if exc.field in ("prompt", "input_ids") else exc.field
+            raise InvalidRequestError(name, where + exc.message) from None
+        clamp_max_new_tokens(p, tm.context_length)
+        items.append(_Item(ids, p, rid))
+    return batch, items
+
+
+def _per_item(value: Any, field: str, batch: bool, count: int, kind: type,
+              default: Any) -> list[Any]:
+    """One value for every item: given once (shared) or, for a batch, as a list of `count`."""
+    if value is None:
+        return [default] * count
+    if isinstance(value, kind):
+        if kind is str and batch and count > 1:
+            raise InvalidRequestError(field, f"a batch needs a list of {count} request ids")
+        return [value] * count
+    if batch and isinstance(value, list) and all(isinstance(v, kind) for v in value):
+        if len(value) != count:
+            raise InvalidRequestError(field, f"has {len(value)} entries for {count} prompts")
+        return list(value)
+    expected = "an object" if kind is dict else "a string"
+    raise InvalidRequestError(field, f"must be {expected}" + (" or a list" if batch else ""))
+
+
+async def generate(request: Request, tm: Any) -> Response:
+    body = parse_model(GenerateRequest, await read_json(request))
+    batch, items = parse_generate(body, tm)
+    if body.stream:
+        gens = await first_chunks(request, [
+            tm.generate(it.input_ids, it.params, True, it.rid) for it in items])
+        return SSEResponse(sse_events(_events(merge(gens), batch)))
+    finals = await until_disconnect(request, gather_all([
+        last_chunk(tm.generate(it.input_ids, it.params, False, it.rid)) for it in items]))
+    out = [chunk_json(chunk, None) for chunk in finals]
+    return JSONResponse(out if batch else out[0])
+
+
+async def _events(chunks: AsyncIterator, batch: bool) -> AsyncIterator[dict]:
+    try:
+        async for i, chunk in chunks:
+            yield chunk_json(chunk, i if batch else None)
+    finally:
+        await chunks.aclose()

@@ -1,0 +1,204 @@
+"""OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions, /v1/models.
+
+Response shapes follow OpenAI's. Each choice is one tm generation; `n` choices and batched
+prompts run concurrently, choice `j` of a prompt with `seed + j` when a seed is given (choices
+differ, yet a request is reproducible).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from runtime.entrypoints.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_messages,
+    clamp_max_new_tokens,
+    parse_model,
+    prompt_batch,
+    read_json,
+)
+from runtime.entrypoints.streaming import (
+    SSEResponse,
+    first_chunks,
+    gather_all,
+    last_chunk,
+    merge,
+    sse_events,
+    until_disconnect,
+)
+from runtime.errors import InvalidRequestError, ModelLoadError
+from runtime.sampling.sampling_params import SamplingParams
+
+FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+@dataclass
+class _Choice:
+    index: int
+    prompt_index: int
+    input_ids: list[int]
+    params: SamplingParams
+    rid: str
+
+
+@contextmanager
+def _renamed(fields: dict[str, str]) -> Iterator[None]:
+    """Report errors under the OpenAI name of a field (max_tokens, not max_new_tokens)."""
+    try:
+        yield
+    except InvalidRequestError as exc:
+        if exc.field not in fields:
+            raise
+        raise InvalidRequestError(fields[exc.field], exc.message) from None
+
+
+def finish_reason(reason: dict | None) -> str | None:
+    if reason is None:
+        return None
+    kind = reason.get("type")
+    return FINISH_REASONS.get(kind, kind)
+
+
+class OpenAIServing:
+    def __init__(self, tm: Any, model_path: str) -> None:
+        self.tm = tm
+        self.model_path = model_path
+        self.created = int(time.time())
+
+    def models(self) -> dict:
+        card = {"id": self.tm.model_name, "object": "model", "created": self.created,
+                "owned_by": "specserve", "root": self.model_path,
+                "max_model_len": self.tm.context_length}
+        return {"object": "list", "data": [card]}
+
+    async def completions(self, request: Request) -> Response:
+        body = parse_model(CompletionRequest, await read_json(request))
+        body.check_supported()
+        prompts = prompt_batch(body.prompt, self.tm.tokenize)
+        sampling = body.base_sampling()
+        sampling["max_new_tokens"] = 16 if body.max_tokens is None else body.max_tokens
+        choices = self._choices("cmpl", prompts, sampling, body.num_choices(),
+                                {"max_new_tokens": "max_tokens", "input_ids": "prompt"})
+        return await self._serve(request, "text_completion", prompts, choices, body.stream,
+                                 body.include_usage())
+
+    async def chat(self, request: Request) -> Response:
+        body = parse_model(ChatCompletionRequest, await read_json(request))
+        body.check_supported()
+        messages = chat_messages(body.messages)
+        try:
+            ids = self.tm.chat_ids(messages, add_generation_prompt=True)
+        except ModelLoadError as exc:  # no chat template: the client should use /v1/completions
+            raise InvalidRequestError("messages", str(exc)) from None
+        limit = body.max_completion_tokens if body.max_completion_tokens is not None \
+            else body.max_tokens
+        sampling = body.base_sampling()
+        # OpenAI's default is "until the context is full"; the scheduler caps it there anyway.
+        sampling["max_new_tokens"] = limit if limit is not None \
+            else max(1, self.tm.context_length - len(ids))
+        choices = self._choices("chatcmpl", [ids], sampling, body.num_choices(),
+                                {"max_new_tokens": body.max_tokens_field(), "prompt": "messages",
+                                 "input_ids": "messages"})
+        return await self._serve(request, "chat.completion", [ids], choices, body.stream,
+                                 body.include_usage())
+
+    def _choices(self, prefix: str, prompts: list[list[int]], sampling: dict, n: int,
+                 renames: dict[str, str]) -> tuple[str, list[_Choice]]:
+        """Validate every choice before any starts, so a bad request never half-runs."""
+        req_id = f"{prefix}-{uuid.uuid4().hex}"
+        choices = []
+        for p, ids in enumerate(prompts):
+            for j in range(n):
+                d = dict(sampling)
+                if d.get("seed") is not None and j > 0:  # choice 0 validates the given seed
+                    d["seed"] = (d["seed"] + j) % 2**64  # seeds are [0, 2**64)
+                with _renamed(renames):
+                    params = SamplingParams.from_dict(d, self.tm.vocab_size)
+                    self.tm.check_prompt(ids, params)
+                clamp_max_new_tokens(params, self.tm.context_length)
+                index = len(choices)
+                choices.append(_Choice(index, p, ids, params, f"{req_id}-{index}"))
+        return req_id, choices
+
+    async def _serve(self, request: Request, kind: str, prompts: list[list[int]],
+                     job: tuple[str, list[_Choice]], stream: bool | None,
+                     include_usage: bool) -> Response:
+        req_id, choices = job
+        created = int(time.time())
+        head = {"id": req_id, "object": kind, "created": created, "model": self.tm.model_name}
+        prompt_tokens = sum(len(ids) for ids in prompts)
+        if stream:
+            gens = await first_chunks(request, [
+                self.tm.generate(c.input_ids, c.params, True, c.rid) for c in choices])
+            events = self._stream(head, merge(gens), len(choices), prompt_tokens, include_usage)
+            return SSEResponse(sse_events(events))
+        finals = await until_disconnect(request, gather_all([
+            last_chunk(self.tm.generate(c.input_ids, c.params, False, c.rid)) for c in choices]))
+        out = []
+        for c, chunk in zip(choices, finals):
+            item: dict[str, Any] = {"index": c.index}
+            if kind == "chat.completion":
+                item["message"] = {"role": "assistant", "content": chunk.text}
+            else:
+                item["text"] = chunk.text
+            item.update(logprobs=None, finish_reason=finish_reason(chunk.finish_reason))
+            out.append(item)
+        completion_tokens = sum(_completion_tokens(chunk) for chunk in finals)
+        return JSONResponse({**head, "choices": out,
+                             "usage": _usage(prompt_tokens, completion_tokens)})
+
+    async def _stream(self, head: dict, chunks: AsyncIterator, num_choices: int,
+                      prompt_tokens: int, include_usage: bool) -> AsyncIterator[dict]:
+        """OpenAI stream events: per choice, deltas of its cumulative text."""
+        chat = head["object"] == "chat.completion"
+        head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+        extra = {"usage": None} if include_usage else {}
+        sent = [""] * num_choices
+        completion_tokens = 0
+        try:
+            if chat:  # the first delta of each choice carries the role
+                for i in range(num_choices):
+                    delta = {"role": "assistant", "content": ""}
+                    yield {**head, "choices": [_delta(i, delta, None)], **extra}
+            async for i, chunk in chunks:
+                text = chunk.text
+                # cumulative texts only grow (the tm holds back partial characters/stops)
+                new = ""
+                if text.startswith(sent[i]):
+                    new, sent[i] = text[len(sent[i]):], text
+                if not new and not chunk.finished:
+                    continue
+                reason = finish_reason(chunk.finish_reason) if chunk.finished else None
+                if chunk.finished:
+                    completion_tokens += _completion_tokens(chunk)
+                if chat:
+                    choice = _delta(i, {"content": new} if new else {}, reason)
+                else:
+                    choice = {"index": i, "text": new, "logprobs": None, "finish_reason": reason}
+                yield {**head, "choices": [choice], **extra}
+            if include_usage:
+                yield {**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)}
+        finally:
+            await chunks.aclose()
+
+
+def _delta(index: int, delta: dict, reason: str | None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+
+
+def _completion_tokens(chunk: Any) -> int:
+    return int(chunk.meta_info.get("completion_tokens", len(chunk.output_ids)))
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

@@ -1,0 +1,292 @@
+"""Request bodies of the HTTP API: reading JSON, typed models, and the checks they need.
+
+Everything here turns bad input into `InvalidRequestError(field, message)`, which the server
+answers with a 400 naming the field. Bodies are pydantic models in strict mode (no "10" for 10,
+no `true` for 1) with `extra="forbid"`, so a misspelt parameter is an error, not silently ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.requests import Request
+
+from runtime.errors import InvalidRequestError
+from runtime.sampling.sampling_params import SamplingParams
+from runtime.tokenizer.tokenizer_manager import BackendDeadError
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+MAX_N = 128  # OpenAI's own limit on `n`
+
+
+class BodyTooLarge(Exception):
+    """The request body grew past `max_request_bytes` while it was being read."""
+
+
+def error_body(message: str, param: str | None, code: int,
+               kind: str = "invalid_request_error") -> dict:
+    """OpenAI's error shape; /generate and the native endpoints use it too."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    """The body as a JSON object (size-limited by the guard middleware around the app)."""
+    body = await request.body()
+    if not body.strip():
+        raise InvalidRequestError("body", "the request body is empty; expected a JSON object")
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise InvalidRequestError("body", f"invalid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequestError("body", f"expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def parse_model(cls: type[ModelT], data: dict[str, Any]) -> ModelT:
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(part) for part in err["loc"]) or "body"
+        if err["type"] == "extra_forbidden":
+            raise InvalidRequestError(field, "unknown parameter") from None
+        raise InvalidRequestError(field, err["msg"]) from None
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class GenerateRequest(_Body):
+    """SGLang's /generate body. Logprob fields are accepted at their defaults only."""
+
+    text: Any = None  # str | list[str]
+    input_ids: Any = None  # list[int] | list[list[int]]
+    sampling_params: Any = None  # dict | list[dict]
+    stream: bool = False
+    rid: Any = None  # str | list[str]
+    return_logprob: bool = False
+    logprob_start_len: int | None = None
+    top_logprobs_num: int | None = None
+    return_text_in_logprobs: bool | None = None
+
+
+class AbortRequest(_Body):
+    rid: str
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None
+
+
+class _OpenAISampling(_Body):
+    """Sampling fields shared by /v1/completions and /v1/chat/completions (OpenAI names), plus
+    the extensions SGLang and vLLM accept."""
+
+    model: str | None = None
+    n: int | None = None
+    stop: Any = None  # str | list[str]; checked by SamplingParams
+    seed: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+
+    def base_sampling(self) -> dict[str, Any]:
+        """The SamplingParams fields this body sets (OpenAI names mapped to ours)."""
+        names = ("stop", "seed", "temperature", "top_p", "frequency_penalty", "presence_penalty",
+                 "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids")
+        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+
+    def num_choices(self) -> int:
+        n = 1 if self.n is None else self.n
+        if not 1 <= n <= MAX_N:
+            raise InvalidRequestError("n", f"must be in [1, {MAX_N}], got {n}")
+        return n
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def check_common(self) -> None:
+        if self.logit_bias:
+            unsupported("logit_bias")
+
+
+class CompletionRequest(_OpenAISampling):
+    prompt: Any = None  # str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: Any = None
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        self.check_common()
+        if self.logprobs not in (None, 0, False):
+            unsupported("logprobs")
+        if self.echo:
+            unsupported("echo")
+        if self.best_of is not None and self.best_of != self.num_choices():
+            unsupported("best_of", "only best_of == n is supported")
+        if self.suffix:
+            unsupported("suffix")
+
+
+class ChatCompletionRequest(_OpenAISampling):
+    messages: Any = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None  # a latency hint in OpenAI's API; never changes the output
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+    def check_supported(self) -> None:
+        """400 for every parameter that would change the output and that we cannot honour."""
+        self.check_common()
+        if self.logprobs:
+            unsupported("logprobs")
+        if self.top_logprobs:
+            unsupported("top_logprobs")
+        for name in ("tools", "functions", "function_call", "audio", "reasoning_effort",
+                     "verbosity", "web_search_options"):
+            if getattr(self, name) not in (None, [], {}):
+                unsupported(name)
+        if self.tool_choice not in (None, "none", "auto"):
+            unsupported("tool_choice", "tools are not supported")
+        fmt = self.response_format
+        if fmt is not None and fmt != {"type": "text"}:
+            unsupported("response_format", 'only {"type": "text"} is supported')
+        if self.modalities not in (None, ["text"]):
+            unsupported("modalities", 'only ["text"] is supported')
+
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+
+def unsupported(field: str, detail: str = "") -> None:
+    raise InvalidRequestError(field, "is not supported by this server" + (f": {detail}" if
+                                                                           detail else ""))
+
+
+def is_int_list(x: Any) -> bool:
+    return isinstance(x, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in x
+    )
+
+
+def is_str_list(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(s, str) for s in x)
+
+
+_CHAT_ROLES = ("system", "developer", "user", "assistant")
+_MESSAGE_KEYS = ("role", "content", "name")  # `name` is accepted and not shown to the model
+
+
+def chat_messages(raw: Any) -> list[dict[str, str]]:
+    """OpenAI chat messages as `[{role, content: str}]` for the chat template.
+
+    Text parts of a content list are joined with newlines; images, audio, files and tool
+    messages are rejected (we cannot honour them). A "developer" message is a system message.
+    """
+    if not isinstance(raw, list) or not raw:
+        raise InvalidRequestError("messages", "must be a non-empty list of messages")
+    out = []
+    for i, msg in enumerate(raw):
+        where = f"messages.{i}"
+        if not isinstance(msg, dict):
+            raise InvalidRequestError(where, "each message must be an object")
+        for key, value in msg.items():
+            # Clients echo assistant messages back with null/empty extras (refusal, tool_calls).
+            if key not in _MESSAGE_KEYS and value not in (None, [], {}):
+                raise InvalidRequestError(f"{where}.{key}", "is not supported by this server")
+        role = msg.get("role")
+        if role not in _CHAT_ROLES:
+            raise InvalidRequestError(f"{where}.role", f"must be one of {_CHAT_ROLES}, got "
+                                      f"{role!r}")
+        content = _message_text(msg.get("content"), f"{where}.content")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+def _message_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequestError(where, "must be a string or a list of content parts")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise InvalidRequestError(f"{where}.{j}", "each content part must be an object "
+                                      "with a 'type'")
+        if part["type"] != "text":
+            raise InvalidRequestError(f"{where}.{j}.type", f"content parts of type "
+                                      f"{part['type']!r} are not supported (text only)")
+        if not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+            raise InvalidRequestError(f"{where}.{j}", "a text part is {type: 'text', text: str}")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def prompt_batch(prompt: Any, tokenize, field: str = "prompt") -> list[list[int]]:
+    """Token ids of a completion prompt: str, list[str], list[int] or list[list[int]]."""
+    if isinstance(prompt, str):
+        return [tokenize(prompt)]
+    if isinstance(prompt, list) and prompt:
+        if is_str_list(prompt):
+            return [tokenize(p) for p in prompt]
+        if is_int_list(prompt):
+            return [list(prompt)]
+        if all(is_int_list(p) for p in prompt):
+            return [list(p) for p in prompt]
+    if isinstance(prompt, list) and not prompt:
+        raise InvalidRequestError(field, "must not be empty")
+    raise InvalidRequestError(field, "must be a string, a list of strings, a list of token ids "
+                              "or a list of lists of token ids")
+
+
+def error_for(exc: Exception) -> tuple[int, dict]:
+    """HTTP status and JSON body for an exception raised while serving a request."""
+    if isinstance(exc, InvalidRequestError):
+        return 400, error_body(str(exc), exc.field, 400)
+    if isinstance(exc, (BackendDeadError, TimeoutError, asyncio.TimeoutError)):
+        msg = f"the server cannot serve requests: {str(exc) or 'timed out'}"
+        return 503, error_body(msg, None, 503, "service_unavailable_error")
+    if isinstance(exc, BodyTooLarge):
+        return 413, error_body(str(exc), None, 413)
+    return 500, error_body("internal server error", None, 500, "server_error")
+
+
+def clamp_max_new_tokens(params: SamplingParams, context_length: int) -> None:
+    """The scheduler stops every request at the context length anyway; clamping keeps huge
+    values (JSON ints are unbounded) within what the msgpack IPC encoding can carry."""
+    params.max_new_tokens = min(params.max_new_tokens, context_length)

@@ -1,0 +1,160 @@
+"""A real `TokenizerManager` in front of a fake scheduler: HTTP tests without processes or model.
+
+The tm is the production class (real tokenizer, chat template, validation, incremental
+detokenization, abort-on-close); only its scheduler socket is replaced by `FakeScheduler`, which
+answers over the same msgspec messages. Its "model" repeats a fixed reply (with multi-byte
+characters, then EOS), starting `seed` tokens in, one step every `token_delay` seconds, and it
+records every abort it receives.
+
+    tm, sched = make_fake_tm(tmp_path)
+    app = create_app(tm, tm.server_args)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+
+import msgspec
+
+from launch.server_args import ServerArgs
+from runtime.messages import (
+    TO_SCHEDULER,
+    AbortReq,
+    FlushCacheReq,
+    GenerateReq,
+    GetInfoReq,
+    InfoOut,
+    TokenOut,
+)
+from runtime.tokenizer.tokenizer_manager import TokenizerManager
+from tests.helpers.tiny_models import EOS_ID, TINY_VOCAB_SIZE, write_tiny_tokenizer_files
+
+REPLY_TEXT = "Hello, world! café naïve 日本語 the quick brown fox jumps over the lazy dog"
+CONTEXT_LENGTH = 256
+MODEL_NAME = "tiny-test"
+
+
+class FakeScheduler:
+    """Stands in for the scheduler process behind the tm's PUSH socket (`tm._send`)."""
+
+    def __init__(self, tm: TokenizerManager, token_delay: float = 0.0,
+                 tokens_per_step: int = 1) -> None:
+        self.tm = tm
+        self.token_delay = token_delay
+        self.tokens_per_step = tokens_per_step
+        self.reply_ids = tm.tokenize(REPLY_TEXT) + [EOS_ID]
+        self.extra_meta: dict = {"spec_accept_length": 2.5, "spec_verify_ct": 3}
+        self.flush_ok = True
+        self.die_after_tokens: int | None = None  # then the "processes die" (tm.mark_dead)
+        self.requests: list[GenerateReq] = []
+        self.aborted: list[str] = []
+        self._dec = msgspec.msgpack.Decoder(TO_SCHEDULER)
+        self._enc = msgspec.msgpack.Encoder()
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._outputs: dict[str, tuple[GenerateReq, list[int]]] = {}
+
+    @property
+    def running(self) -> list[str]:
+        return list(self._tasks)
+
+    # the tm calls this exactly as it calls zmq's socket.send
+    def send(self, data: bytes) -> None:
+        msg = self._dec.decode(data)
+        loop = asyncio.get_running_loop()
+        if isinstance(msg, GenerateReq):
+            self.requests.append(msg)
+            self._outputs[msg.rid] = (msg, [])
+            self._tasks[msg.rid] = loop.create_task(self._run(msg))
+        elif isinstance(msg, AbortReq):
+            self.aborted.append(msg.rid)
+            task = self._tasks.pop(msg.rid, None)
+            if task is not None:  # like the scheduler: the request finishes as "abort"
+                task.cancel()
+                loop.call_soon(self._emit, msg.rid, [], {"type": "abort"})
+        elif isinstance(msg, FlushCacheReq):
+            ok = self.flush_ok and not self._tasks
+            loop.call_soon(self._deliver, InfoOut(req_id=msg.req_id, info={"success": ok}))
+        elif isinstance(msg, GetInfoReq):
+            loop.call_soon(self._deliver, InfoOut(req_id=msg.req_id, info=self.info()))
+
+    def info(self) -> dict:
+        return {"num_running_reqs": len(self._tasks), "num_waiting_reqs": 0,
+                "kv_usage": 0.125, "avg_spec_accept_length": 2.5,
+                "finished": len(self.requests) - len(self.aborted)}
+
+    async def _run(self, req: GenerateReq) -> None:
+        p = req.sampling_params
+        out = self._outputs[req.rid][1]
+        offset = p["seed"] or 0
+        while True:
+            await asyncio.sleep(self.token_delay)
+            new: list[int] = []
+            reason = None
+            while reason is None and len(new) < self.tokens_per_step:
+                token = self.reply_ids[(offset + len(out)) % len(self.reply_ids)]
+                out.append(token)
+                new.append(token)
+                reason = self._finish_reason(req, out)
+            if reason is not None:
+                self._tasks.pop(req.rid, None)
+            self._emit(req.rid, new, reason)
+            if reason is not None:
+                return
+            if self.die_after_tokens is not None and len(out) >= self.die_after_tokens:
+                for task in self._tasks.values():
+                    if task is not asyncio.current_task():
+                        task.cancel()
+                self._tasks.clear()
+                self.tm.mark_dead("scheduler died")
+                return
+
+    def _finish_reason(self, req: GenerateReq, out: list[int]) -> dict | None:
+        p, token = req.sampling_params, out[-1]
+        if token in p["stop_token_ids"] or (token == EOS_ID and not p["ignore_eos"]):
+            return {"type": "stop", "matched": token}
+        if p["stop"]:
+            text = self.tm.tokenizer.decode(out)
+            for s in p["stop"]:
+                if s in text:
+                    return {"type": "stop", "matched": s}
+        if len(out) >= p["max_new_tokens"] or len(req.input_ids) + len(out) >= CONTEXT_LENGTH:
+            return {"type": "length", "length": len(out)}
+        return None
+
+    def _emit(self, rid: str, new: list[int], reason: dict | None) -> None:
+        meta = {}
+        if reason is not None:
+            req, out = self._outputs.pop(rid)
+            meta = {"prompt_tokens": len(req.input_ids), "completion_tokens": len(out),
+                    "cached_tokens": 0, **self.extra_meta}
+        self._deliver(TokenOut(rids=[rid], new_token_ids=[new], finish_reasons=[reason],
+                               meta_infos=[meta]))
+
+    def _deliver(self, msg: TokenOut | InfoOut) -> None:
+        """What the tm's receive loop does with a message, after a wire round trip."""
+        msg = self.tm._dec.decode(self._enc.encode(msg))
+        if isinstance(msg, TokenOut):
+            self.tm._on_tokens(msg)
+            return
+        fut = self.tm._info_waiters.pop(msg.req_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(msg.info)
+
+
+def make_fake_tm(model_dir: str | Path, token_delay: float = 0.0,
+                 **server_args: object) -> tuple[TokenizerManager, FakeScheduler]:
+    """A tm over a tiny tokenizer written into `model_dir`, wired to a `FakeScheduler`."""
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    if not (model_dir / "tokenizer.json").is_file():
+        write_tiny_tokenizer_files(model_dir, max_length=CONTEXT_LENGTH)
+    args = ServerArgs(model_path=str(model_dir), served_model_name=MODEL_NAME)
+    args = dataclasses.replace(args, **server_args)
+    ready = {"context_length": CONTEXT_LENGTH, "vocab_size": TINY_VOCAB_SIZE,
+             "max_total_tokens": 4096, "speculative_algorithm": None}
+    tm = TokenizerManager(args, ipc_dir=str(model_dir), ready_info=ready)
+    sched = FakeScheduler(tm, token_delay)
+    tm._send = sched
+    return tm, sched
