@@ -11,7 +11,13 @@ import zmq
 
 from runtime.ipc import Receiver, Sender, ipc_addr
 from runtime.messages import (
-    FROM_RUNNER, TO_SCHEDULER, BatchResult, ReadyOut, RunBatch, RunnerError, RunnerReady,
+    FROM_RUNNER,
+    TO_SCHEDULER,
+    BatchResult,
+    ReadyOut,
+    RunBatch,
+    RunnerError,
+    RunnerReady,
 )
 from runtime.model_loader.tokenizer import load_tokenizer
 from runtime.proc_utils import die_with_parent, parent_alive, setup_logging

@@ -1,0 +1,91 @@
+"""The speculative-algorithm interface and its registry.
+
+A drafter proposes one `DraftTree` per request (node 0 = the last verified token); the
+`SpeculativeWorker` (speculative/worker.py) verifies every tree in one target forward with tree
+masks, commits the accepted path's KV and calls `observe` so the drafter can update its state.
+Adding an algorithm means one file with a `Drafter` subclass decorated with
+`@register_algorithm("NAME")`, plus its import line in `speculative/__init__.py`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from speculative.tree import DraftTree
+from speculative.verify import QMode
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    algorithm: str
+    num_draft_tokens: int  # tree nodes per request INCLUDING the root
+    # NGRAM
+    ngram_capacity: int = 1_000_000
+    ngram_max_trie_depth: int = 18
+    ngram_min_match_window: int = 1
+    ngram_max_bfs_breadth: int = 10
+    ngram_min_bfs_breadth: int = 1
+    ngram_match_type: str = "BFS"
+    ngram_external_corpus_path: str | None = None
+    # LOSSY when below 1.0 (SGLang's --speculative-accept-threshold-single / -acc)
+    accept_threshold_single: float = 1.0
+    accept_threshold_acc: float = 1.0
+    # shrink a request's draft budget after consecutive fully rejected drafts
+    adaptive: bool = True
+
+
+@dataclass(slots=True)
+class SpecReq:
+    """What a drafter sees of one request."""
+
+    rid: str
+    tokens: list[int]  # prompt + outputs; tokens[-1] is the root (verified, KV not yet cached)
+    budget: int  # most nodes its tree may have, root included (1 = no drafting)
+
+
+class Drafter(ABC):
+    # how verification treats the drafter's distribution (speculative/verify.py)
+    q_mode: QMode = QMode.ONE_HOT
+
+    def __init__(self, cfg: SpecConfig, runner) -> None:
+        self.cfg = cfg
+        self.runner = runner
+
+    @abstractmethod
+    def propose(self, reqs: list[SpecReq]) -> list[DraftTree]:
+        """One tree per request, at most `budget` nodes, root token = tokens[-1]."""
+
+    def observe(self, rid: str, tokens: list[int], num_new: int) -> None:  # noqa: B027
+        """The request's history grew by its last `num_new` tokens (prompt first time)."""
+
+    def release(self, rid: str) -> None:  # noqa: B027
+        """The request finished; drop per-request state."""
+
+
+ALGORITHMS: dict[str, type[Drafter]] = {}
+
+
+def register_algorithm(name: str) -> Callable[[type[Drafter]], type[Drafter]]:
+    def deco(cls: type[Drafter]) -> type[Drafter]:
+        assert name not in ALGORITHMS, f"speculative algorithm {name} registered twice"
+        ALGORITHMS[name] = cls
+        return cls
+
+    return deco
+
+
+def check_algorithm(name: str) -> str:
+    import speculative  # noqa: F401 - importing the package registers the algorithms
+
+    key = name.upper()
+    if key not in ALGORITHMS:
+        raise ValueError(
+            f"unknown --speculative-algorithm {name!r}; available: {sorted(ALGORITHMS)}"
+        )
+    return key
+
+
+def create_drafter(cfg: SpecConfig, runner) -> Drafter:
+    return ALGORITHMS[check_algorithm(cfg.algorithm)](cfg, runner)

@@ -1,0 +1,605 @@
+"""The NGRAM drafter's memory: one token trie of n-grams shared by every request of a server.
+
+Every n-gram (t_s .. t_e) of length <= max_trie_depth (D) that occurred is a path from the root;
+a node's `count` is how many times its n-gram occurred. To draft after a context, take the nodes
+of the context's suffixes (longest first) and read their subtrees: a node's children are the
+tokens that followed that suffix, ordered by recency (the dict order) or ranked by count.
+
+Costs, all independent of the context length (this runs between forwards, on the CPU):
+    insert(tokens)   O(len(tokens) * D)
+    extend(...)      O(len(new) * D): per request we keep the nodes of its context's last D-1
+                     suffixes ("anchors"); each new token adds one child under each anchor, and
+                     those children are the next anchors. A missing request state costs one
+                     O(D^2) lookup of the anchors.
+    draft(...)       O(D^2) dict lookups to match suffixes (O(D) with `key` after `extend`),
+                     plus O(num_draft_tokens * max_bfs_breadth) to build the tree.
+
+Recency ("touch"): a node is touched when an occurrence ends at it (it moves to the end of its
+parent's children dict and of the global LRU) and when one of its children is counted (LRU
+only). Siblings have equal depth, so their order is the order of their last occurrences; it is
+the same whether a sequence is fed at once (`insert`) or token by token (`extend`).
+
+Eviction keeps num_nodes <= capacity by removing the least recently touched LEAF, so every
+surviving node still has its whole path. The global LRU holds every leaf; a non-leaf popped from
+its front leaves the queue ("parked") until it is touched again or its last child is evicted, at
+which point it is older than everything queued and goes back to the front. Amortised O(1).
+
+Memory: about 300-450 bytes per node in CPython (object + children dict + LRU entry); the
+default capacity of 1M nodes is a few hundred MB. SGLang's C++ trie defaults to 10M nodes.
+Not thread-safe: the model-runner process calls it between forwards from one thread.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from speculative.tree import DraftTree
+
+MATCH_TYPES = ("BFS", "PROB")
+_ROOT = 0
+_MISSING = -1  # recorded version of an anchor whose n-gram is not in the trie (never matches)
+
+
+@dataclass(frozen=True)
+class NgramConfig:
+    """Trie and drafting parameters (names follow SGLang's --speculative-ngram-* flags).
+
+    capacity:             most trie nodes (root excluded); LRU leaves are evicted beyond. 1M
+                          nodes is a few hundred MB in CPython (SGLang's C++ default is 10M).
+    max_trie_depth:       D, the longest n-gram stored; suffixes of up to D-1 tokens are matched
+                          (a D-token match has no stored continuation).
+    min_match_window:     shortest suffix that counts as a match.
+    max/min_bfs_breadth:  children taken per tree node, decaying with match length + depth.
+    match_type:           "BFS" (most recent continuations) | "PROB" (most frequent).
+    num_draft_tokens:     default tree size, root included.
+    max_tracked_requests: per-request anchor states kept for `extend` (LRU beyond; a dropped
+                          state only costs one O(D^2) rebuild).
+    """
+
+    capacity: int = 1_000_000
+    max_trie_depth: int = 18
+    min_match_window: int = 1
+    max_bfs_breadth: int = 10
+    min_bfs_breadth: int = 1
+    match_type: str = "BFS"
+    num_draft_tokens: int = 8
+    max_tracked_requests: int = 4096
+
+    def __post_init__(self) -> None:
+        d = self.max_trie_depth
+        if d < 2:
+            raise ValueError(f"max_trie_depth must be >= 2, got {d}")
+        # One extend step touches at most D(D+1)/2 nodes; a larger trie always has an unrelated
+        # leaf to evict, so eviction never removes a node the step is working on.
+        if self.capacity < d * d:
+            raise ValueError(f"capacity must be >= max_trie_depth^2 = {d * d}, got {self.capacity}")
+        if not 1 <= self.min_match_window < d:
+            raise ValueError(
+                f"min_match_window must be in [1, max_trie_depth), got {self.min_match_window}"
+            )
+        if not 1 <= self.min_bfs_breadth <= self.max_bfs_breadth:
+            raise ValueError(
+                "need 1 <= min_bfs_breadth <= max_bfs_breadth, got "
+                f"{self.min_bfs_breadth}, {self.max_bfs_breadth}"
+            )
+        if self.match_type not in MATCH_TYPES:
+            raise ValueError(f"match_type must be one of {MATCH_TYPES}, got {self.match_type!r}")
+        if self.num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens counts the root, >= 1, got {self.num_draft_tokens}")
+        if self.max_tracked_requests < 1:
+            raise ValueError(f"max_tracked_requests must be >= 1, got {self.max_tracked_requests}")
+
+
+@dataclass(slots=True)
+class _ReqState:
+    tail: list[int]  # the context's last <= D-1 tokens
+    anchors: list[int]  # anchors[k] = node id of tail[-k:]; anchors[0] = the root
+    versions: list[int]  # node version when recorded; _MISSING: tail[-k:] was not in the trie
+
+
+class NgramCache:
+    """A capacity-bounded n-gram trie with LRU leaf eviction, and tree drafting from it.
+
+    Nodes are integer ids into parallel lists (id 0 = root; evicted ids are reused, and a
+    version bump tells stale references apart):
+        _tok[n]    last token of the n-gram          _par[n]   parent id (-1: root / free)
+        _cnt[n]    occurrences counted               _tot[n]   sum of the children's _cnt
+        _kids[n]   None (leaf) | a child id (one child) | {token: child id} (>= 2 children,
+                   insertion order = recency, the last touched last)
+        _queued[n] 1 iff n is in the LRU; every leaf is
+        _tops[n]   PROB's top-k children by (count, recency), exact once computed
+    Ids, ints and dicts of ints keep the garbage collector out: a trie of millions of nodes
+    adds no tracked objects per node, so no collection pauses the model runner for long.
+    """
+
+    def __init__(self, cfg: NgramConfig) -> None:
+        self.cfg = cfg
+        self._depth = cfg.max_trie_depth
+        self._tok: list[int] = [-1]
+        self._par: list[int] = [-1]
+        self._cnt: list[int] = [0]
+        self._tot: list[int] = [0]
+        self._kids: list[int | dict[int, int] | None] = [None]
+        self._ver: list[int] = [0]
+        self._queued = bytearray(1)
+        self._free: list[int] = []
+        self._tops: dict[int, list[int]] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict()  # front = least recently touched
+        self._num_nodes = 0
+        self._states: OrderedDict[Hashable, _ReqState] = OrderedDict()
+        # breadth for (match length m, tree level l), indexed by m + l - 2 in [0, D-2]: the
+        # linear decay SGLang uses, spanning exactly max_bfs_breadth (m = l = 1) down to
+        # min_bfs_breadth (m + l = D, the deepest continuation the trie holds).
+        span = max(self._depth - 2, 1)
+        lo, delta = cfg.min_bfs_breadth, cfg.max_bfs_breadth - cfg.min_bfs_breadth
+        self._breadth = [lo + delta * max(span - i, 0) // span for i in range(self._depth)]
+
+    @property
+    def num_nodes(self) -> int:
+        """Trie nodes excluding the root; always <= cfg.capacity."""
+        return self._num_nodes
+
+    def count(self, ngram: Sequence[int]) -> int:
+        """How many times `ngram` was counted (0 if it is not in the trie)."""
+        node = self._walk([int(t) for t in ngram], 0)
+        return 0 if node < 0 else self._cnt[node]
+
+    # ---------------------------------------------------------------- insertion
+
+    def insert(self, tokens: Sequence[int]) -> None:
+        """Count every n-gram (length <= D) of `tokens`, e.g. a prompt. O(len * D)."""
+        self._feed([_ROOT], [0], [], [int(t) for t in tokens])
+
+    def extend(self, key: Hashable, context_tail: Sequence[int], new_tokens: Sequence[int]) -> None:
+        """Count the n-grams that END in `new_tokens`, which follow `context_tail`.
+
+        Only the last D-1 tokens of `context_tail` are read. Feeding a sequence in pieces this
+        way yields exactly the counts and recency orders of one `insert` of the whole sequence
+        (as long as nothing was evicted meanwhile). The request's anchors are kept under `key`
+        so the next call costs O(len(new_tokens) * D); call `release(key)` when it finishes.
+        """
+        tail = self._tail(context_tail)
+        st = self._states.get(key)
+        if st is not None and st.tail == tail:
+            anchors, versions = st.anchors, st.versions
+            self._states.move_to_end(key)
+        else:
+            anchors, versions = self._lookup_anchors(tail)
+        anchors, versions = self._feed(anchors, versions, tail, [int(t) for t in new_tokens])
+        self._states[key] = _ReqState(tail, anchors, versions)
+        if len(self._states) > self.cfg.max_tracked_requests:
+            self._states.popitem(last=False)
+
+    def release(self, key: Hashable) -> None:
+        """Forget a finished request's anchors (its n-grams stay in the trie)."""
+        self._states.pop(key, None)
+
+    def _tail(self, context: Sequence[int]) -> list[int]:
+        n = len(context)
+        return [int(context[i]) for i in range(max(n - self._depth + 1, 0), n)]
+
+    def _lookup_anchors(self, tail: list[int]) -> tuple[list[int], list[int]]:
+        """Anchors of `tail` by lookup only (no counting, no touching). O(D^2)."""
+        anchors, versions = [_ROOT], [0]
+        for k in range(1, len(tail) + 1):
+            node = self._walk(tail, len(tail) - k)
+            anchors.append(max(node, _ROOT))
+            versions.append(self._ver[node] if node >= 0 else _MISSING)
+        return anchors, versions
+
+    def _walk(self, tail: list[int], start: int) -> int:
+        """Node id of tail[start:], -1 if it is not in the trie."""
+        kids, tok = self._kids, self._tok
+        node = _ROOT
+        for i in range(start, len(tail)):
+            ch = kids[node]
+            if ch is None:
+                return -1
+            t = tail[i]
+            if type(ch) is dict:
+                node = ch.get(t, -1)
+                if node < 0:
+                    return -1
+            elif tok[ch] == t:
+                node = ch
+            else:
+                return -1
+        return node
+
+    def _feed(
+        self, anchors: list[int], versions: list[int], tail: list[int], tokens: list[int]
+    ) -> tuple[list[int], list[int]]:
+        """Count the n-grams ending at each of `tokens`; `tail` (updated in place) precedes them.
+
+        Invariant in and out: len(anchors) == len(tail) + 1 <= D and anchors[k] ~ tail[-k:]
+        wherever versions[k] still equals the node's version.
+        """
+        depth, lru, tops = self._depth, self._lru, self._tops
+        tok, cnt, tot, kids, ver, queued = (
+            self._tok, self._cnt, self._tot, self._kids, self._ver, self._queued
+        )
+        for t in tokens:
+            new, new_versions = [_ROOT], [0]
+            for k in range(len(anchors)):
+                a = anchors[k]
+                if ver[a] != versions[k]:
+                    a = self._materialize(tail, k)  # missing, or evicted since recorded
+                elif a:
+                    # Touch the extension point: the path stays recent and `a` cannot be the
+                    # eviction victim while we add its child.
+                    if queued[a]:
+                        lru.move_to_end(a)
+                    else:
+                        lru[a] = None
+                        queued[a] = 1
+                ch = kids[a]
+                if ch is None:
+                    n = -1
+                elif type(ch) is dict:
+                    n = ch.get(t, -1)
+                else:
+                    n = ch if tok[ch] == t else -1
+                if n < 0:
+                    n = self._add_child(a, t)
+                else:
+                    cnt[n] += 1
+                    if type(ch) is dict:
+                        del ch[t]  # re-insert: the most recent sibling goes last
+                        ch[t] = n
+                    if queued[n]:
+                        lru.move_to_end(n)
+                    else:
+                        lru[n] = None
+                        queued[n] = 1
+                tot[a] += 1
+                if tops:
+                    top = tops.get(a)
+                    if top is not None:
+                        self._update_top(top, n)
+                if k + 1 < depth:
+                    new.append(n)
+                    new_versions.append(ver[n])
+            anchors, versions = new, new_versions
+            tail.append(t)
+            if len(tail) >= depth:
+                del tail[0]
+        return anchors, versions
+
+    def _materialize(self, tail: list[int], k: int) -> int:
+        """The node of tail[-k:], creating missing path nodes with count 1 (they occurred)."""
+        lru, queued = self._lru, self._queued
+        node = _ROOT
+        for i in range(len(tail) - k, len(tail)):
+            nxt = self._child(node, tail[i])
+            if nxt < 0:
+                nxt = self._add_child(node, tail[i])
+                self._tot[node] += 1
+                top = self._tops.get(node)
+                if top is not None:
+                    self._update_top(top, nxt)
+            elif queued[nxt]:
+                lru.move_to_end(nxt)
+            else:
+                lru[nxt] = None
+                queued[nxt] = 1
+            node = nxt
+        return node
+
+    def _child(self, node: int, t: int) -> int:
+        ch = self._kids[node]
+        if ch is None:
+            return -1
+        if type(ch) is dict:
+            return ch.get(t, -1)
+        return ch if self._tok[ch] == t else -1
+
+    def _children(self, node: int) -> list[int]:
+        """Child ids, least recent first."""
+        ch = self._kids[node]
+        if ch is None:
+            return []
+        return list(ch.values()) if type(ch) is dict else [ch]
+
+    def _add_child(self, parent: int, t: int) -> int:
+        """A new leaf (count 1) as `parent`'s most recent child; evicts first when full.
+        The caller updates the parent's _tot and top list."""
+        if self._num_nodes >= self.cfg.capacity:
+            self._evict_one()
+        if self._free:
+            n = self._free.pop()
+            self._tok[n], self._par[n], self._cnt[n], self._tot[n] = t, parent, 1, 0
+            self._queued[n] = 1
+        else:
+            n = len(self._tok)
+            self._tok.append(t)
+            self._par.append(parent)
+            self._cnt.append(1)
+            self._tot.append(0)
+            self._kids.append(None)
+            self._ver.append(0)
+            self._queued.append(1)
+        ch = self._kids[parent]  # read after the eviction, which may have changed it
+        if ch is None:
+            self._kids[parent] = n
+        elif type(ch) is dict:
+            ch[t] = n
+        else:
+            self._kids[parent] = {self._tok[ch]: ch, t: n}
+        self._lru[n] = None
+        self._num_nodes += 1
+        return n
+
+    def _update_top(self, top: list[int], node: int) -> None:
+        """`node` was just counted and is its parent's most recent child: its (count, recency)
+        key rose, no other sibling's changed, so the exact top-k changes by at most one swap."""
+        cnt = self._cnt
+        c = cnt[node]
+        if node in top:
+            i = top.index(node)
+        elif len(top) < self.cfg.max_bfs_breadth:  # a short list holds every child
+            top.append(node)
+            i = len(top) - 1
+        elif c >= cnt[top[-1]]:  # ties go to the more recent: node
+            top[-1] = node
+            i = len(top) - 1
+        else:
+            return
+        while i > 0 and cnt[top[i - 1]] <= c:
+            top[i - 1], top[i] = top[i], top[i - 1]
+            i -= 1
+
+    def _evict_one(self) -> None:
+        """Remove the least recently touched leaf (see the module docstring)."""
+        lru, kids, queued, tops = self._lru, self._kids, self._queued, self._tops
+        while True:
+            n, _ = lru.popitem(last=False)
+            queued[n] = 0
+            if kids[n] is None:
+                break
+            # a parked non-leaf: out of the queue until touched or childless
+        p = self._par[n]
+        ch = kids[p]
+        if type(ch) is dict:
+            del ch[self._tok[n]]
+            if len(ch) == 1:
+                kids[p] = next(iter(ch.values()))
+        else:
+            assert ch == n, "the LRU victim must be its parent's child"
+            kids[p] = None
+        self._tot[p] -= self._cnt[n]
+        top = tops.get(p)
+        if top is not None and n in top:
+            if len(top) < self.cfg.max_bfs_breadth:
+                top.remove(n)  # still holds every remaining child
+            else:
+                del tops[p]
+        tops.pop(n, None)
+        self._ver[n] += 1
+        self._par[n] = -1
+        self._free.append(n)
+        self._num_nodes -= 1
+        if kids[p] is None and p != _ROOT and not queued[p]:
+            lru[p] = None  # parked at the front earlier: older than everything queued
+            lru.move_to_end(p, last=False)
+            queued[p] = 1
+
+    # ---------------------------------------------------------------- drafting
+
+    def draft(
+        self,
+        context_tail: Sequence[int],
+        num_draft_tokens: int | None = None,
+        *,
+        key: Hashable | None = None,
+    ) -> DraftTree:
+        """A draft tree of at most `num_draft_tokens` nodes rooted at context_tail[-1].
+
+        Reads only the last D-1 tokens. Suffixes are matched longest first (down to
+        min_match_window) and their continuations merged into one tree until it is full; no
+        match gives the root-only tree. With the `key` of the request's last `extend` over the
+        same context, the suffix nodes are reused instead of looked up.
+        """
+        tokens, parents = self.draft_lists(context_tail, num_draft_tokens, key=key)
+        return DraftTree.from_parents(tokens, parents)
+
+    def draft_lists(
+        self,
+        context_tail: Sequence[int],
+        num_draft_tokens: int | None = None,
+        *,
+        key: Hashable | None = None,
+    ) -> tuple[list[int], list[int]]:
+        """`draft` as plain (tokens, parents) lists, parents[i] < i, parents[0] = -1."""
+        budget = self.cfg.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
+        assert budget >= 1, f"num_draft_tokens counts the root, >= 1, got {budget}"
+        tail = self._tail(context_tail)
+        assert tail, "drafting needs at least one context token (the root)"
+        tokens, parents = [tail[-1]], [-1]
+        if budget > 1:
+            build = self._build_bfs if self.cfg.match_type == "BFS" else self._build_prob
+            build(self._matches(tail, key), tokens, parents, budget)
+        return tokens, parents
+
+    def _matches(self, tail: list[int], key: Hashable | None) -> Iterator[tuple[int, int]]:
+        """(node of tail[-m:], m) for m from longest down to min_match_window, nodes with
+        children only. Lazy: the builders stop pulling once the tree is full."""
+        st = self._states.get(key) if key is not None else None
+        known = st is not None and st.tail == tail
+        n, kids, ver = len(tail), self._kids, self._ver
+        for m in range(n, self.cfg.min_match_window - 1, -1):
+            if known and ver[st.anchors[m]] == st.versions[m]:
+                node = st.anchors[m]
+            else:
+                node = self._walk(tail, n - m)
+            if node >= 0 and kids[node] is not None:
+                yield node, m
+
+    def _build_bfs(
+        self, matches: Iterator[tuple[int, int]], tokens: list[int], parents: list[int],
+        budget: int,
+    ) -> None:
+        """Recency BFS: at tree level l below a match of length m, take the
+        breadth[m + l - 2] most recent children; later matches merge into the same tree."""
+        kids, tok, breadth = self._kids, self._tok, self._breadth
+        tree_kids: list[dict[int, int]] = [{}]  # tree node -> {token: tree node}
+        for anchor, m in matches:
+            queue = deque([(0, anchor, m - 1)])  # tree node, trie node, breadth index
+            while queue:
+                idx, tn, bi = queue.popleft()
+                ch = kids[tn]
+                if ch is None:
+                    continue
+                b = breadth[bi]
+                for child in reversed(ch.values()) if type(ch) is dict else (ch,):
+                    if b == 0:
+                        break
+                    b -= 1
+                    t = tok[child]
+                    pos = tree_kids[idx].get(t)
+                    if pos is None:
+                        pos = len(tokens)
+                        tokens.append(t)
+                        parents.append(idx)
+                        tree_kids.append({})
+                        tree_kids[idx][t] = pos
+                        if pos + 1 >= budget:
+                            return
+                    queue.append((pos, child, bi + 1))
+
+    def _build_prob(
+        self, matches: Iterator[tuple[int, int]], tokens: list[int], parents: list[int],
+        budget: int,
+    ) -> None:
+        """Frequency: a max-heap on P(path) = product of count / parent's child total over the
+        top max_bfs_breadth children of each expanded node; best paths join the tree first."""
+        cnt, tot, tok, kids = self._cnt, self._tot, self._tok, self._kids
+        tree_kids: list[dict[int, int]] = [{}]
+        heap: list[tuple[float, int, int, int]] = []  # (-prob, seq, tree parent, trie node)
+        seq = 0
+        for anchor, _ in matches:
+            idx, tn, prob = 0, anchor, 1.0
+            while True:
+                if kids[tn] is not None:
+                    scale = prob / tot[tn]
+                    for child in self._top_children(tn):
+                        heapq.heappush(heap, (-cnt[child] * scale, seq, idx, child))
+                        seq += 1
+                if not heap:
+                    break
+                negp, _, parent, tn = heapq.heappop(heap)
+                t = tok[tn]
+                idx = tree_kids[parent].get(t)
+                if idx is None:
+                    idx = len(tokens)
+                    tokens.append(t)
+                    parents.append(parent)
+                    tree_kids.append({})
+                    tree_kids[parent][t] = idx
+                    if idx + 1 >= budget:
+                        return
+                prob = -negp
+
+    def _top_children(self, node: int) -> list[int]:
+        top = self._tops.get(node)
+        if top is None:
+            order, cnt = self._children(node), self._cnt
+            # list order is recency: the index breaks count ties toward the most recent
+            best = heapq.nlargest(
+                self.cfg.max_bfs_breadth, range(len(order)), key=lambda i: (cnt[order[i]], i)
+            )
+            top = self._tops[node] = [order[i] for i in best]
+        return top
+
+    # ---------------------------------------------------------------- corpus, checks
+
+    def load_corpus(
+        self, path: str | Path, tokenize: Callable[[str], Sequence[int]] | None = None
+    ) -> int:
+        """Preload documents; returns the number of tokens inserted.
+
+        `.jsonl`: one record per line, {"tokens": [...]}, {"text": "..."} or a bare JSON string.
+        Any other file: plain text, one document per blank-line-separated paragraph. Text needs
+        `tokenize` (text -> token ids). Each document is inserted on its own (no n-gram spans
+        two documents).
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"n-gram corpus not found: {path}")
+
+        def encode(text: str, where: str) -> Sequence[int]:
+            if tokenize is None:
+                raise ValueError(f"{where}: text needs a tokenizer (pass tokenize=...)")
+            return tokenize(text)
+
+        total = 0
+        with path.open(encoding="utf-8") as f:
+            if path.suffix == ".jsonl":
+                for line_no, line in enumerate(f, start=1):
+                    if not line.strip():
+                        continue
+                    where = f"{path}:{line_no}"
+                    try:
+                        rec = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{where}: invalid JSON: {e.msg}") from e
+                    if isinstance(rec, str):
+                        ids = encode(rec, where)
+                    elif isinstance(rec, dict) and "tokens" in rec:
+                        ids = rec["tokens"]
+                    elif isinstance(rec, dict) and "text" in rec:
+                        ids = encode(rec["text"], where)
+                    else:
+                        want = '{"tokens": [...]}, {"text": ...} or a JSON string'
+                        raise ValueError(f"{where}: expected {want}")
+                    self.insert(ids)
+                    total += len(ids)
+            else:
+                for para in f.read().split("\n\n"):
+                    if para.strip():
+                        ids = encode(para, str(path))
+                        self.insert(ids)
+                        total += len(ids)
+        return total
+
+    def check_integrity(self) -> None:
+        """Assert every structural invariant (O(num_nodes); for tests and debugging)."""
+        lru, cnt, queued = self._lru, self._cnt, self._queued
+        reachable: set[int] = set()
+        stack = [(_ROOT, 0)]
+        while stack:
+            node, depth = stack.pop()
+            ch = self._kids[node]
+            kids = self._children(node)
+            if node != _ROOT:
+                reachable.add(node)
+                assert 1 <= depth <= self._depth, f"node at depth {depth} > {self._depth}"
+                assert cnt[node] >= 1, "a stored n-gram occurred at least once"
+                assert queued[node] == (node in lru), "queued flag disagrees with the LRU"
+                assert ch is not None or queued[node], "a leaf must be in the LRU"
+            assert type(ch) is not dict or len(ch) >= 2, "one child is stored inline"
+            if type(ch) is dict:
+                assert all(self._tok[c] == t for t, c in ch.items()), "child key != its token"
+            assert self._tot[node] == sum(cnt[c] for c in kids), "child total drift"
+            for c in kids:
+                assert self._par[c] == node, "child's parent link broken"
+                stack.append((c, depth + 1))
+            top = self._tops.get(node)
+            if top is not None:
+                want = sorted(range(len(kids)), key=lambda i: (cnt[kids[i]], i), reverse=True)
+                assert top == [kids[i] for i in want[: self.cfg.max_bfs_breadth]], "stale top-k"
+        n = self._num_nodes
+        assert len(reachable) == n, f"num_nodes {n} but {len(reachable)} reachable"
+        assert n <= self.cfg.capacity, f"{n} nodes exceed capacity {self.cfg.capacity}"
+        assert reachable.isdisjoint(self._free) and len(set(self._free)) == len(self._free)
+        assert len(self._free) + n + 1 == len(self._tok), "an id is neither live nor free"
+        assert all(node in reachable for node in lru), "dead node in the LRU"
+        assert all(node in reachable for node in self._tops), "top-k of a dead node"
+        assert len(self._states) <= self.cfg.max_tracked_requests, "too many request states"
+        for st in self._states.values():
+            assert len(st.anchors) == len(st.versions) == len(st.tail) + 1 <= self._depth
+            assert st.anchors[0] == _ROOT, "anchors[0] must be the root"

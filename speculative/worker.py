@@ -1,0 +1,135 @@
+"""One speculative decode step inside the model runner: draft → tree-masked verify → commit.
+
+KV slots come from the scheduler: each request arrives with its prefix slots plus `budget`
+fresh slots. Tree node i is written to fresh slot i; after verification the accepted path's KV
+is moved to the first fresh slots in path order (commit by move), so the request's KV stays a
+plain ordered slot list. The request gains `len(path)` tokens of KV (root + accepted drafts) and
+`len(path)` output tokens (accepted drafts + the bonus token); the scheduler frees the other
+fresh slots. Requests with repetition/frequency/presence penalties are not drafted for: their
+target distribution depends on the path, which plain decoding handles exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
+from runtime.sampling.sampler import SamplingBatchInfo, expand, process_logits
+from speculative.base import Drafter, SpecConfig, SpecReq
+from speculative.verify import VerifyResult, verify_greedy, verify_stochastic
+
+
+@dataclass
+class SpecReqState:
+    budget: int
+    fail_streak: int = 0
+    steps_since_probe: int = 0
+
+
+@dataclass(slots=True)
+class SpecEntry:
+    rid: str
+    tokens: list[int]  # history; tokens[-1] = root
+    prefix_len: int
+    slots: torch.Tensor  # [prefix_len + budget]
+    state: object  # RunnerReqState (params, generator)
+
+
+class SpeculativeWorker:
+    def __init__(self, cfg: SpecConfig, drafter: Drafter, runner) -> None:
+        self.cfg = cfg
+        self.drafter = drafter
+        self.runner = runner
+        self.req_states: dict[str, SpecReqState] = {}
+
+    def release(self, rid: str) -> None:
+        self.req_states.pop(rid, None)
+        self.drafter.release(rid)
+
+    def _budget(self, e: SpecEntry) -> int:
+        fresh = e.slots.numel() - e.prefix_len
+        if e.state.params.repetition_penalty != 1.0 or e.state.params.frequency_penalty != 0.0 \
+                or e.state.params.presence_penalty != 0.0:
+            return 1
+        st = self.req_states.setdefault(e.rid, SpecReqState(self.cfg.num_draft_tokens))
+        if not self.cfg.adaptive:
+            return fresh
+        if st.budget == 1:
+            st.steps_since_probe += 1
+            if st.steps_since_probe >= 4:  # probe again now and then
+                st.steps_since_probe = 0
+                return min(2, fresh)
+        return min(st.budget, fresh)
+
+    def _adapt(self, rid: str, drafted: int, accepted: int) -> None:
+        st = self.req_states.get(rid)
+        if st is None or not self.cfg.adaptive or drafted == 0:
+            return
+        if accepted == 0:
+            st.fail_streak += 1
+            if st.fail_streak >= 2:
+                st.budget = max(1, st.budget // 2)
+                st.fail_streak = 0
+        else:
+            st.fail_streak = 0
+            st.budget = min(self.cfg.num_draft_tokens, max(2, st.budget * 2))
+
+    def step(self, entries: list[SpecEntry]) -> tuple[list[list[int]], list[dict]]:
+        reqs = [SpecReq(e.rid, e.tokens, self._budget(e)) for e in entries]
+        trees = self.drafter.propose(reqs)
+        masks, positions, slots, tokens = [], [], [], []
+        for e, tree, r in zip(entries, trees, reqs):
+            n = tree.num_nodes
+            assert 1 <= n <= max(r.budget, 1), f"{e.rid}: drafter gave {n} nodes, budget {r.budget}"
+            assert int(tree.tokens[0]) == e.tokens[-1], "tree root must be the last token"
+            masks.append(tree.ancestor_mask)
+            positions.append(e.prefix_len + tree.depth)
+            slots.append(e.slots[: e.prefix_len + n])
+            tokens.append(tree.tokens.tolist())
+        batch = ForwardBatch.build(
+            ForwardMode.TARGET_VERIFY, tokens, slots, [e.prefix_len for e in entries],
+            positions=positions, custom_masks=masks, logits="all",
+        )
+        logits = self.runner.forward(batch).logits  # [sum n, vocab]
+        results = self._verify(entries, trees, logits)
+        out_tokens, infos = [], []
+        for e, tree, res in zip(entries, trees, results):
+            self._commit(e, res)
+            drafted, accepted = tree.num_nodes - 1, len(res.accepted_tokens)
+            self._adapt(e.rid, drafted, accepted)
+            out_tokens.append(res.output_tokens)
+            infos.append({"drafted": drafted, "accepted": accepted})
+        return out_tokens, infos
+
+    def _verify(self, entries, trees, logits: torch.Tensor) -> list[VerifyResult]:
+        results, off = [], 0
+        for e, tree in zip(entries, trees):
+            n = tree.num_nodes
+            rows = logits[off : off + n]  # [n, vocab]
+            off += n
+            params = e.state.params
+            if params.is_greedy:
+                results.append(verify_greedy(tree, rows.argmax(dim=-1)))
+                continue
+            info = SamplingBatchInfo.from_params(
+                [params], rows.shape[-1], rows.device, generators=[e.state.generator]
+            )
+            probs = process_logits(rows, expand(info, [n]))  # [n, vocab] target p per node
+            gen = e.state.generator
+            uniforms = torch.rand(n, dtype=torch.float64, generator=gen,
+                                  device=gen.device if gen is not None else "cpu")
+            results.append(verify_stochastic(
+                tree, probs, uniforms, q_mode=self.drafter.q_mode,
+                threshold_single=self.cfg.accept_threshold_single,
+                threshold_acc=self.cfg.accept_threshold_acc,
+            ))
+        return results
+
+    def _commit(self, e: SpecEntry, res: VerifyResult) -> None:
+        path = torch.tensor(res.accepted_nodes)
+        moved = path != torch.arange(path.numel())
+        if bool(moved.any()):
+            base = e.slots[e.prefix_len :]
+            self.runner.kv_pool.move(base[path[moved]], base[torch.nonzero(moved).flatten()])

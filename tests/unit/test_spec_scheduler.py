@@ -1,0 +1,107 @@
+"""Speculative steps inside continuous batching, with drafters that are right, wrong or mixed:
+greedy output must equal plain decoding token for token and no KV may leak."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from runtime.model_runner.runner_process import RunnerWorker
+from speculative.base import Drafter, SpecConfig, SpecReq
+from speculative.tree import DraftTree
+from speculative.worker import SpeculativeWorker
+from tests.unit.test_scheduler import Harness, prompts, reference, tiny  # noqa: F401
+
+
+class OracleMixDrafter(Drafter):
+    """Random trees whose first branch follows the known greedy continuation for a while."""
+
+    def __init__(self, cfg, runner, truth: dict[tuple, list[int]], seed: int) -> None:
+        super().__init__(cfg, runner)
+        self.truth = truth
+        self.rng = random.Random(seed)
+
+    def propose(self, reqs: list[SpecReq]) -> list[DraftTree]:
+        trees = []
+        for r in reqs:
+            n = self.rng.randint(1, r.budget)
+            tokens, parents = [r.tokens[-1]], [-1]
+            cont = self._continuation(r.tokens)
+            good = self.rng.randint(0, n - 1)
+            for i in range(1, n):
+                if i <= good and cont is not None and i - 1 < len(cont):
+                    tokens.append(cont[i - 1])
+                    parents.append(i - 1)  # a chain of correct tokens
+                else:
+                    tokens.append(self.rng.randrange(3, 300))
+                    parents.append(self.rng.randrange(0, i))
+            trees.append(DraftTree.from_parents(tokens, parents))
+        return trees
+
+    def _continuation(self, history: list[int]) -> list[int] | None:
+        for prompt, out in self.truth.items():
+            full = list(prompt) + out
+            if history == full[: len(history)] and len(history) >= len(prompt):
+                return full[len(history) :]
+        return None
+
+
+def spec_harness(tiny, drafter_factory, num_draft_tokens=6, **cfg):  # noqa: F811
+    h = Harness(tiny, num_draft_tokens=num_draft_tokens, **cfg)
+    runner = tiny[1]
+    spec_cfg = SpecConfig("TEST", num_draft_tokens, adaptive=False)
+    h.worker = RunnerWorker(runner, SpeculativeWorker(spec_cfg, drafter_factory(spec_cfg, runner),
+                                                      runner))
+    h.sched.run_batch = h.worker.run
+    return h
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_greedy_spec_output_equals_plain_decoding_under_batching(tiny, seed):  # noqa: F811
+    ps = prompts(8, seed=10 + seed)
+    ref = reference(tiny, ps, ignore_eos=True, max_new_tokens=24)
+    truth = {tuple(p): r for p, r in zip(ps, ref)}
+    h = spec_harness(tiny, lambda c, r: OracleMixDrafter(c, r, truth, seed),
+                     max_running_requests=5, chunked_prefill_size=32)
+    for i, p in enumerate(ps):
+        h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=24)
+    h.run()
+    assert [h.outputs[f"r{i}"] for i in range(8)] == ref
+    info = h.sched.info()
+    assert info["spec_decode_num_accepted_tokens"] > 0, "oracle drafts must be accepted"
+    assert info["avg_spec_accept_length"] > 1.0
+    meta = h.meta["r0"]
+    assert meta["spec_verify_ct"] < 24 and meta["spec_accept_length"] > 1.0
+    h.sched.check_no_leak()
+
+
+def test_spec_with_stop_inside_accepted_tokens_and_retraction(tiny):  # noqa: F811
+    ps = prompts(6, seed=3)
+    ref = reference(tiny, ps, ignore_eos=True, max_new_tokens=30)
+    truth = {tuple(p): r for p, r in zip(ps, ref)}
+    h = spec_harness(tiny, lambda c, r: OracleMixDrafter(c, r, truth, 5), capacity=130,
+                     decode_reserve_ratio=0.0)
+    for i, p in enumerate(ps):
+        stop_ids = [ref[i][7]] if i % 2 == 0 else []
+        h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=30, stop_token_ids=stop_ids)
+    h.run()
+    for i in range(6):
+        expect = ref[i][: ref[i].index(ref[i][7]) + 1] if i % 2 == 0 else ref[i]
+        assert h.outputs[f"r{i}"] == expect
+    assert h.sched.totals["retracted"] > 0
+    h.sched.check_no_leak()
+
+
+def test_sampled_spec_runs_and_frees_kv(tiny):  # noqa: F811
+    ps = prompts(4, seed=4)
+    truth = {tuple(p): [] for p in ps}
+    h = spec_harness(tiny, lambda c, r: OracleMixDrafter(c, r, truth, 9))
+    for i, p in enumerate(ps):
+        h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=20, temperature=0.8, top_p=0.9,
+                 seed=i)
+    h.run()
+    assert all(len(h.outputs[f"r{i}"]) == 20 for i in range(4))
+    h.sched.check_no_leak()
+    torch.manual_seed(0)
