@@ -26,6 +26,17 @@ from runtime.tokenizer.tokenizer_manager import TokenizerManager
 logger = logging.getLogger("specserve")
 
 
+class _Server(uvicorn.Server):
+    """uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown; we still have children to
+    stop and an exit code to set, so the signal ends here."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()
+
+
 async def _warm_up(tm: TokenizerManager) -> float:
     t0 = time.perf_counter()
     params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
@@ -51,7 +62,7 @@ def serve(args: ServerArgs) -> int:
         config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop",
                                 log_level=args.log_level, access_log=args.log_level == "debug",
                                 timeout_graceful_shutdown=3)
-        server = uvicorn.Server(config)
+        server = _Server(config)
         dead: list[str] = []
 
         async def watchdog() -> None:

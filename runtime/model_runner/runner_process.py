@@ -157,7 +157,7 @@ def run_model_runner_process(server_args, ipc_dir: str, parent_pid: int) -> None
         "vocab_size": mc.vocab_size, "eos_token_ids": mc.eos_token_ids,
         "device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
         "architecture": mc.architecture, "num_layers": mc.num_hidden_layers,
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(), "runner_pid": os.getpid(),
     }))
     while True:
         msg = recv.recv(timeout_ms=1000)
