@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -36,10 +37,43 @@ class ServingMetrics:
         self.queued = gauge("specserve_num_queue_reqs", "requests waiting")
         self.kv_usage = gauge("specserve_token_usage", "fraction of KV slots in use")
 
+        self._info: dict = {}
+        self.registry.register(_SpecCollector(self, model_name))
+
     def update_from_server_info(self, info: dict) -> None:
+        self._info = info
         self.running.set(info.get("num_running_reqs", 0))
         self.queued.set(info.get("num_waiting_reqs", 0))
         self.kv_usage.set(info.get("kv_usage", 0.0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _SpecCollector:
+    """Speculative counters (vLLM names) from the scheduler's totals, read at scrape time."""
+
+    def __init__(self, metrics: ServingMetrics, model_name: str) -> None:
+        self.metrics = metrics
+        self.model_name = model_name
+
+    def collect(self):
+        info = self.metrics._info
+        if "spec_verify_steps" not in info:
+            return
+        for name, key, doc in (
+            ("specserve_spec_decode_num_drafts", "spec_verify_steps", "verify steps"),
+            ("specserve_spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens",
+             "draft tokens proposed"),
+            ("specserve_spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens",
+             "draft tokens accepted"),
+        ):
+            fam = CounterMetricFamily(name, doc, labels=["model_name"])
+            fam.add_metric([self.model_name], info[key])
+            yield fam
+        fam = CounterMetricFamily("specserve_spec_decode_num_accepted_tokens_per_pos",
+                                  "verify steps accepting a draft at this position",
+                                  labels=["model_name", "position"])
+        for pos, count in enumerate(info.get("spec_decode_num_accepted_tokens_per_pos", [])):
+            fam.add_metric([self.model_name, str(pos)], count)
+        yield fam
