@@ -48,8 +48,11 @@ class NgramDrafter(Drafter):
             if r.budget <= 1:
                 trees.append(DraftTree.chain(r.tokens[-1], []))
             else:
-                trees.append(self.cache.draft(r.tokens[-depth:], r.budget))
+                trees.append(self.cache.draft(r.tokens[-depth:], r.budget, key=r.rid))
         return trees
+
+    def release(self, rid: str) -> None:
+        self.cache.release(rid)
 
     def observe(self, rid: str, tokens: list[int], num_new: int) -> None:
         if num_new >= len(tokens):

@@ -1,9 +1,10 @@
 """The NGRAM drafter's memory: one token trie of n-grams shared by every request of a server.
 
 Every n-gram (t_s .. t_e) of length <= max_trie_depth (D) that occurred is a path from the root;
-a node's `count` is how many times its n-gram occurred. To draft after a context, take the nodes
+a node's count is how many times its n-gram occurred. To draft after a context, take the nodes
 of the context's suffixes (longest first) and read their subtrees: a node's children are the
-tokens that followed that suffix, ordered by recency (the dict order) or ranked by count.
+tokens that followed that suffix, ordered by recency or ranked by count. A match of m tokens
+can only continue D - m tokens deep, so drafts reach at most D - 1 tokens past the root.
 
 Costs, all independent of the context length (this runs between forwards, on the CPU):
     insert(tokens)   O(len(tokens) * D)
@@ -13,26 +14,28 @@ Costs, all independent of the context length (this runs between forwards, on the
                      O(D^2) lookup of the anchors.
     draft(...)       O(D^2) dict lookups to match suffixes (O(D) with `key` after `extend`),
                      plus O(num_draft_tokens * max_bfs_breadth) to build the tree.
+No operation has an O(trie size) step hidden in it (no hash-table rebuild of the whole trie, no
+per-node Python objects for the garbage collector to walk), so the tail latency stays flat.
 
 Recency ("touch"): a node is touched when an occurrence ends at it (it moves to the end of its
-parent's children dict and of the global LRU) and when one of its children is counted (LRU
-only). Siblings have equal depth, so their order is the order of their last occurrences; it is
-the same whether a sequence is fed at once (`insert`) or token by token (`extend`).
+parent's children and of the global LRU) and when one of its children is counted (LRU only).
+Siblings have equal depth, so their order is the order of their last occurrences; it is the
+same whether a sequence is fed at once (`insert`) or token by token (`extend`).
 
 Eviction keeps num_nodes <= capacity by removing the least recently touched LEAF, so every
 surviving node still has its whole path. The global LRU holds every leaf; a non-leaf popped from
 its front leaves the queue ("parked") until it is touched again or its last child is evicted, at
 which point it is older than everything queued and goes back to the front. Amortised O(1).
 
-Memory: about 300-450 bytes per node in CPython (object + children dict + LRU entry); the
-default capacity of 1M nodes is a few hundred MB. SGLang's C++ trie defaults to 10M nodes.
-Not thread-safe: the model-runner process calls it between forwards from one thread.
+Memory: about 100 bytes per node (measured), so the default 1M nodes is ~100 MB; SGLang's C++
+trie defaults to 10M nodes. Not thread-safe: the model runner calls it from one thread.
 """
 
 from __future__ import annotations
 
 import heapq
 import json
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
@@ -49,8 +52,9 @@ _MISSING = -1  # recorded version of an anchor whose n-gram is not in the trie (
 class NgramConfig:
     """Trie and drafting parameters (names follow SGLang's --speculative-ngram-* flags).
 
-    capacity:             most trie nodes (root excluded); LRU leaves are evicted beyond. 1M
-                          nodes is a few hundred MB in CPython (SGLang's C++ default is 10M).
+    capacity:             most trie nodes (root excluded); LRU leaves are evicted beyond.
+                          ~100 bytes per node: the 1M default is ~100 MB (SGLang's C++ trie
+                          defaults to 10M nodes; ours stays in the model-runner's heap).
     max_trie_depth:       D, the longest n-gram stored; suffixes of up to D-1 tokens are matched
                           (a D-token match has no stored continuation).
     min_match_window:     shortest suffix that counts as a match.
@@ -74,8 +78,9 @@ class NgramConfig:
         d = self.max_trie_depth
         if d < 2:
             raise ValueError(f"max_trie_depth must be >= 2, got {d}")
-        # One extend step touches at most D(D+1)/2 nodes; a larger trie always has an unrelated
-        # leaf to evict, so eviction never removes a node the step is working on.
+        # One extend step works on at most D(D+1)/2 nodes (anchors, their paths, new children);
+        # a larger trie always has an unrelated leaf that is older, so eviction never removes
+        # a node the step is working on.
         if self.capacity < d * d:
             raise ValueError(f"capacity must be >= max_trie_depth^2 = {d * d}, got {self.capacity}")
         if not 1 <= self.min_match_window < d:
@@ -110,9 +115,13 @@ class NgramCache:
         _tok[n]    last token of the n-gram          _par[n]   parent id (-1: root / free)
         _cnt[n]    occurrences counted               _tot[n]   sum of the children's _cnt
         _kids[n]   None (leaf) | a child id (one child) | {token: child id} (>= 2 children,
-                   insertion order = recency, the last touched last)
-        _queued[n] 1 iff n is in the LRU; every leaf is
-        _tops[n]   PROB's top-k children by (count, recency), exact once computed
+                   insertion order = recency, the last touched last; not kept for the root,
+                   whose children are never drafted from)
+        _prev[n], _next[n]  the global LRU, a doubly linked list through the ids with the root
+                   as its sentinel (_next[0] = least recently touched, _prev[0] = most);
+                   _prev[n] = -1 iff n is not queued (parked or free). Every leaf is queued.
+        _tops[n]   PROB's top-k children by (count, recency), exact once computed (an
+                   array, which the garbage collector does not track)
     Ids, ints and dicts of ints keep the garbage collector out: a trie of millions of nodes
     adds no tracked objects per node, so no collection pauses the model runner for long.
     """
@@ -126,10 +135,10 @@ class NgramCache:
         self._tot: list[int] = [0]
         self._kids: list[int | dict[int, int] | None] = [None]
         self._ver: list[int] = [0]
-        self._queued = bytearray(1)
+        self._prev: list[int] = [0]
+        self._next: list[int] = [0]
         self._free: list[int] = []
-        self._tops: dict[int, list[int]] = {}
-        self._lru: OrderedDict[int, None] = OrderedDict()  # front = least recently touched
+        self._tops: dict[int, array[int]] = {}
         self._num_nodes = 0
         self._states: OrderedDict[Hashable, _ReqState] = OrderedDict()
         # breadth for (match length m, tree level l), indexed by m + l - 2 in [0, D-2]: the
@@ -167,13 +176,16 @@ class NgramCache:
         st = self._states.get(key)
         if st is not None and st.tail == tail:
             anchors, versions = st.anchors, st.versions
-            self._states.move_to_end(key)
         else:
             anchors, versions = self._lookup_anchors(tail)
         anchors, versions = self._feed(anchors, versions, tail, [int(t) for t in new_tokens])
-        self._states[key] = _ReqState(tail, anchors, versions)
-        if len(self._states) > self.cfg.max_tracked_requests:
-            self._states.popitem(last=False)
+        if st is None:
+            self._states[key] = _ReqState(tail, anchors, versions)
+            if len(self._states) > self.cfg.max_tracked_requests:
+                self._states.popitem(last=False)
+        else:
+            st.tail, st.anchors, st.versions = tail, anchors, versions
+            self._states.move_to_end(key)
 
     def release(self, key: Hashable) -> None:
         """Forget a finished request's anchors (its n-grams stay in the trie)."""
@@ -219,24 +231,28 @@ class NgramCache:
         Invariant in and out: len(anchors) == len(tail) + 1 <= D and anchors[k] ~ tail[-k:]
         wherever versions[k] still equals the node's version.
         """
-        depth, lru, tops = self._depth, self._lru, self._tops
-        tok, cnt, tot, kids, ver, queued = (
-            self._tok, self._cnt, self._tot, self._kids, self._ver, self._queued
-        )
+        depth, tops = self._depth, self._tops
+        tok, cnt, tot, kids, ver = self._tok, self._cnt, self._tot, self._kids, self._ver
+        prv, nxt = self._prev, self._next
         for t in tokens:
             new, new_versions = [_ROOT], [0]
             for k in range(len(anchors)):
                 a = anchors[k]
                 if ver[a] != versions[k]:
                     a = self._materialize(tail, k)  # missing, or evicted since recorded
-                elif a:
-                    # Touch the extension point: the path stays recent and `a` cannot be the
-                    # eviction victim while we add its child.
-                    if queued[a]:
-                        lru.move_to_end(a)
-                    else:
-                        lru[a] = None
-                        queued[a] = 1
+                elif a and nxt[a] != _ROOT:
+                    # Touch the extension point (inlined _touch): the path stays recent and
+                    # `a` cannot be the eviction victim while we add its child.
+                    p = prv[a]
+                    if p >= 0:
+                        q = nxt[a]
+                        nxt[p] = q
+                        prv[q] = p
+                    p = prv[_ROOT]
+                    nxt[p] = a
+                    prv[a] = p
+                    nxt[a] = _ROOT
+                    prv[_ROOT] = a
                 ch = kids[a]
                 if ch is None:
                     n = -1
@@ -248,14 +264,19 @@ class NgramCache:
                     n = self._add_child(a, t)
                 else:
                     cnt[n] += 1
-                    if type(ch) is dict:
+                    if a and type(ch) is dict:  # (the root's children are never drafted from)
                         del ch[t]  # re-insert: the most recent sibling goes last
                         ch[t] = n
-                    if queued[n]:
-                        lru.move_to_end(n)
-                    else:
-                        lru[n] = None
-                        queued[n] = 1
+                    p = prv[n]  # inlined _touch(n)
+                    if p >= 0:
+                        q = nxt[n]
+                        nxt[p] = q
+                        prv[q] = p
+                    p = prv[_ROOT]
+                    nxt[p] = n
+                    prv[n] = p
+                    nxt[n] = _ROOT
+                    prv[_ROOT] = n
                 tot[a] += 1
                 if tops:
                     top = tops.get(a)
@@ -272,7 +293,6 @@ class NgramCache:
 
     def _materialize(self, tail: list[int], k: int) -> int:
         """The node of tail[-k:], creating missing path nodes with count 1 (they occurred)."""
-        lru, queued = self._lru, self._queued
         node = _ROOT
         for i in range(len(tail) - k, len(tail)):
             nxt = self._child(node, tail[i])
@@ -282,11 +302,8 @@ class NgramCache:
                 top = self._tops.get(node)
                 if top is not None:
                     self._update_top(top, nxt)
-            elif queued[nxt]:
-                lru.move_to_end(nxt)
             else:
-                lru[nxt] = None
-                queued[nxt] = 1
+                self._touch(nxt)
             node = nxt
         return node
 
@@ -313,7 +330,6 @@ class NgramCache:
         if self._free:
             n = self._free.pop()
             self._tok[n], self._par[n], self._cnt[n], self._tot[n] = t, parent, 1, 0
-            self._queued[n] = 1
         else:
             n = len(self._tok)
             self._tok.append(t)
@@ -322,7 +338,8 @@ class NgramCache:
             self._tot.append(0)
             self._kids.append(None)
             self._ver.append(0)
-            self._queued.append(1)
+            self._prev.append(-1)
+            self._next.append(-1)
         ch = self._kids[parent]  # read after the eviction, which may have changed it
         if ch is None:
             self._kids[parent] = n
@@ -330,11 +347,25 @@ class NgramCache:
             ch[t] = n
         else:
             self._kids[parent] = {self._tok[ch]: ch, t: n}
-        self._lru[n] = None
+        self._touch(n)
         self._num_nodes += 1
         return n
 
-    def _update_top(self, top: list[int], node: int) -> None:
+    def _touch(self, n: int) -> None:
+        """Move (or add) `n` to the most recent end of the LRU."""
+        prv, nxt = self._prev, self._next
+        p = prv[n]
+        if p >= 0:
+            q = nxt[n]
+            nxt[p] = q
+            prv[q] = p
+        p = prv[_ROOT]
+        nxt[p] = n
+        prv[n] = p
+        nxt[n] = _ROOT
+        prv[_ROOT] = n
+
+    def _update_top(self, top: array[int], node: int) -> None:
         """`node` was just counted and is its parent's most recent child: its (count, recency)
         key rose, no other sibling's changed, so the exact top-k changes by at most one swap."""
         cnt = self._cnt
@@ -355,10 +386,14 @@ class NgramCache:
 
     def _evict_one(self) -> None:
         """Remove the least recently touched leaf (see the module docstring)."""
-        lru, kids, queued, tops = self._lru, self._kids, self._queued, self._tops
+        kids, tops, prv, nxt = self._kids, self._tops, self._prev, self._next
         while True:
-            n, _ = lru.popitem(last=False)
-            queued[n] = 0
+            n = nxt[_ROOT]
+            assert n != _ROOT, "the LRU is empty but the trie is full"
+            q = nxt[n]
+            nxt[_ROOT] = q
+            prv[q] = _ROOT
+            prv[n] = nxt[n] = -1  # both -1: a parked node is never taken for the last one
             if kids[n] is None:
                 break
             # a parked non-leaf: out of the queue until touched or childless
@@ -383,10 +418,13 @@ class NgramCache:
         self._par[n] = -1
         self._free.append(n)
         self._num_nodes -= 1
-        if kids[p] is None and p != _ROOT and not queued[p]:
-            lru[p] = None  # parked at the front earlier: older than everything queued
-            lru.move_to_end(p, last=False)
-            queued[p] = 1
+        if kids[p] is None and p != _ROOT and prv[p] < 0:
+            # parked at the front earlier, not touched since: older than everything queued
+            q = nxt[_ROOT]
+            nxt[_ROOT] = p
+            prv[p] = _ROOT
+            nxt[p] = q
+            prv[q] = p
 
     # ---------------------------------------------------------------- drafting
 
@@ -504,7 +542,7 @@ class NgramCache:
                         return
                 prob = -negp
 
-    def _top_children(self, node: int) -> list[int]:
+    def _top_children(self, node: int) -> array[int]:
         top = self._tops.get(node)
         if top is None:
             order, cnt = self._children(node), self._cnt
@@ -512,7 +550,7 @@ class NgramCache:
             best = heapq.nlargest(
                 self.cfg.max_bfs_breadth, range(len(order)), key=lambda i: (cnt[order[i]], i)
             )
-            top = self._tops[node] = [order[i] for i in best]
+            top = self._tops[node] = array("q", [order[i] for i in best])
         return top
 
     # ---------------------------------------------------------------- corpus, checks
@@ -568,7 +606,16 @@ class NgramCache:
 
     def check_integrity(self) -> None:
         """Assert every structural invariant (O(num_nodes); for tests and debugging)."""
-        lru, cnt, queued = self._lru, self._cnt, self._queued
+        cnt, prv, nxt = self._cnt, self._prev, self._next
+        lru: list[int] = []  # walk the list front to back, checking the back links
+        node = nxt[_ROOT]
+        while node != _ROOT:
+            assert prv[nxt[node]] == node, "LRU links broken"
+            lru.append(node)
+            assert len(lru) <= self._num_nodes, "LRU cycle or dead nodes"
+            node = nxt[node]
+        queued = set(lru)
+        assert len(queued) == len(lru), "a node is queued twice"
         reachable: set[int] = set()
         stack = [(_ROOT, 0)]
         while stack:
@@ -579,8 +626,8 @@ class NgramCache:
                 reachable.add(node)
                 assert 1 <= depth <= self._depth, f"node at depth {depth} > {self._depth}"
                 assert cnt[node] >= 1, "a stored n-gram occurred at least once"
-                assert queued[node] == (node in lru), "queued flag disagrees with the LRU"
-                assert ch is not None or queued[node], "a leaf must be in the LRU"
+                assert (prv[node] >= 0) == (node in queued), "_prev disagrees with the LRU"
+                assert ch is not None or node in queued, "a leaf must be in the LRU"
             assert type(ch) is not dict or len(ch) >= 2, "one child is stored inline"
             if type(ch) is dict:
                 assert all(self._tok[c] == t for t, c in ch.items()), "child key != its token"
@@ -591,13 +638,14 @@ class NgramCache:
             top = self._tops.get(node)
             if top is not None:
                 want = sorted(range(len(kids)), key=lambda i: (cnt[kids[i]], i), reverse=True)
-                assert top == [kids[i] for i in want[: self.cfg.max_bfs_breadth]], "stale top-k"
+                want = [kids[i] for i in want[: self.cfg.max_bfs_breadth]]
+                assert top.tolist() == want, "stale top-k"
         n = self._num_nodes
         assert len(reachable) == n, f"num_nodes {n} but {len(reachable)} reachable"
         assert n <= self.cfg.capacity, f"{n} nodes exceed capacity {self.cfg.capacity}"
         assert reachable.isdisjoint(self._free) and len(set(self._free)) == len(self._free)
         assert len(self._free) + n + 1 == len(self._tok), "an id is neither live nor free"
-        assert all(node in reachable for node in lru), "dead node in the LRU"
+        assert queued <= reachable, "dead node in the LRU"
         assert all(node in reachable for node in self._tops), "top-k of a dead node"
         assert len(self._states) <= self.cfg.max_tracked_requests, "too many request states"
         for st in self._states.values():
