@@ -76,11 +76,12 @@ class Backend:
         return None
 
     def shutdown(self) -> None:
-        for proc in self.procs.values():
+        started = [p for p in self.procs.values() if p.pid is not None]
+        for proc in started:
             if proc.is_alive():
                 proc.terminate()
         deadline = time.monotonic() + 3.0
-        for proc in self.procs.values():
+        for proc in started:
             proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()

@@ -84,6 +84,7 @@ class RunBatch(Msg):
     mode: str  # ForwardMode value
     reqs: list[ReqBatchEntry]
     released_rids: list[str] = []  # requests the runner can forget (finished or aborted)
+    reset_drafter: bool = False  # flush_cache: drop the drafter's learned state too
 
 
 class ShutdownReq(Msg):

@@ -63,6 +63,9 @@ class Drafter(ABC):
     def release(self, rid: str) -> None:  # noqa: B027
         """The request finished; drop per-request state."""
 
+    def reset(self) -> None:  # noqa: B027
+        """Drop all learned state (flush_cache)."""
+
 
 ALGORITHMS: dict[str, type[Drafter]] = {}
 

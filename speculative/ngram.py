@@ -54,6 +54,9 @@ class NgramDrafter(Drafter):
     def release(self, rid: str) -> None:
         self.cache.release(rid)
 
+    def reset(self) -> None:
+        self.cache = NgramCache(self.cache.cfg)
+
     def observe(self, rid: str, tokens: list[int], num_new: int) -> None:
         if num_new >= len(tokens):
             self.cache.insert(tokens)  # a new request's prompt

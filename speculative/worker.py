@@ -48,6 +48,11 @@ class SpeculativeWorker:
         self.req_states.pop(rid, None)
         self.drafter.release(rid)
 
+    def reset(self) -> None:
+        """Forget everything learned (called on flush_cache, when no request runs)."""
+        self.req_states.clear()
+        self.drafter.reset()
+
     def _budget(self, e: SpecEntry) -> int:
         fresh = e.slots.numel() - e.prefix_len
         if e.state.params.repetition_penalty != 1.0 or e.state.params.frequency_penalty != 0.0 \
@@ -88,10 +93,15 @@ class SpeculativeWorker:
             positions.append(e.prefix_len + tree.depth)
             slots.append(e.slots[: e.prefix_len + n])
             tokens.append(tree.tokens.tolist())
-        batch = ForwardBatch.build(
-            ForwardMode.TARGET_VERIFY, tokens, slots, [e.prefix_len for e in entries],
-            positions=positions, custom_masks=masks, logits="all",
-        )
+        if all(len(t) == 1 for t in tokens):
+            # nobody drafted: a plain decode step (no mask to build or apply)
+            batch = ForwardBatch.build(ForwardMode.DECODE, tokens, slots,
+                                       [e.prefix_len for e in entries])
+        else:
+            batch = ForwardBatch.build(
+                ForwardMode.TARGET_VERIFY, tokens, slots, [e.prefix_len for e in entries],
+                positions=positions, custom_masks=masks, logits="all",
+            )
         logits = self.runner.forward(batch).logits  # [sum n, vocab]
         results = self._verify(entries, trees, logits)
         out_tokens, infos = [], []

@@ -10,7 +10,6 @@ from starlette.responses import JSONResponse, Response
 
 from runtime.entrypoints.protocol import (
     GenerateRequest,
-    clamp_max_new_tokens,
     is_int_list,
     is_str_list,
     parse_model,
@@ -83,7 +82,6 @@ def parse_generate(body: GenerateRequest, tm: Any) -> tuple[bool, list[_Item]]:
         except InvalidRequestError as exc:
             name = field if exc.field in ("prompt", "input_ids") else exc.field
             raise InvalidRequestError(name, where + exc.message) from None
-        clamp_max_new_tokens(p, tm.context_length)
         items.append(_Item(ids, p, rid))
     return batch, items
 

@@ -21,7 +21,6 @@ from runtime.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     chat_messages,
-    clamp_max_new_tokens,
     parse_model,
     prompt_batch,
     read_json,
@@ -124,7 +123,6 @@ class OpenAIServing:
                 with _renamed(renames):
                     params = SamplingParams.from_dict(d, self.tm.vocab_size)
                     self.tm.check_prompt(ids, params)
-                clamp_max_new_tokens(params, self.tm.context_length)
                 index = len(choices)
                 choices.append(_Choice(index, p, ids, params, f"{req_id}-{index}"))
         return req_id, choices

@@ -15,7 +15,6 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.requests import Request
 
 from runtime.errors import InvalidRequestError
-from runtime.sampling.sampling_params import SamplingParams
 from runtime.tokenizer.tokenizer_manager import BackendDeadError
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -285,8 +284,3 @@ def error_for(exc: Exception) -> tuple[int, dict]:
         return 413, error_body(str(exc), None, 413)
     return 500, error_body("internal server error", None, 500, "server_error")
 
-
-def clamp_max_new_tokens(params: SamplingParams, context_length: int) -> None:
-    """The scheduler stops every request at the context length anyway; clamping keeps huge
-    values (JSON ints are unbounded) within what the msgpack IPC encoding can carry."""
-    params.max_new_tokens = min(params.max_new_tokens, context_length)

@@ -93,6 +93,8 @@ class RunnerWorker:
             self.states.pop(rid, None)
             if self.spec is not None:
                 self.spec.release(rid)
+        if msg.reset_drafter and self.spec is not None:
+            self.spec.reset()
         if not msg.reqs:
             return BatchResult(batch_id=msg.batch_id, next_token_ids=[])
         mode = ForwardMode(msg.mode)

@@ -10,7 +10,6 @@ from typing import Any
 from runtime.errors import InvalidRequestError
 
 MAX_STOP_STRINGS = 16
-MAX_NEW_TOKENS_LIMIT = 2**31 - 1  # it crosses sockets as a msgpack int; contexts are far shorter
 # Temperatures below this are treated as greedy: dividing logits by them overflows float32.
 GREEDY_TEMPERATURE_EPS = 1e-5
 _MAX_SEED = 2**64  # torch.Generator.manual_seed accepts [0, 2**64)
@@ -100,8 +99,6 @@ class SamplingParams:
                 _fail(name, f"must be in [-2, 2], got {value}")
         if self.max_new_tokens < 1:
             _fail("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
-        if self.max_new_tokens > MAX_NEW_TOKENS_LIMIT:
-            _fail("max_new_tokens", f"must be <= {MAX_NEW_TOKENS_LIMIT}")
         if len(self.stop) > MAX_STOP_STRINGS:
             _fail("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         if any(len(s) == 0 for s in self.stop):

@@ -93,6 +93,12 @@ class Scheduler:
             ok = self.idle
             if ok:
                 self.cache.reset()
+                # the drafter's learned state (e.g. the n-gram trie) is a cache too
+                self.batch_id += 1
+                self.run_batch(RunBatch(batch_id=self.batch_id, mode=ForwardMode.DECODE.value,
+                                        reqs=[], released_rids=self.released,
+                                        reset_drafter=True))
+                self.released = []
             self.emit(InfoOut(req_id=msg.req_id, info={"success": ok}))
         elif isinstance(msg, GetInfoReq):
             self.emit(InfoOut(req_id=msg.req_id, info=self.info()))
@@ -270,12 +276,9 @@ class Scheduler:
                 else len(new_slots)
             req.kv_slots = torch.cat([req.kv_slots, new_slots[:keep_slots]])
             self.allocator.free(new_slots[keep_slots:])
-            if spec is not None:
-                self._count_spec(req, spec, len(tokens))
             if not tokens:
                 continue
             req.output_ids.extend(tokens)
-            self.totals["generation_tokens"] += len(tokens)
             reason = self.stop.check(req, len(tokens))
             n_new = len(tokens)
             if reason is not None:
@@ -284,6 +287,10 @@ class Scheduler:
                 del req.output_ids[keep:]
                 req.finish_reason = reason
                 self._trim_kv(req)
+            # count what the request keeps, after a stop cut the step's tokens short
+            self.totals["generation_tokens"] += n_new
+            if spec is not None:
+                self._count_spec(req, spec, n_new)
             got[req.rid] = n_new
             out_reqs.append(req)
         for req in out_reqs:

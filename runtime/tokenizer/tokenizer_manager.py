@@ -183,6 +183,9 @@ class TokenizerManager:
                 f"is {self.context_length}, and at least one token must be generated",
             )
         params.validate(self.vocab_size)
+        # The scheduler stops every request at the context length anyway; clamping keeps huge
+        # values (JSON ints are unbounded) within what the msgpack IPC encoding can carry.
+        params.max_new_tokens = min(params.max_new_tokens, self.context_length)
 
     # ---- requests ----------------------------------------------------------------------
     async def generate(

@@ -1,0 +1,377 @@
+"""Speculative decoding against no speculation, on the same prompts, in the same run.
+
+    python -m benchmark.bench_speculative --dataset rewrite --num-prompts 20 \\
+        --configs NGRAM NGRAM:num_draft_tokens=16 --concurrency 1,8 --compare-hf
+    python -m benchmark.bench_speculative --base-url http://127.0.0.1:30000 \\
+        --baseline-url http://127.0.0.1:30001 --dataset rewrite      # two running servers
+
+- Every run (dataset × concurrency × config, the baseline first) gets a fresh `Engine`: started,
+  warmed up with one short request, measured, shut down. Fresh, because the NGRAM trie is shared
+  by all requests of a server: a second pass over the same prompts would draft from the first
+  pass's outputs and inflate acceptance.
+- `--configs`: `ALGO[:key=value,...]`, keys are `speculative_<key>` ServerArgs fields, e.g.
+  `NGRAM:num_draft_tokens=16,ngram_match_type=PROB`.
+- Concurrency c: c requests in flight (c = 1: one after another).
+- Metrics (definitions in `benchmark/spec_metrics.py`): output tokens/s, median per-request
+  tokens/s, speedup over the baseline at the same concurrency, mean accept length, acceptance
+  rate per draft position, draft tokens per step; at temperature 0 the number of requests whose
+  output differs from the baseline's (greedy must match up to near-ties).
+- `--compare-hf`: Hugging Face transformers on the same prompts (batch 1, fp32, greedy): plain
+  `generate` and prompt lookup; "vs HF PLD" = our tokens/s at c = 1 / HF prompt lookup's.
+  In the HF rows, "speedup" is prompt lookup over plain `generate`.
+- `--base-url`: measure an already-running server through HTTP `/generate` (whatever it is
+  configured as); speedup needs `--baseline-url` (a server without speculation). The servers'
+  radix caches are flushed before each run, their n-gram caches cannot be: with several
+  concurrency levels, later runs draft from earlier outputs.
+Writes full JSON (per-request records included, `--output`) and a PNG (`--plot`); prints a
+table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from benchmark.common import machine_info, write_json
+from benchmark.datasets import (
+    SPLITS,
+    BenchRequest,
+    DatasetError,
+    chat_prompt_ids,
+    load_bench_tokenizer,
+    sample_requests,
+)
+from benchmark.spec_metrics import (
+    BASELINE,
+    ConfigError,
+    SpecCounters,
+    SpecRecord,
+    SpecRunConfig,
+    compare_to_baseline,
+    parse_spec_configs,
+    speedup,
+    summarize_run,
+    summary_table,
+)
+from benchmark.spec_runner import EngineTarget, HttpTarget, Target, render_prompts, run_requests
+
+logger = logging.getLogger("bench_speculative")
+DATASETS = ("sharegpt", "rewrite", "custom")
+WARMUP_MESSAGES = [{"role": "user", "content": "Count from one to ten, in words."}]
+WARMUP_MAX_NEW_TOKENS = 16
+
+
+# ---- one run ---------------------------------------------------------------------------------
+def measure(
+    target: Target, config: str, dataset: str, reqs: list[BenchRequest],
+    prompts: list[list[int]], concurrency: int, args: argparse.Namespace,
+    server_args: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One run: counters before, every request, counters after; metrics from the deltas."""
+    before = SpecCounters.from_server_info(target.server_info())
+    records, wall = asyncio.run(run_requests(
+        target, reqs, prompts, concurrency, args.temperature, args.seed,
+        f"{dataset} {config} c={concurrency}", args.disable_tqdm,
+    ))
+    after = SpecCounters.from_server_info(target.server_info())
+    counters = after.minus(before) if after is not None else None
+    run = {
+        "dataset": dataset, "config": config, "concurrency": concurrency,
+        "server_args": server_args or {}, "counters": asdict(counters) if counters else None,
+        "metrics": summarize_run(records, wall, counters), "records": records,
+    }
+    m = run["metrics"]
+    logger.info("%s %s c=%d: %d/%d ok, %d tokens in %.1fs = %.2f tok/s%s", dataset, config,
+                concurrency, m["completed"], len(records), m["total_output_tokens"], wall,
+                m["output_tokens_per_s"],
+                f", accept length {m['accept_length']:.2f}" if m["accept_length"] else "")
+    for rec in records:
+        if rec.error:
+            logger.warning("request %s failed: %s", rec.id, rec.error)
+    return run
+
+
+# ---- engine mode -----------------------------------------------------------------------------
+def start_engine(args: argparse.Namespace, cfg: SpecRunConfig) -> Any:
+    from runtime.engine import Engine
+
+    t0 = time.perf_counter()
+    engine = Engine(model_path=args.model_path, log_level="warning",
+                    max_running_requests=max(32, *args.concurrency), **cfg.server_args)
+    try:
+        ids = engine.tm.chat_ids(WARMUP_MESSAGES)
+        engine.generate(input_ids=ids, sampling_params={
+            "max_new_tokens": WARMUP_MAX_NEW_TOKENS, "temperature": 0.0})
+        engine.flush_cache()  # the warm-up prompt's KV should not count as a cache hit
+    except BaseException:
+        engine.shutdown()
+        raise
+    logger.info("engine %s started and warmed up in %.1fs", cfg.label, time.perf_counter() - t0)
+    return engine
+
+
+def run_engines(
+    args: argparse.Namespace, configs: list[SpecRunConfig],
+    requests: dict[str, list[BenchRequest]], prompts: dict[str, list[list[int]]],
+) -> list[dict[str, Any]]:
+    """Baseline then every config, a fresh engine each, per dataset and concurrency. Fills
+    `prompts` (rendered with the first engine's chat template)."""
+    runs = []
+    cells = [(d, c, cfg) for d in requests for c in args.concurrency for cfg in [BASELINE,
+                                                                                   *configs]]
+    for dataset, c, cfg in tqdm(cells, desc="runs", disable=args.disable_tqdm, unit="run"):
+        engine = start_engine(args, cfg)
+        try:
+            if dataset not in prompts:
+                prompts[dataset] = render_prompts(requests[dataset], engine.tm.chat_ids,
+                                                  engine.tm.tokenize)
+            runs.append(measure(EngineTarget(engine), cfg.label, dataset, requests[dataset],
+                                prompts[dataset], c, args, cfg.server_args))
+        finally:
+            engine.shutdown()
+    return runs
+
+
+# ---- URL mode --------------------------------------------------------------------------------
+def run_urls(
+    args: argparse.Namespace, requests: dict[str, list[BenchRequest]],
+    prompts: dict[str, list[list[int]]],
+) -> tuple[list[dict[str, Any]], str]:
+    """Measure `--base-url` (and `--baseline-url` first, when given); returns (runs, the
+    baseline's label)."""
+    targets = []
+    if args.baseline_url:
+        targets.append(HttpTarget(args.baseline_url, args.api_key, args.request_timeout))
+    targets.append(HttpTarget(args.base_url, args.api_key, args.request_timeout))
+    labels = []
+    for t in targets:
+        if t.server_info() is None:
+            raise RuntimeError(f"no server answers GET {t.base_url}/server_info")
+        labels.append(t.label())
+        warm = {"max_new_tokens": WARMUP_MAX_NEW_TOKENS, "temperature": 0.0}
+        asyncio.run(_generate_once(t, next(iter(prompts.values()))[0], warm))
+    if len(set(labels)) < len(labels):
+        labels = [f"baseline {labels[0]}", labels[1]]
+    runs = []
+    for dataset in requests:
+        for c in args.concurrency:
+            for t, label in zip(targets, labels):
+                t.flush_cache()
+                runs.append(measure(t, label, dataset, requests[dataset], prompts[dataset], c,
+                                    args))
+    return runs, labels[0] if args.baseline_url else ""
+
+
+async def _generate_once(target: HttpTarget, ids: list[int], params: dict[str, Any]) -> None:
+    async with target.session():
+        await target.generate(ids, params)
+
+
+# ---- Hugging Face transformers ---------------------------------------------------------------
+def bench_hf(
+    model_dir: str, requests: dict[str, list[BenchRequest]], prompts: dict[str, list[list[int]]],
+    lookup_tokens: int, disable_tqdm: bool,
+) -> dict[str, dict[str, Any]]:
+    """Batch 1, fp32, greedy: plain `generate` and prompt lookup, per dataset."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pad = model.generation_config.pad_token_id
+    if pad is None:
+        eos = model.generation_config.eos_token_id
+        pad = eos[0] if isinstance(eos, list) else eos
+
+    def generate(ids: list[int], n: int, extra: dict[str, Any]) -> list[int]:
+        x = torch.tensor([ids])
+        with torch.inference_mode():
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
+                                 do_sample=False, pad_token_id=pad, **extra)
+        return out[0, len(ids):].tolist()
+
+    modes = {"generate": {}, "prompt_lookup": {"prompt_lookup_num_tokens": lookup_tokens}}
+    first = next(iter(prompts.values()))[0]
+    for extra in modes.values():  # warm-up
+        generate(first, WARMUP_MAX_NEW_TOKENS, extra)
+    out: dict[str, dict[str, Any]] = {}
+    for dataset, reqs in requests.items():
+        out[dataset] = {}
+        for mode, extra in modes.items():
+            records = []
+            for req, ids in tqdm(list(zip(reqs, prompts[dataset])), desc=f"HF {mode} {dataset}",
+                                 disable=disable_tqdm, leave=False, unit="req"):
+                rec = SpecRecord(req.id, req.kind, len(ids), req.max_new_tokens, success=True)
+                t0 = time.perf_counter()
+                rec.output_ids = generate(ids, req.max_new_tokens, extra)
+                rec.e2e_s = time.perf_counter() - t0
+                rec.completion_tokens = len(rec.output_ids)
+                records.append(rec)
+            metrics = summarize_run(records, sum(r.e2e_s for r in records), None)
+            out[dataset][mode] = {**metrics, "records": records}
+            logger.info("HF %s %s: %.2f tok/s", mode, dataset, metrics["output_tokens_per_s"])
+        hf = out[dataset]
+        hf["prompt_lookup"]["speedup"] = speedup(hf["prompt_lookup"]["output_tokens_per_s"],
+                                                 hf["generate"]["output_tokens_per_s"])
+    return out
+
+
+# ---- putting runs together -------------------------------------------------------------------
+def attach_comparisons(
+    runs: list[dict[str, Any]], baseline_label: str, temperature: float,
+    hf: dict[str, dict[str, Any]] | None,
+) -> None:
+    """Speedup and mismatches against the same-run baseline; vs HF prompt lookup at c = 1."""
+    base = {(r["dataset"], r["concurrency"]): r for r in runs if r["config"] == baseline_label}
+    for run in runs:
+        m = run["metrics"]
+        ref = base.get((run["dataset"], run["concurrency"]))
+        if ref is not None and ref is not run:
+            m["speedup"] = speedup(m["output_tokens_per_s"], ref["metrics"]["output_tokens_per_s"])
+            if temperature == 0:
+                m["mismatches"] = compare_to_baseline(run["records"], ref["records"])
+        elif ref is run:
+            m["speedup"] = 1.0
+        if hf and run["concurrency"] == 1 and run["dataset"] in hf:
+            pld = hf[run["dataset"]]["prompt_lookup"]["output_tokens_per_s"]
+            m["vs_hf_prompt_lookup"] = speedup(m["output_tokens_per_s"], pld)
+    for dataset, modes in (hf or {}).items():
+        ref = base.get((dataset, 1))
+        if ref is not None and temperature == 0:
+            for h in modes.values():
+                h["mismatches"] = compare_to_baseline(h["records"], ref["records"])
+
+
+def _jsonable(result: dict[str, Any]) -> dict[str, Any]:
+    out = dict(result)
+    out["runs"] = [{**r, "records": [asdict(x) for x in r["records"]]} for r in result["runs"]]
+    if result.get("hf"):
+        out["hf"] = {d: {m: {**v, "records": [asdict(x) for x in v["records"]]}
+                         for m, v in modes.items()} for d, modes in result["hf"].items()}
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model-path", default="default", help="HF dir, .gguf, or default")
+    p.add_argument("--dataset", nargs="+", choices=DATASETS, default=["rewrite"])
+    p.add_argument("--dataset-path", default=None, help="custom: the JSONL file; "
+                   "sharegpt/rewrite: a ShareGPT JSON overriding the packaged one")
+    p.add_argument("--split", choices=SPLITS, default="heldout")
+    p.add_argument("--num-prompts", type=int, default=20)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--configs", nargs="+", default=None,
+                   help="ALGO[:key=value,...] per config (default: NGRAM)")
+    p.add_argument("--concurrency", default="1", help="comma-separated, e.g. 1,8")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compare-hf", action="store_true")
+    p.add_argument("--hf-prompt-lookup-tokens", type=int, default=10)
+    p.add_argument("--base-url", default=None, help="measure this running server instead")
+    p.add_argument("--baseline-url", default=None, help="with --base-url: a server without "
+                   "speculation, for speedups")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--output", default="results/bench_speculative.json")
+    p.add_argument("--plot", default=None, help="PNG path (default: --output with .png)")
+    p.add_argument("--disable-tqdm", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        args.concurrency = sorted({int(x) for x in args.concurrency.split(",") if x.strip()})
+    except ValueError:
+        p.error(f"--concurrency must be comma-separated integers, got {args.concurrency!r}")
+    if not args.concurrency or min(args.concurrency) < 1:
+        p.error("--concurrency needs positive integers")
+    if args.num_prompts < 1 or args.max_new_tokens < 1:
+        p.error("--num-prompts and --max-new-tokens must be positive")
+    if args.baseline_url and not args.base_url:
+        p.error("--baseline-url needs --base-url")
+    if args.base_url and args.configs:
+        p.error("--configs starts engines; with --base-url the server's own configuration "
+                "is measured")
+    args.dataset = list(dict.fromkeys(args.dataset))
+    return args
+
+
+def validate_configs(args: argparse.Namespace) -> list[SpecRunConfig]:
+    """Parse `--configs` and check every one against ServerArgs before minutes are spent."""
+    from launch.server_args import ServerArgs
+
+    configs = parse_spec_configs(args.configs or ["NGRAM"])
+    for cfg in configs:
+        try:
+            ServerArgs(model_path=args.model_path, **cfg.server_args).resolve()
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"config {cfg.label!r}: {exc}") from None
+    return configs
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
+                        datefmt="%H:%M:%S")
+    args = parse_args(argv)
+    from runtime.model_loader.default_model import resolve_model_path
+
+    model_dir = str(resolve_model_path(args.model_path))
+    try:
+        configs = [] if args.base_url else validate_configs(args)
+        tokenizer = load_bench_tokenizer(model_dir)
+        requests = {d: sample_requests(d, args.num_prompts, tokenizer, args.seed,
+                                       args.max_new_tokens, dataset_path=args.dataset_path,
+                                       split=args.split) for d in args.dataset}
+    except (ConfigError, DatasetError) as exc:
+        logger.error("%s", exc)
+        return 2
+    prompts: dict[str, list[list[int]]] = {}
+    with logging_redirect_tqdm():
+        if args.base_url:
+            prompts = {d: render_prompts(reqs, lambda m: chat_prompt_ids(tokenizer, m),
+                                         lambda t: tokenizer.encode(t, add_special_tokens=False))
+                       for d, reqs in requests.items()}
+            try:
+                runs, baseline_label = run_urls(args, requests, prompts)
+            except RuntimeError as exc:
+                logger.error("%s", exc)
+                return 2
+        else:
+            runs, baseline_label = run_engines(args, configs, requests, prompts), BASELINE.label
+        hf = None
+        if args.compare_hf:
+            hf = bench_hf(model_dir, requests, prompts, args.hf_prompt_lookup_tokens,
+                          args.disable_tqdm)
+    attach_comparisons(runs, baseline_label, args.temperature, hf)
+
+    title = (f"bench_speculative  {', '.join(args.dataset)}  n={args.num_prompts}  "
+             f"max_new_tokens={args.max_new_tokens}  T={args.temperature}  "
+             f"{'url ' + args.base_url if args.base_url else Path(model_dir).name}")
+    result = {
+        "title": title, "mode": "url" if args.base_url else "engine", "args": vars(args),
+        "machine": machine_info(), "model_dir": model_dir, "baseline_label": baseline_label,
+        "datasets": {d: [{"id": r.id, "kind": r.kind, "prompt_len": len(p),
+                          "max_new_tokens": r.max_new_tokens}
+                         for r, p in zip(requests[d], prompts.get(d, []))] for d in requests},
+        "runs": runs, "hf": hf,
+    }
+    json_path = write_json(args.output, _jsonable(result))
+    from benchmark.plots import plot_speculative
+
+    plot_path = plot_speculative(result, args.plot or Path(args.output).with_suffix(".png"))
+    print(f"\nJSON: {json_path}\nplot: {plot_path}\n{title}\n")
+    print(summary_table(result))
+    return 0 if all(r["metrics"]["completed"] for r in runs) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

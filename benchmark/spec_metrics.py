@@ -1,0 +1,266 @@
+"""The pure parts of `bench_speculative`: config strings, counter deltas, per-run metrics,
+losslessness against the baseline, and the summary table. No engine, no clock, no I/O.
+
+Definitions (one run = one config × dataset × concurrency):
+- output tokens/s: completion tokens of successful requests / wall time of the run;
+- per-request tokens/s: completion tokens / that request's end-to-end latency (median reported);
+- speedup: output tokens/s / the baseline's (no speculation) at the same dataset and concurrency;
+- mean accept length: completion tokens / verify steps (SGLang's definition; the prefill's first
+  token counts, so a run that never accepts a draft still has an accept length slightly above 1);
+- acceptance rate at position k (1-based): verify steps that accepted >= k draft tokens / steps;
+- draft tokens per step: draft tree nodes (root excluded) / verify steps.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from benchmark.common import format_table
+from launch.server_args import ServerArgs
+
+SPEC_PREFIX = "speculative_"
+BASELINE_LABEL = "baseline"
+TABLE_POSITIONS = 3  # acceptance-rate columns in the printed table (the JSON has them all)
+
+
+class ConfigError(ValueError):
+    """A malformed `--configs` entry."""
+
+
+@dataclass(frozen=True)
+class SpecRunConfig:
+    label: str
+    server_args: dict[str, Any]  # ServerArgs overrides; empty for the baseline
+
+    @property
+    def is_baseline(self) -> bool:
+        return not self.server_args
+
+
+BASELINE = SpecRunConfig(BASELINE_LABEL, {})
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def config_keys() -> dict[str, Any]:
+    """`key` -> value parser for every `speculative_<key>` ServerArgs field but the algorithm."""
+    out: dict[str, Any] = {}
+    for f in fields(ServerArgs):
+        if not f.name.startswith(SPEC_PREFIX) or f.name == "speculative_algorithm":
+            continue
+        kind = str(f.type)
+        out[f.name[len(SPEC_PREFIX):]] = (
+            _parse_bool if kind == "bool" else int if kind.startswith("int")
+            else float if kind.startswith("float") else str
+        )
+    return out
+
+
+def parse_spec_config(text: str) -> SpecRunConfig:
+    """`ALGO[:key=value,...]` -> ServerArgs overrides, e.g. `NGRAM:num_draft_tokens=16` ->
+    {speculative_algorithm: "NGRAM", speculative_num_draft_tokens: 16}."""
+    algo, _, rest = text.strip().partition(":")
+    algo = algo.strip().upper()
+    if not algo:
+        raise ConfigError(f"config {text!r}: no algorithm before ':' (expected ALGO[:k=v,...])")
+    if algo in ("NONE", BASELINE_LABEL.upper()):
+        raise ConfigError(f"config {text!r}: the baseline (no speculation) always runs; "
+                          "name only speculative configs")
+    keys = config_keys()
+    overrides: dict[str, Any] = {"speculative_algorithm": algo}
+    parts = []
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = (s.strip() for s in item.partition("="))
+        key = key.removeprefix(SPEC_PREFIX)
+        if not eq or not key or not value:
+            raise ConfigError(f"config {text!r}: {item!r} is not key=value")
+        if key not in keys:
+            raise ConfigError(f"config {text!r}: unknown key {key!r}; known keys: "
+                              f"{', '.join(sorted(keys))}")
+        if SPEC_PREFIX + key in overrides:
+            raise ConfigError(f"config {text!r}: key {key!r} given twice")
+        try:
+            overrides[SPEC_PREFIX + key] = keys[key](value)
+        except ValueError as exc:
+            raise ConfigError(f"config {text!r}: bad value for {key!r}: {exc}") from None
+        parts.append(f"{key}={value}")
+    return SpecRunConfig(algo + (":" + ",".join(parts) if parts else ""), overrides)
+
+
+def parse_spec_configs(texts: list[str]) -> list[SpecRunConfig]:
+    configs = [parse_spec_config(t) for t in texts]
+    labels = [c.label for c in configs]
+    dup = {x for x in labels if labels.count(x) > 1}
+    if dup:
+        raise ConfigError(f"config given twice: {', '.join(sorted(dup))}")
+    return configs
+
+
+@dataclass(frozen=True)
+class SpecCounters:
+    """The scheduler's cumulative speculative counters (a snapshot, or a difference of two)."""
+
+    verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_pos: tuple[int, ...] = ()  # [k] = verify steps that accepted >= k + 1 drafts
+
+    @classmethod
+    def from_server_info(cls, info: dict[str, Any] | None) -> SpecCounters | None:
+        """None when the server reports no counters (another server, or no speculation)."""
+        if not info or "spec_verify_steps" not in info:
+            return None
+        return cls(
+            verify_steps=int(info["spec_verify_steps"]),
+            draft_tokens=int(info.get("spec_decode_num_draft_tokens", 0)),
+            accepted_tokens=int(info.get("spec_decode_num_accepted_tokens", 0)),
+            accepted_per_pos=tuple(int(x) for x in
+                                   info.get("spec_decode_num_accepted_tokens_per_pos") or ()),
+        )
+
+    def minus(self, before: SpecCounters | None) -> SpecCounters:
+        if before is None:
+            return self
+        n = len(self.accepted_per_pos)
+        prev = list(before.accepted_per_pos[:n]) + [0] * (n - len(before.accepted_per_pos))
+        return SpecCounters(
+            self.verify_steps - before.verify_steps, self.draft_tokens - before.draft_tokens,
+            self.accepted_tokens - before.accepted_tokens,
+            tuple(a - b for a, b in zip(self.accepted_per_pos, prev)),
+        )
+
+
+@dataclass(slots=True)
+class SpecRecord:
+    """One request of one run."""
+
+    id: str
+    kind: str
+    prompt_len: int
+    max_new_tokens: int
+    success: bool = False
+    error: str = ""
+    completion_tokens: int = 0
+    start_s: float = 0.0  # since the run started
+    e2e_s: float = 0.0
+    finish_reason: str | None = None
+    output_ids: list[int] = field(default_factory=list)
+    spec_verify_ct: int | None = None
+    spec_accept_length: float | None = None
+    spec_accept_histogram: list[int] | None = None
+    matches_baseline: bool | None = None  # greedy runs only
+    first_mismatch: int | None = None  # first output index that differs from the baseline
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / self.e2e_s if self.e2e_s > 0 else 0.0
+
+
+def spec_metrics(completion_tokens: int, counters: SpecCounters | None) -> dict[str, Any]:
+    """Accept length, per-position acceptance and drafts per step over one run's verify steps."""
+    steps = counters.verify_steps if counters else 0
+    if not steps:
+        return {"verify_steps": steps, "accept_length": None, "accept_rate_per_pos": [],
+                "draft_tokens_per_step": None, "accepted_per_step": None, "accept_rate": None}
+    assert counters is not None
+    return {
+        "verify_steps": steps,
+        "accept_length": completion_tokens / steps,
+        "accept_rate_per_pos": [a / steps for a in counters.accepted_per_pos],
+        "draft_tokens_per_step": counters.draft_tokens / steps,
+        "accepted_per_step": counters.accepted_tokens / steps,
+        "accept_rate": counters.accepted_tokens / max(counters.draft_tokens, 1),
+    }
+
+
+def summarize_run(
+    records: list[SpecRecord], wall_s: float, counters: SpecCounters | None
+) -> dict[str, Any]:
+    """Throughput and speculative metrics of one run. Without server counters the accept length
+    falls back to the requests' own `spec_verify_ct` (per-position rates then stay empty)."""
+    ok = [r for r in records if r.success]
+    out_tokens = sum(r.completion_tokens for r in ok)
+    if counters is None and any(r.spec_verify_ct for r in ok):
+        counters = SpecCounters(verify_steps=sum(r.spec_verify_ct or 0 for r in ok))
+    per_req = [r.tokens_per_s for r in ok if r.e2e_s > 0]
+    return {
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "total_output_tokens": out_tokens,
+        "wall_s": wall_s,
+        "output_tokens_per_s": out_tokens / wall_s if wall_s > 0 else 0.0,
+        "median_request_tokens_per_s": statistics.median(per_req) if per_req else 0.0,
+        **spec_metrics(out_tokens, counters),
+    }
+
+
+def speedup(candidate: float | None, baseline: float | None) -> float | None:
+    if candidate is None or not baseline:
+        return None
+    return candidate / baseline
+
+
+def first_mismatch(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def compare_to_baseline(records: list[SpecRecord], baseline: list[SpecRecord]) -> int:
+    """Mark each record against the baseline's output for the same request id; return how many
+    differ (requests that failed on either side are not compared)."""
+    base = {r.id: r for r in baseline if r.success}
+    mismatches = 0
+    for r in records:
+        ref = base.get(r.id)
+        if not r.success or ref is None:
+            continue
+        r.first_mismatch = first_mismatch(r.output_ids, ref.output_ids)
+        r.matches_baseline = r.first_mismatch is None
+        mismatches += not r.matches_baseline
+    return mismatches
+
+
+def _num(x: float | None, fmt: str = "{:.2f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def summary_table(result: dict[str, Any]) -> str:
+    """Baseline and candidates side by side, per dataset and concurrency; HF rows last."""
+    headers = ["dataset", "conc", "config", "out tok/s", "req tok/s (med)", "speedup",
+               "accept len", "draft/step",
+               *(f"acc@{k + 1}" for k in range(TABLE_POSITIONS)), "mismatch", "vs HF PLD"]
+    rows = []
+    for run in result["runs"]:
+        m = run["metrics"]
+        rates = m.get("accept_rate_per_pos") or []
+        mism = m.get("mismatches")
+        rows.append([
+            run["dataset"], run["concurrency"], run["config"], _num(m["output_tokens_per_s"]),
+            _num(m["median_request_tokens_per_s"]), _num(m.get("speedup"), "{:.2f}x"),
+            _num(m.get("accept_length")), _num(m.get("draft_tokens_per_step")),
+            *(_num(rates[k] if k < len(rates) else None) for k in range(TABLE_POSITIONS)),
+            "-" if mism is None else f"{mism}/{m['completed']}",
+            _num(m.get("vs_hf_prompt_lookup"), "{:.2f}x"),
+        ])
+    for dataset, hf in (result.get("hf") or {}).items():
+        for name, label in (("generate", "HF generate"), ("prompt_lookup", "HF prompt lookup")):
+            h = hf[name]
+            mism = h.get("mismatches")
+            rows.append([
+                dataset, 1, label, _num(h["output_tokens_per_s"]),
+                _num(h["median_request_tokens_per_s"]), _num(h.get("speedup"), "{:.2f}x"),
+                "-", "-", *(["-"] * TABLE_POSITIONS),
+                "-" if mism is None else f"{mism}/{h['completed']}", "-",
+            ])
+    return format_table(headers, rows)

@@ -1,0 +1,44 @@
+"""`runtime.Engine`: the serving processes without HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from runtime import Engine
+from runtime.errors import InvalidRequestError
+
+pytestmark = pytest.mark.slow
+
+
+def test_engine_generate_batch_stream_async_and_shutdown():
+    greedy = {"max_new_tokens": 12, "temperature": 0}
+    with Engine(log_level="warning", max_total_tokens=4096) as engine:
+        one = engine.generate("The capital of France is", greedy)
+        assert one["output_ids"] and one["meta_info"]["finish_reason"]["type"] in ("length", "stop")
+        both = engine.generate(["The capital of France is", "Two plus two is"], greedy)
+        assert both[0]["output_ids"] == one["output_ids"]
+        chunks = list(engine.generate("The capital of France is", greedy, stream=True))
+        assert len(chunks) >= 2 and chunks[-1]["text"] == one["text"]
+        assert all(b["text"].startswith(a["text"]) for a, b in zip(chunks, chunks[1:]))
+        assert chunks[-1]["output_ids"] == one["output_ids"]
+
+        async def use_async():
+            out = await engine.async_generate("The capital of France is", greedy)
+            pieces = [c async for c in await engine.async_generate(
+                "The capital of France is", greedy, stream=True)]
+            return out, pieces
+
+        out, pieces = asyncio.run(use_async())
+        assert out["output_ids"] == one["output_ids"] and pieces[-1]["text"] == one["text"]
+        with pytest.raises(InvalidRequestError, match="temperature"):
+            engine.generate("hi", {"temperature": -1})
+        seeded = {"max_new_tokens": 16, "temperature": 0.9, "seed": 123}
+        assert engine.generate("Once", seeded)["output_ids"] == \
+            engine.generate("Once", seeded)["output_ids"]
+        engine.flush_cache()
+        info = engine.server_info()
+        assert info["kv_free"] == info["kv_capacity"]
+        procs = list(engine.backend.procs.values())
+    assert not any(p.is_alive() for p in procs)

@@ -1,0 +1,359 @@
+"""bench_speculative without an engine: config strings, metric arithmetic on hand-built records,
+comparisons against the baseline, the summary table and the plot."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fastapi import FastAPI, Request
+
+from benchmark import bench_speculative
+from benchmark.bench_speculative import attach_comparisons, parse_args
+from benchmark.datasets import BenchRequest
+from benchmark.plots import plot_speculative
+from benchmark.spec_metrics import (
+    ConfigError,
+    SpecCounters,
+    SpecRecord,
+    compare_to_baseline,
+    first_mismatch,
+    parse_spec_config,
+    parse_spec_configs,
+    spec_metrics,
+    speedup,
+    summarize_run,
+    summary_table,
+)
+from benchmark.spec_runner import fill_record, render_prompts, run_requests, sampling_params
+from tests.helpers.live_server import live_server
+
+
+# ---- config strings --------------------------------------------------------------------------
+def test_config_bare_algorithm_sets_only_the_algorithm() -> None:
+    cfg = parse_spec_config("ngram")
+    assert cfg.label == "NGRAM"
+    assert cfg.server_args == {"speculative_algorithm": "NGRAM"}
+    assert not cfg.is_baseline
+
+
+def test_config_keys_map_to_typed_speculative_server_args() -> None:
+    cfg = parse_spec_config("NGRAM:num_draft_tokens=16, ngram_match_type=PROB,"
+                            "disable_adaptive=true,accept_threshold_single=0.5")
+    assert cfg.server_args == {
+        "speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 16,
+        "speculative_ngram_match_type": "PROB", "speculative_disable_adaptive": True,
+        "speculative_accept_threshold_single": 0.5,
+    }
+    assert cfg.label == ("NGRAM:num_draft_tokens=16,ngram_match_type=PROB,disable_adaptive=true,"
+                         "accept_threshold_single=0.5")
+
+
+def test_config_accepts_the_full_field_name_too() -> None:
+    cfg = parse_spec_config("NGRAM:speculative_num_draft_tokens=4")
+    assert cfg.server_args["speculative_num_draft_tokens"] == 4
+
+
+@pytest.mark.parametrize("text, message", [
+    ("NGRAM:draft_tokens=16", "unknown key 'draft_tokens'"),
+    ("NGRAM:algorithm=EAGLE", "unknown key 'algorithm'"),
+    ("NGRAM:num_draft_tokens", "is not key=value"),
+    ("NGRAM:num_draft_tokens=lots", "bad value for 'num_draft_tokens'"),
+    ("NGRAM:disable_adaptive=maybe", "bad value for 'disable_adaptive'"),
+    ("NGRAM:num_draft_tokens=4,num_draft_tokens=8", "given twice"),
+    (":num_draft_tokens=4", "no algorithm"),
+    ("none", "baseline"),
+])
+def test_config_errors_name_the_problem(text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_spec_config(text)
+
+
+def test_unknown_key_error_lists_known_keys() -> None:
+    with pytest.raises(ConfigError) as exc:
+        parse_spec_config("NGRAM:bogus=1")
+    assert "num_draft_tokens" in str(exc.value) and "ngram_match_type" in str(exc.value)
+
+
+def test_duplicate_configs_are_rejected() -> None:
+    with pytest.raises(ConfigError, match="given twice"):
+        parse_spec_configs(["NGRAM", "ngram"])
+
+
+def test_cli_parses_concurrency_list_and_rejects_configs_with_base_url() -> None:
+    args = parse_args(["--concurrency", "8,1,8", "--configs", "NGRAM", "NGRAM:num_draft_tokens=4"])
+    assert args.concurrency == [1, 8]
+    assert args.split == "heldout" and args.max_new_tokens == 128 and args.temperature == 0.0
+    with pytest.raises(SystemExit):
+        parse_args(["--base-url", "http://x", "--configs", "NGRAM"])
+    with pytest.raises(SystemExit):
+        parse_args(["--concurrency", "0"])
+
+
+# ---- metric arithmetic -----------------------------------------------------------------------
+def test_counter_delta_pads_per_position_counts() -> None:
+    before = SpecCounters(3, 14, 9, (2, 2, 1))
+    after = SpecCounters(13, 84, 29, (8, 6, 3, 2, 1))
+    assert after.minus(before) == SpecCounters(10, 70, 20, (6, 4, 2, 2, 1))
+    assert after.minus(None) == after
+
+
+def test_counters_from_server_info() -> None:
+    info = {"spec_verify_steps": 5, "spec_decode_num_draft_tokens": 35,
+            "spec_decode_num_accepted_tokens": 7,
+            "spec_decode_num_accepted_tokens_per_pos": [4, 2, 1]}
+    assert SpecCounters.from_server_info(info) == SpecCounters(5, 35, 7, (4, 2, 1))
+    assert SpecCounters.from_server_info({"num_running_reqs": 0}) is None
+    assert SpecCounters.from_server_info(None) is None
+
+
+def test_spec_metrics_definitions() -> None:
+    # 10 verify steps drafting 7 nodes each; 6 steps accepted >= 1, 4 >= 2, 2 >= 3, 1 >= 4
+    c = SpecCounters(verify_steps=10, draft_tokens=70, accepted_tokens=13,
+                     accepted_per_pos=(6, 4, 2, 1))
+    m = spec_metrics(completion_tokens=24, counters=c)
+    assert m["accept_length"] == pytest.approx(2.4)
+    assert m["accept_rate_per_pos"] == pytest.approx([0.6, 0.4, 0.2, 0.1])
+    assert m["draft_tokens_per_step"] == pytest.approx(7.0)
+    assert m["accepted_per_step"] == pytest.approx(1.3)
+    assert m["accept_rate"] == pytest.approx(13 / 70)
+
+
+def test_spec_metrics_without_verify_steps_are_empty() -> None:
+    for counters in (None, SpecCounters()):
+        m = spec_metrics(100, counters)
+        assert m["accept_length"] is None and m["accept_rate_per_pos"] == []
+
+
+def _rec(rid: str, tokens: int, e2e: float, ids: list[int] | None = None,
+         ok: bool = True, verify: int | None = None) -> SpecRecord:
+    return SpecRecord(rid, "rewrite:repeat", 50, 64, success=ok, completion_tokens=tokens,
+                      e2e_s=e2e, output_ids=ids or [], spec_verify_ct=verify)
+
+
+def test_summarize_run_throughput_median_and_failures() -> None:
+    recs = [_rec("a", 40, 2.0), _rec("b", 60, 2.0), _rec("c", 30, 3.0),
+            _rec("d", 0, 0.0, ok=False)]
+    m = summarize_run(recs, wall_s=5.0, counters=SpecCounters(50, 350, 80, (30, 20)))
+    assert m["completed"] == 3 and m["failed"] == 1
+    assert m["total_output_tokens"] == 130
+    assert m["output_tokens_per_s"] == pytest.approx(26.0)
+    assert m["median_request_tokens_per_s"] == pytest.approx(20.0)  # of 20, 30, 10
+    assert m["accept_length"] == pytest.approx(130 / 50)
+    assert m["accept_rate_per_pos"] == pytest.approx([0.6, 0.4])
+
+
+def test_summarize_run_falls_back_to_per_request_verify_counts() -> None:
+    recs = [_rec("a", 40, 2.0, verify=10), _rec("b", 60, 2.0, verify=20)]
+    m = summarize_run(recs, wall_s=4.0, counters=None)
+    assert m["accept_length"] == pytest.approx(100 / 30)
+    assert m["accept_rate_per_pos"] == []
+
+
+def test_speedup_and_missing_values() -> None:
+    assert speedup(30.0, 12.0) == pytest.approx(2.5)
+    assert speedup(None, 12.0) is None and speedup(30.0, 0.0) is None
+
+
+# ---- losslessness ----------------------------------------------------------------------------
+def test_first_mismatch_positions() -> None:
+    assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
+    assert first_mismatch([1, 2, 3], [1, 5, 3]) == 1
+    assert first_mismatch([1, 2], [1, 2, 3]) == 2
+
+
+def test_compare_to_baseline_counts_differing_outputs_by_id() -> None:
+    base = [_rec("a", 3, 1, [1, 2, 3]), _rec("b", 3, 1, [4, 5, 6]), _rec("c", 0, 0, ok=False)]
+    cand = [_rec("b", 3, 1, [4, 5, 7]), _rec("a", 3, 1, [1, 2, 3]), _rec("c", 2, 1, [9, 9])]
+    assert compare_to_baseline(cand, base) == 1
+    assert [r.matches_baseline for r in cand] == [False, True, None]
+    assert cand[0].first_mismatch == 2
+
+
+def _run(config: str, c: int, tps: float, recs: list[SpecRecord], **metrics) -> dict:
+    return {"dataset": "rewrite", "config": config, "concurrency": c, "records": recs,
+            "metrics": {"output_tokens_per_s": tps, "median_request_tokens_per_s": tps,
+                        "completed": len(recs), "accept_length": None,
+                        "draft_tokens_per_step": None, "accept_rate_per_pos": [], **metrics}}
+
+
+def _fake_result() -> dict:
+    same = [_rec("a", 3, 1, [1, 2, 3]), _rec("b", 3, 1, [4, 5, 6])]
+    other = [_rec("a", 3, 1, [1, 2, 3]), _rec("b", 3, 1, [4, 0, 6])]
+    runs = [
+        _run("baseline", 1, 20.0, same),
+        _run("NGRAM", 1, 50.0, other, accept_length=3.1, draft_tokens_per_step=7.0,
+             accept_rate_per_pos=[0.7, 0.5, 0.4, 0.3]),
+        _run("baseline", 8, 80.0, same),
+        _run("NGRAM", 8, 120.0, same, accept_length=2.9, draft_tokens_per_step=6.5,
+             accept_rate_per_pos=[0.65, 0.45, 0.3]),
+    ]
+    hf = {"rewrite": {
+        "generate": {"output_tokens_per_s": 12.5, "median_request_tokens_per_s": 12.0,
+                     "completed": 2, "records": same},
+        "prompt_lookup": {"output_tokens_per_s": 25.0, "median_request_tokens_per_s": 24.0,
+                          "completed": 2, "records": same},
+    }}
+    return {"title": "test", "baseline_label": "baseline", "runs": runs, "hf": hf}
+
+
+def test_attach_comparisons_speedup_mismatches_and_hf() -> None:
+    result = _fake_result()
+    attach_comparisons(result["runs"], "baseline", 0.0, result["hf"])
+    base1, ngram1, base8, ngram8 = (r["metrics"] for r in result["runs"])
+    assert base1["speedup"] == 1.0 and "mismatches" not in base1
+    assert ngram1["speedup"] == pytest.approx(2.5)  # against baseline c=1, not c=8
+    assert ngram8["speedup"] == pytest.approx(1.5)
+    assert ngram1["mismatches"] == 1 and ngram8["mismatches"] == 0
+    assert ngram1["vs_hf_prompt_lookup"] == pytest.approx(2.0)
+    assert "vs_hf_prompt_lookup" not in ngram8  # HF runs batch 1 only
+    assert result["hf"]["rewrite"]["generate"]["mismatches"] == 0
+    table = summary_table(result)
+    lines = table.splitlines()
+    assert "speedup" in lines[0] and "acc@1" in lines[0]
+    assert "2.50x" in lines[3] and "1/2" in lines[3] and "0.70" in lines[3]
+    assert "HF prompt lookup" in lines[-1]
+
+
+def test_sampled_runs_skip_the_lossless_check() -> None:
+    result = _fake_result()
+    attach_comparisons(result["runs"], "baseline", 0.7, None)
+    assert all("mismatches" not in r["metrics"] for r in result["runs"])
+
+
+def test_plot_file_written_from_fake_result(tmp_path) -> None:
+    result = _fake_result()
+    attach_comparisons(result["runs"], "baseline", 0.0, result["hf"])
+    path = plot_speculative(result, tmp_path / "sub" / "spec.png")
+    assert path.exists() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert path.stat().st_size > 10_000
+
+
+# ---- request plumbing with a fake target -----------------------------------------------------
+class FakeTarget:
+    """Echoes the prompt's last token `n` times; records the most requests in flight."""
+
+    def __init__(self) -> None:
+        self.in_flight = self.peak = 0
+        self.params: list[dict] = []
+
+    def session(self) -> _AsyncNull:
+        return _AsyncNull(self)
+
+    async def generate(self, input_ids: list[int], params: dict) -> dict:
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
+        self.params.append(params)
+        await asyncio.sleep(0.01)
+        self.in_flight -= 1
+        n = params["max_new_tokens"]
+        return {"text": "", "output_ids": [input_ids[-1]] * n,
+                "meta_info": {"completion_tokens": n, "finish_reason": {"type": "length"},
+                              "spec_verify_ct": 2}}
+
+    def server_info(self) -> dict | None:
+        return None
+
+
+class _AsyncNull:
+    def __init__(self, value) -> None:
+        self.value = value
+
+    async def __aenter__(self):
+        return self.value
+
+    async def __aexit__(self, *exc) -> None:
+        return None
+
+
+@pytest.mark.parametrize("concurrency, peak", [(1, 1), (3, 3)])
+def test_run_requests_respects_concurrency(concurrency: int, peak: int) -> None:
+    reqs = [BenchRequest(id=f"r{i}", prompt_len=2, max_new_tokens=4, input_ids=[1, i])
+            for i in range(6)]
+    target = FakeTarget()
+    records, wall = asyncio.run(run_requests(target, reqs, [r.input_ids for r in reqs],
+                                             concurrency, 0.5, 7, "t", True))
+    assert target.peak == peak
+    assert wall > 0 and all(r.success and r.completion_tokens == 4 for r in records)
+    assert [r.output_ids[0] for r in records] == list(range(6))
+    assert [p["seed"] for p in target.params] == list(range(7, 13))  # per request when sampling
+
+
+def test_greedy_sampling_params_carry_no_seed() -> None:
+    req = BenchRequest(id="x", prompt_len=1, max_new_tokens=9)
+    assert sampling_params(req, 0.0, 3) == {"max_new_tokens": 9, "temperature": 0.0}
+
+
+def test_fill_record_marks_aborts_as_failures() -> None:
+    rec = SpecRecord("x", "k", 3, 8)
+    fill_record(rec, {"output_ids": [1], "meta_info": {"finish_reason": {"type": "abort"}}}, 0.1)
+    assert not rec.success and "abort" in rec.error
+
+
+def test_render_prompts_uses_chat_template_for_messages() -> None:
+    reqs = [BenchRequest(id="m", prompt_len=0, max_new_tokens=1, messages=[{"role": "user",
+                                                                          "content": "hi"}]),
+            BenchRequest(id="p", prompt_len=0, max_new_tokens=1, prompt="a b"),
+            BenchRequest(id="i", prompt_len=0, max_new_tokens=1, input_ids=[5, 6])]
+    out = render_prompts(reqs, lambda m: [99, len(m)], lambda t: [len(w) for w in t.split()])
+    assert out == [[99, 1], [1, 1], [5, 6]]
+
+
+# ---- --base-url mode against fake servers ----------------------------------------------------
+def _fake_server_app(speculative: bool, delay_s: float):
+    """/generate echoes max_new_tokens copies of the prompt's last token (the speculative server
+    gets request "r1" wrong); /server_info counts 2 verify steps per request."""
+    app = FastAPI()
+    state = {"steps": 0, "flushes": 0}
+
+    @app.post("/generate")
+    async def generate(request: Request) -> dict:
+        body = await request.json()
+        await asyncio.sleep(delay_s)
+        n = body["sampling_params"]["max_new_tokens"]
+        ids = [body["input_ids"][-1]] * n
+        if speculative and body["input_ids"][0] == 1:
+            ids[-1] = 0
+        meta = {"completion_tokens": n, "finish_reason": {"type": "length"}}
+        if speculative:
+            state["steps"] += 2
+            meta["spec_verify_ct"] = 2
+        return {"text": "", "output_ids": ids, "meta_info": meta}
+
+    @app.get("/server_info")
+    async def server_info() -> dict:
+        if not speculative:
+            return {"speculative_algorithm": None}
+        s = state["steps"]
+        return {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 8,
+                "spec_verify_steps": s, "spec_decode_num_draft_tokens": 7 * s,
+                "spec_decode_num_accepted_tokens": s,
+                "spec_decode_num_accepted_tokens_per_pos": [s // 2]}
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> dict:
+        state["flushes"] += 1
+        return {"success": True}
+
+    return app, state
+
+
+def test_base_url_mode_measures_both_servers_and_compares() -> None:
+    reqs = [BenchRequest(id=f"r{i}", prompt_len=2, max_new_tokens=6, input_ids=[i, 10 + i])
+            for i in range(3)]
+    spec_app, spec_state = _fake_server_app(True, 0.01)
+    base_app, _ = _fake_server_app(False, 0.05)
+    with live_server(spec_app) as spec_url, live_server(base_app) as base_url:
+        args = parse_args(["--base-url", spec_url, "--baseline-url", base_url,
+                           "--concurrency", "1,3", "--disable-tqdm"])
+        prompts = {"rewrite": [r.input_ids for r in reqs]}
+        runs, baseline = bench_speculative.run_urls(args, {"rewrite": reqs}, prompts)
+    assert baseline.startswith("no-spec@") and len(runs) == 4
+    assert [r["config"].split("@")[0] for r in runs] == ["no-spec", "NGRAM:num_draft_tokens=8"] * 2
+    assert spec_state["flushes"] == 2
+    attach_comparisons(runs, baseline, 0.0, None)
+    cand = runs[1]["metrics"]
+    assert cand["mismatches"] == 1 and cand["speedup"] > 1.5
+    assert cand["accept_length"] == pytest.approx(18 / 6)  # warm-up's steps excluded
+    assert cand["accept_rate_per_pos"] == pytest.approx([0.5])
+    assert runs[0]["metrics"]["accept_length"] is None
