@@ -32,9 +32,18 @@ HELP = {
     "max_request_bytes": "largest accepted HTTP request body (413 above)",
     "served_model_name": "model name reported by /v1/models (default: the model dir name)",
     "num_threads": "torch threads in the model-runner process (default: all cores)",
-    "speculative_algorithm": "speculative decoding algorithm: NGRAM (none when unset)",
+    "speculative_algorithm": "speculative decoding algorithm: NGRAM, EAGLE or EAGLE3 (none "
+    "when unset)",
     "speculative_num_draft_tokens": "draft tree nodes per request per step, root included "
-    "(default: 8 for NGRAM)",
+    "(default: 8 for NGRAM; EAGLE: see --speculative-num-steps)",
+    "speculative_draft_model_path": "EAGLE/EAGLE3: the draft head's checkpoint directory",
+    "speculative_num_steps": "EAGLE/EAGLE3: draft tree depth S (unset: chosen for the device "
+    "with --speculative-eagle-topk and --speculative-num-draft-tokens; cpu 3/4/8, cuda 5/4/8)",
+    "speculative_eagle_topk": "EAGLE/EAGLE3: children per expanded node and nodes expanded per "
+    "step (k = 1 drafts a chain and forces num-draft-tokens = num-steps + 1)",
+    "speculative_eagle_target_only": "EAGLE/EAGLE3 sampling: draft top-k trees and verify with "
+    "the draft probabilities ignored (SGLang's target-only) instead of drafting from q and "
+    "verifying with q",
     "speculative_accept_threshold_single": "LOSSY when < 1: also accept a draft token whose "
     "target probability is at least this (sampling only)",
     "speculative_accept_threshold_acc": "LOSSY when < 1: divide the acceptance test's ratio by "
@@ -54,6 +63,12 @@ HELP = {
 # Tree nodes per step (root included) when --speculative-num-draft-tokens is unset. On this CPU
 # a verify pass of 8 nodes costs ~1.15x a decode step and 16 nodes ~1.4x (docs/benchmarks.md).
 DEFAULT_NUM_DRAFT_TOKENS = {"NGRAM": 8}
+# EAGLE (num_steps, topk, num_draft_tokens) when unset, by device type. CPU: 8 nodes verify at
+# ~1.15x a decode step, and every draft step costs a head layer plus an LM-head matmul (EAGLE-1:
+# the target's, ~3 ms at M <= 16 for SmolLM2), so a shallow tree (3 steps) pays off. CUDA:
+# SGLang's Llama default.
+EAGLE_TREE_DEFAULTS = {"cpu": (3, 4, 8), "cuda": (5, 4, 8)}
+EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3")
 
 
 @dataclass(frozen=True)
@@ -79,6 +94,10 @@ class ServerArgs:
     num_threads: int | None = None
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int | None = None
+    speculative_draft_model_path: str | None = None
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_eagle_target_only: bool = False
     speculative_accept_threshold_single: float = 1.0
     speculative_accept_threshold_acc: float = 1.0
     speculative_disable_adaptive: bool = False
@@ -96,9 +115,14 @@ class ServerArgs:
             return None
         from speculative.base import SpecConfig
 
+        tree = {k: v for k, v in (("num_steps", self.speculative_num_steps),
+                                  ("eagle_topk", self.speculative_eagle_topk)) if v is not None}
         return SpecConfig(
             algorithm=self.speculative_algorithm,
             num_draft_tokens=self.speculative_num_draft_tokens,
+            draft_model_path=self.speculative_draft_model_path,
+            eagle_target_only=self.speculative_eagle_target_only,
+            **tree,
             ngram_capacity=self.speculative_ngram_capacity,
             ngram_max_trie_depth=self.speculative_ngram_max_trie_depth,
             ngram_min_match_window=self.speculative_ngram_min_match_window,
@@ -133,7 +157,11 @@ class ServerArgs:
             from speculative.base import check_algorithm
 
             algo = check_algorithm(self.speculative_algorithm)
-            n = self.speculative_num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS[algo]
+            if algo in EAGLE_ALGORITHMS:
+                spec = self._eagle_tree()
+                n = spec["speculative_num_draft_tokens"]
+            else:
+                n = self.speculative_num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS[algo]
             if n < 1:
                 raise ValueError("--speculative-num-draft-tokens must be >= 1")
             if self.speculative_ngram_match_type not in ("BFS", "PROB"):
@@ -142,7 +170,7 @@ class ServerArgs:
                 v = getattr(self, f"speculative_accept_threshold_{name}")
                 if not 0.0 < v <= 1.0:
                     raise ValueError(f"--speculative-accept-threshold-{name} must be in (0, 1]")
-            spec = {"speculative_algorithm": algo, "speculative_num_draft_tokens": n}
+            spec = {**spec, "speculative_algorithm": algo, "speculative_num_draft_tokens": n}
         model_dir = str(resolve_model_path(self.model_path))
         name = self.served_model_name or (
             "SmolLM2-135M-Instruct" if self.model_path in ("default", None)
@@ -152,6 +180,30 @@ class ServerArgs:
         return dataclasses.replace(
             self, model_path=model_dir, served_model_name=name, num_threads=threads, **spec
         )
+
+    def _eagle_tree(self) -> dict:
+        """EAGLE's (num_steps, topk, num_draft_tokens): unset values from the device's default;
+        top-k 1 is a chain, so num_draft_tokens = num_steps + 1."""
+        from runtime.model_runner.model_runner import resolve_device
+
+        if not self.speculative_draft_model_path:
+            raise ValueError(f"--speculative-algorithm {self.speculative_algorithm} needs "
+                             "--speculative-draft-model-path (an EAGLE head checkpoint)")
+        device = resolve_device(self.device).type
+        auto = EAGLE_TREE_DEFAULTS.get(device, EAGLE_TREE_DEFAULTS["cpu"])
+        given = (self.speculative_num_steps, self.speculative_eagle_topk,
+                 self.speculative_num_draft_tokens)
+        steps, topk, n = (a if g is None else g for g, a in zip(given, auto))
+        if steps < 1 or topk < 1:
+            raise ValueError("--speculative-num-steps and --speculative-eagle-topk must be >= 1")
+        if topk == 1:
+            n = steps + 1
+        most = 1 + topk + (steps - 1) * topk * topk  # root + every candidate the tree can hold
+        if n > most:
+            raise ValueError(f"--speculative-num-draft-tokens {n} exceeds the {most} nodes a "
+                             f"tree of {steps} steps and top-k {topk} can hold")
+        return {"speculative_num_steps": steps, "speculative_eagle_topk": topk,
+                "speculative_num_draft_tokens": n}
 
 
 def build_parser() -> argparse.ArgumentParser:

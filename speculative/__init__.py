@@ -1,3 +1,3 @@
 """Speculative decoding: draft trees, verification, and the registered algorithms."""
 
-from speculative import ngram  # noqa: F401 - registers NGRAM
+from speculative import eagle, ngram  # noqa: F401 - registers EAGLE, EAGLE3, NGRAM

@@ -3,6 +3,9 @@
 A drafter proposes one `DraftTree` per request (node 0 = the last verified token); the
 `SpeculativeWorker` (speculative/worker.py) verifies every tree in one target forward with tree
 masks, commits the accepted path's KV and calls `observe` so the drafter can update its state.
+A drafter that reads the target's hidden states (EAGLE heads) declares which (`capture_layers`,
+`needs_final_hidden`); every target forward then returns them and `draft_extend` receives the
+rows that became committed: each prefill chunk, and after verification the root + accepted path.
 Adding an algorithm means one file with a `Drafter` subclass decorated with
 `@register_algorithm("NAME")`, plus its import line in `speculative/__init__.py`.
 """
@@ -12,9 +15,16 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
 
 from speculative.tree import DraftTree
 from speculative.verify import QMode
+
+if TYPE_CHECKING:
+    from runtime.models.llama import ModelOutput
+    from runtime.sampling.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -29,6 +39,13 @@ class SpecConfig:
     ngram_min_bfs_breadth: int = 1
     ngram_match_type: str = "BFS"
     ngram_external_corpus_path: str | None = None
+    # EAGLE / EAGLE3 (speculative/eagle.py): head checkpoint, tree depth S and branching k
+    draft_model_path: str | None = None
+    num_steps: int = 3
+    eagle_topk: int = 4
+    # sampling: verify top-k trees with q ignored (SGLang's target-only) instead of drafting
+    # children from q without replacement and verifying with q
+    eagle_target_only: bool = False
     # LOSSY when below 1.0 (SGLang's --speculative-accept-threshold-single / -acc)
     accept_threshold_single: float = 1.0
     accept_threshold_acc: float = 1.0
@@ -43,11 +60,34 @@ class SpecReq:
     rid: str
     tokens: list[int]  # prompt + outputs; tokens[-1] is the root (verified, KV not yet cached)
     budget: int  # most nodes its tree may have, root included (1 = no drafting)
+    params: SamplingParams | None = None
+    generator: torch.Generator | None = None  # the request's seeded stream, None = global RNG
+    prefix_slots: torch.Tensor | None = None  # [len(tokens) - 1] KV slots of the committed tokens
+
+
+@dataclass(slots=True)
+class TargetRows:
+    """One request's rows of a target forward that are now committed, for `draft_extend`.
+
+    Row j sits at position prefix_len + j: its hidden state is row `hidden_rows[j]` of the
+    forward's `ModelOutput`, its KV is in `slots[prefix_len + j]`, and `next_tokens[j]` is the
+    token at position prefix_len + j + 1 (the last one may be the token just sampled).
+    """
+
+    rid: str
+    prefix_len: int
+    slots: torch.Tensor  # [prefix_len + n] int64, prefix first
+    hidden_rows: torch.Tensor  # [n] int64
+    next_tokens: list[int]  # [n]
 
 
 class Drafter(ABC):
-    # how verification treats the drafter's distribution (speculative/verify.py)
+    # how verification treats the drafter's distribution (speculative/verify.py) for trees that
+    # carry `draft_probs`; a tree without them is verified ONE_HOT
     q_mode: QMode = QMode.ONE_HOT
+    # what every target forward must also return for `draft_extend` (nothing by default)
+    capture_layers: tuple[int, ...] = ()
+    needs_final_hidden: bool = False
 
     def __init__(self, cfg: SpecConfig, runner) -> None:
         self.cfg = cfg
@@ -56,6 +96,14 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, reqs: list[SpecReq]) -> list[DraftTree]:
         """One tree per request, at most `budget` nodes, root token = tokens[-1]."""
+
+    @property
+    def reads_target_hidden(self) -> bool:
+        return self.needs_final_hidden or bool(self.capture_layers)
+
+    def draft_extend(self, rows: list[TargetRows], out: ModelOutput) -> None:  # noqa: B027
+        """Committed rows of a target forward run with this drafter's `capture_layers` /
+        `needs_final_hidden`; called only when `reads_target_hidden`."""
 
     def observe(self, rid: str, tokens: list[int], num_new: int) -> None:  # noqa: B027
         """The request's history grew by its last `num_new` tokens (prompt first time)."""

@@ -7,6 +7,10 @@ plain ordered slot list. The request gains `len(path)` tokens of KV (root + acce
 `len(path)` output tokens (accepted drafts + the bonus token); the scheduler frees the other
 fresh slots. Requests with repetition/frequency/presence penalties are not drafted for: their
 target distribution depends on the path, which plain decoding handles exactly.
+
+A drafter that reads target hidden states gets them from the verify forward itself: after the
+commit, `drafter.draft_extend` receives the root + accepted nodes' rows (in path order, now
+living in the first fresh slots) with the tokens that follow them (accepted drafts + bonus).
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ import torch
 
 from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.sampling.sampler import SamplingBatchInfo, expand, process_logits
-from speculative.base import Drafter, SpecConfig, SpecReq
-from speculative.verify import VerifyResult, verify_greedy, verify_stochastic
+from speculative.base import Drafter, SpecConfig, SpecReq, TargetRows
+from speculative.verify import QMode, VerifyResult, verify_greedy, verify_stochastic
 
 
 @dataclass
@@ -82,7 +86,8 @@ class SpeculativeWorker:
             st.budget = min(self.cfg.num_draft_tokens, max(2, st.budget * 2))
 
     def step(self, entries: list[SpecEntry]) -> tuple[list[list[int]], list[dict]]:
-        reqs = [SpecReq(e.rid, e.tokens, self._budget(e)) for e in entries]
+        reqs = [SpecReq(e.rid, e.tokens, self._budget(e), e.state.params, e.state.generator,
+                        e.slots[: e.prefix_len]) for e in entries]
         trees = self.drafter.propose(reqs)
         masks, positions, slots, tokens = [], [], [], []
         for e, tree, r in zip(entries, trees, reqs):
@@ -93,24 +98,34 @@ class SpeculativeWorker:
             positions.append(e.prefix_len + tree.depth)
             slots.append(e.slots[: e.prefix_len + n])
             tokens.append(tree.tokens.tolist())
+        capture = self.drafter.capture_layers
         if all(len(t) == 1 for t in tokens):
             # nobody drafted: a plain decode step (no mask to build or apply)
             batch = ForwardBatch.build(ForwardMode.DECODE, tokens, slots,
-                                       [e.prefix_len for e in entries])
+                                       [e.prefix_len for e in entries], capture_layers=capture)
         else:
             batch = ForwardBatch.build(
                 ForwardMode.TARGET_VERIFY, tokens, slots, [e.prefix_len for e in entries],
-                positions=positions, custom_masks=masks, logits="all",
+                positions=positions, custom_masks=masks, logits="all", capture_layers=capture,
             )
-        logits = self.runner.forward(batch).logits  # [sum n, vocab]
-        results = self._verify(entries, trees, logits)
-        out_tokens, infos = [], []
+        out = self.runner.forward(batch, return_final_hidden=self.drafter.needs_final_hidden)
+        results = self._verify(entries, trees, out.logits)  # logits [sum n, vocab]
+        reads_hidden = self.drafter.reads_target_hidden
+        out_tokens, infos, rows = [], [], []
+        off = 0
         for e, tree, res in zip(entries, trees, results):
             self._commit(e, res)
             drafted, accepted = tree.num_nodes - 1, len(res.accepted_tokens)
             self._adapt(e.rid, drafted, accepted)
             out_tokens.append(res.output_tokens)
             infos.append({"drafted": drafted, "accepted": accepted})
+            if reads_hidden:  # root + accepted path: rows off + node, KV now in path order
+                kept = e.slots[: e.prefix_len + len(res.accepted_nodes)]
+                rows.append(TargetRows(e.rid, e.prefix_len, kept,
+                                       off + torch.tensor(res.accepted_nodes), res.output_tokens))
+            off += tree.num_nodes
+        if reads_hidden:
+            self.drafter.draft_extend(rows, out)
         return out_tokens, infos
 
     def _verify(self, entries, trees, logits: torch.Tensor) -> list[VerifyResult]:
@@ -130,8 +145,9 @@ class SpeculativeWorker:
             gen = e.state.generator
             uniforms = torch.rand(n, dtype=torch.float64, generator=gen,
                                   device=gen.device if gen is not None else "cpu")
+            q_mode = QMode.ONE_HOT if tree.draft_probs is None else self.drafter.q_mode
             results.append(verify_stochastic(
-                tree, probs, uniforms, q_mode=self.drafter.q_mode,
+                tree, probs, uniforms, q_mode=q_mode,
                 threshold_single=self.cfg.accept_threshold_single,
                 threshold_acc=self.cfg.accept_threshold_acc,
             ))

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
+from launch.server_args import EAGLE_ALGORITHMS, EAGLE_TREE_DEFAULTS
 from runtime.ipc import Receiver, Sender, ipc_addr
 from runtime.messages import (
     TO_RUNNER,
@@ -31,6 +32,7 @@ from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
 from runtime.proc_utils import die_with_parent, parent_alive, setup_logging
 from runtime.sampling.sampler import SamplingBatchInfo, make_generator, sample
 from runtime.sampling.sampling_params import SamplingParams
+from speculative.base import TargetRows
 from speculative.worker import SpecEntry, SpeculativeWorker
 
 logger = logging.getLogger(__name__)
@@ -49,6 +51,8 @@ class RunnerWorker:
 
     With a `SpeculativeWorker`, a decode batch whose entries carry more fresh KV slots than
     input tokens is a speculative step (draft → verify → commit); everything else is plain.
+    A drafter that reads target hidden states (EAGLE) gets every prefill chunk's rows through
+    `draft_extend`, so its own KV covers every committed position from the first step on.
     """
 
     def __init__(self, runner: ModelRunner, spec: SpeculativeWorker | None = None) -> None:
@@ -87,6 +91,21 @@ class RunnerWorker:
         return BatchResult(batch_id=msg.batch_id, next_token_ids=out, spec_info=infos,
                            forward_s=time.perf_counter() - t0)
 
+    @staticmethod
+    def _prefill_rows(msg: RunBatch, states: list[RunnerReqState],
+                      slots: list[torch.Tensor]) -> list[TargetRows]:
+        """Every row of a prefill chunk is committed; the token after its last row is the next
+        prompt token, or the one just sampled when the chunk ends the prompt."""
+        rows, off = [], 0
+        for e, st, s in zip(msg.reqs, states, slots):
+            n = len(e.new_token_ids)
+            history = st.prompt_ids + st.output_ids
+            nxt = history[e.prefix_len + 1 : e.prefix_len + n + 1]
+            assert len(nxt) == n, f"{e.rid}: no token follows its prefill chunk"
+            rows.append(TargetRows(e.rid, e.prefix_len, s, torch.arange(off, off + n), nxt))
+            off += n
+        return rows
+
     def run(self, msg: RunBatch) -> BatchResult:
         t0 = time.perf_counter()
         for rid in msg.released_rids:
@@ -101,13 +120,18 @@ class RunnerWorker:
         states = [self._state(e) for e in msg.reqs]
         if mode == ForwardMode.DECODE and self.spec is not None:
             return self._run_spec(msg, states, t0)
+        drafter = self.spec.drafter if self.spec is not None else None
+        reads_hidden = drafter is not None and drafter.reads_target_hidden
+        slots = [unpack_ints(e.kv_slots) for e in msg.reqs]
         batch = ForwardBatch.build(
             mode,
             [e.new_token_ids for e in msg.reqs],
-            [unpack_ints(e.kv_slots) for e in msg.reqs],
+            slots,
             [e.prefix_len for e in msg.reqs],
+            capture_layers=drafter.capture_layers if reads_hidden else (),
         )
-        logits = self.runner.forward(batch).logits  # [B, vocab]
+        fwd = self.runner.forward(batch, reads_hidden and drafter.needs_final_hidden)
+        logits = fwd.logits  # [B, vocab]
         rows = [i for i, e in enumerate(msg.reqs) if e.needs_token]
         out: list[list[int]] = [[] for _ in msg.reqs]
         if rows:
@@ -122,9 +146,30 @@ class RunnerWorker:
             for i, st, tok in zip(rows, sel, tokens):
                 self._append(msg.reqs[i].rid, st, [tok])
                 out[i] = [tok]
+        if reads_hidden:
+            drafter.draft_extend(self._prefill_rows(msg, states, slots), fwd)
         return BatchResult(
             batch_id=msg.batch_id, next_token_ids=out, forward_s=time.perf_counter() - t0
         )
+
+
+def _create_spec(server_args, runner: ModelRunner) -> SpeculativeWorker | None:
+    spec_cfg = server_args.spec_config()
+    if spec_cfg is None:
+        return None
+    from speculative.base import create_drafter
+
+    spec = SpeculativeWorker(spec_cfg, create_drafter(spec_cfg, runner), runner)
+    logger.info("speculative decoding: %s, %d draft tokens per step (root included)",
+                spec_cfg.algorithm, spec_cfg.num_draft_tokens)
+    if spec_cfg.algorithm in EAGLE_ALGORITHMS:
+        tree = (spec_cfg.num_steps, spec_cfg.eagle_topk, spec_cfg.num_draft_tokens)
+        auto = tree == EAGLE_TREE_DEFAULTS.get(runner.device.type)
+        logger.info("EAGLE tree: %d steps, top-k %d, %d nodes%s; sampling: %s",
+                    *tree, f" (the {runner.device.type} default)" if auto else "",
+                    "top-k trees, q ignored (target-only)" if spec_cfg.eagle_target_only
+                    else "children drawn from q, verified with q")
+    return spec
 
 
 def run_model_runner_process(server_args, ipc_dir: str, parent_pid: int) -> None:
@@ -141,17 +186,10 @@ def run_model_runner_process(server_args, ipc_dir: str, parent_pid: int) -> None
             server_args.attention_backend, server_args.max_total_tokens,
             server_args.context_length,
         ))
+        spec = _create_spec(server_args, runner)  # a draft head that does not fit fails here
     except Exception as exc:  # noqa: BLE001 - reported to the scheduler, then we exit
         send.send(RunnerError(message=f"model runner failed to start: {exc}"))
         raise
-    spec = None
-    spec_cfg = server_args.spec_config()
-    if spec_cfg is not None:
-        from speculative.base import create_drafter
-
-        spec = SpeculativeWorker(spec_cfg, create_drafter(spec_cfg, runner), runner)
-        logger.info("speculative decoding: %s, %d draft tokens per step (root included)",
-                    spec_cfg.algorithm, spec_cfg.num_draft_tokens)
     worker = RunnerWorker(runner, spec)
     mc = runner.model_config
     send.send(RunnerReady(info={

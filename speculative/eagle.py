@@ -1,0 +1,258 @@
+"""EAGLE / EAGLE3 speculation: a one-layer draft head reading the target's hidden states.
+
+Draft extend (`draft_extend`, after every target forward). The head's row t takes (token t+1,
+target hidden t) at position t and predicts token t+2 (speculative/models/base.py). Every row a
+target forward commits — each prefill chunk, and after verification the root + accepted path —
+is run through the head causally, so the head's KV covers exactly the request's committed
+positions. Its output at the last committed row L-1 (logits and hidden) is kept per request:
+it scores the next root's children and is their hidden input.
+
+KV layout (mirror). The head's one-layer pool uses the SAME slot indices as the target's: the
+head KV of position t lives in the slot holding the target KV of position t, so committed
+tokens need no allocation of their own, the scheduler's free/keep decisions cover both, and
+radix-cache hits reuse the head KV too. Commit by move is not repeated for the head: the draft
+extend after verification writes the head rows of the accepted path straight into the slots
+the target's commit moved them to (its tree-node scratch KV is elsewhere, see below). The pool
+is sized target capacity + scratch: slots above the target's capacity are head-private scratch
+for draft-tree nodes, reused every step (grown when a batch needs more). On a radix hit the
+head row of the last cached position was computed with the token that followed it in the
+request that cached it; that can only cost acceptance, never correctness.
+
+Drafting. A tree node u at depth d sits at target position L + d; its head row is at position
+L + d - 1, takes (token u, the head output hidden of u's parent; the root's is the kept one),
+and attends to the committed head KV plus its ancestors' scratch rows. Each frontier node is
+one row of a batched head DECODE whose KV index list is [committed slots, ancestors' scratch
+slots, own scratch slot]: the tree mask expressed as index lists (a node sees its prefix and
+its ancestors, never its cousins), without an [N, N] mask or re-feeding earlier levels.
+
+Trees per request (speculative/eagle_tree.py): temperature 0 → `TopKTree` (EAGLE-2), greedy
+verification. Temperature > 0 → `SampledTree` (children drawn from q without replacement,
+verified with q: `QMode.WITHOUT_REPLACEMENT`), unless `eagle_target_only`, which keeps the
+top-k tree and verifies it with q ignored (ONE_HOT, SGLang's target-only sampling) — lossless
+too, kept for comparing the acceptance q buys. EAGLE-3's reduced vocabulary: draft ids map to
+target ids (`map_to_target`) before they become tree tokens, and q is scattered into the
+target vocabulary before processing, so trees and verification only ever see target ids.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from runtime.mem_cache.kv_pool import KVPool
+from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
+from runtime.models.llama import ModelOutput
+from runtime.sampling.sampler import SamplingBatchInfo, process_logits
+from speculative.base import Drafter, SpecConfig, SpecReq, TargetRows, register_algorithm
+from speculative.eagle_tree import SampledTree, TopKTree, level_widths, topk_children
+from speculative.models import Eagle3Head, load_draft_head
+from speculative.models.base import HeadOutput
+from speculative.tree import DraftTree
+from speculative.verify import QMode
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class HeadState:
+    """The head's output at a request's last committed row."""
+
+    logits: Tensor  # [V_head]: scores the root's children
+    hidden: Tensor  # [H]: the hidden input of the root's children
+
+
+@dataclass(slots=True)
+class _Growing:
+    req: SpecReq
+    builder: TopKTree | SampledTree
+    frontier: list[int]
+    hidden: dict[int, Tensor]  # node → its head output hidden [H] (root: HeadState.hidden)
+    slot: dict[int, int] = field(default_factory=dict)  # node → its scratch KV slot
+
+
+@register_algorithm("EAGLE")
+class EagleDrafter(Drafter):
+    q_mode = QMode.WITHOUT_REPLACEMENT  # for the sampled trees; top-k trees carry no q
+    head_kind = "eagle"
+
+    def __init__(self, cfg: SpecConfig, runner) -> None:
+        super().__init__(cfg, runner)
+        assert cfg.draft_model_path, f"{cfg.algorithm} needs --speculative-draft-model-path"
+        assert cfg.num_steps >= 1 and cfg.eagle_topk >= 1, "num_steps and eagle_topk must be >= 1"
+        self.target_capacity = runner.kv_capacity
+        self.scratch = max(64, 16 * (cfg.num_steps - 1) * cfg.eagle_topk)
+        self.head = load_draft_head(cfg.draft_model_path, runner.model_config, runner.model,
+                                    kv_capacity=self.target_capacity + self.scratch)
+        if self.head.config.kind != self.head_kind:
+            raise ValueError(f"--speculative-algorithm {cfg.algorithm} needs a "
+                             f"{self.head_kind} head; {cfg.draft_model_path} holds a "
+                             f"{self.head.config.kind} head")
+        self.head.pack_weights()
+        self.backend = self.head.create_backend()
+        self.capture_layers = tuple(self.head.capture_layers)
+        self.needs_final_hidden = self.head.needs_final_hidden
+        self.device = self.head.kv_pool.device
+        self.vocab_size = runner.model_config.vocab_size
+        # [V_draft] target id of each draft id (EAGLE-3), None when the vocabularies agree
+        self.to_target = None
+        if isinstance(self.head, Eagle3Head):
+            self.to_target = self.head.map_to_target(
+                torch.arange(self.head.config.draft_vocab_size, device=self.device))
+        self.states: dict[str, HeadState] = {}
+
+    # ---- head forwards --------------------------------------------------------------------
+    def _run_head(self, batch: ForwardBatch, hidden: Tensor, fused: bool) -> HeadOutput:
+        """One head forward; `fused`: `hidden` is the target's (draft extend), else the head's
+        own output (draft steps). Tests steer drafts by overriding this."""
+        batch = batch.to(self.device)
+        if isinstance(self.head, Eagle3Head):
+            return self.head(batch, self.backend, hidden, hidden_is_fused=fused)
+        return self.head(batch, self.backend, hidden)
+
+    @torch.inference_mode()
+    def draft_extend(self, rows: list[TargetRows], out: ModelOutput) -> None:
+        hidden = self.head.target_hidden(out)  # [T, H] or [T, 3H] (EAGLE-3 fused features)
+        index = torch.cat([r.hidden_rows for r in rows]).to(hidden.device)
+        batch = ForwardBatch.build(
+            ForwardMode.DRAFT_EXTEND, [r.next_tokens for r in rows], [r.slots for r in rows],
+            [r.prefix_len for r in rows],
+        )  # head row t at position t, KV into the target's slot of position t (mirror)
+        res = self._run_head(batch, hidden[index], fused=True)
+        last = (torch.tensor([len(r.next_tokens) for r in rows]).cumsum(0) - 1).tolist()
+        for b, r in enumerate(rows):
+            self.states[r.rid] = HeadState(res.logits[b], res.hidden[last[b]])
+
+    # ---- drafting --------------------------------------------------------------------------
+    def _sampled(self, r: SpecReq) -> bool:
+        return r.params is not None and not r.params.is_greedy and not self.cfg.eagle_target_only
+
+    @torch.inference_mode()
+    def propose(self, reqs: list[SpecReq]) -> list[DraftTree]:
+        trees: list[DraftTree | None] = [None] * len(reqs)
+        work: list[tuple[int, _Growing]] = []
+        for i, r in enumerate(reqs):
+            if r.budget <= 1:
+                trees[i] = DraftTree.chain(r.tokens[-1], [])
+                continue
+            st = self.states.get(r.rid)
+            assert st is not None, f"{r.rid}: no draft extend ran before its first decode step"
+            assert r.prefix_slots is not None and r.prefix_slots.numel() == len(r.tokens) - 1, (
+                f"{r.rid}: prefix slots must cover the committed tokens")
+            depth = min(self.cfg.num_steps, r.budget - 1)
+            if self._sampled(r):
+                widths = level_widths(r.budget - 1, depth, self.cfg.eagle_topk)
+                builder = SampledTree(r.tokens[-1], widths, self.vocab_size)
+            else:
+                builder = TopKTree(r.tokens[-1], self.cfg.eagle_topk, depth)
+            work.append((i, _Growing(r, builder, [0], {0: st.hidden})))
+        if work:
+            self._grow([g for _, g in work])
+        for i, g in work:
+            b = g.builder
+            trees[i] = b.finalize(g.req.budget) if isinstance(b, TopKTree) else b.finalize()
+        return trees
+
+    def _grow(self, items: list[_Growing]) -> None:
+        # level 1 comes from the kept output of the last committed row: no forward needed
+        logits = torch.stack([self.states[g.req.rid].logits for g in items])  # [B, V_head]
+        self._expand(items, [[0] for _ in items], logits)
+        need = sum(len(g.builder.widths) if isinstance(g.builder, SampledTree)
+                   else g.builder.max_depth for g in items) * self.cfg.eagle_topk
+        self._ensure_scratch(need)
+        next_slot = self.target_capacity + 1  # scratch slots, reused every step
+        while True:
+            rows = [(g, u) for g in items for u in g.frontier]
+            if not rows:
+                return
+            tokens, kv, prefix_lens, hidden = [], [], [], []
+            for g, u in rows:
+                g.slot[u] = next_slot
+                next_slot += 1
+                path = self._ancestors(g, u)  # depth 1 .. d of u, root excluded
+                tokens.append([g.builder.tokens[u]])
+                kv.append(torch.cat([g.req.prefix_slots,
+                                     torch.tensor([g.slot[a] for a in path])]))
+                prefix_lens.append(kv[-1].numel() - 1)  # = L + depth - 1: the row's position
+                hidden.append(g.hidden[g.builder.parents[u]])
+            batch = ForwardBatch.build(ForwardMode.DECODE, tokens, kv, prefix_lens)
+            res = self._run_head(batch, torch.stack(hidden), fused=False)
+            for j, (g, u) in enumerate(rows):
+                g.hidden[u] = res.hidden[j]
+            self._expand(items, [g.frontier for g in items], res.logits)
+
+    @staticmethod
+    def _ancestors(g: _Growing, u: int) -> list[int]:
+        path = []
+        while u > 0:
+            path.append(u)
+            u = g.builder.parents[u]
+        return path[::-1]
+
+    def _expand(self, items: list[_Growing], nodes: list[list[int]], logits: Tensor) -> None:
+        """Feed head logits [sum len(nodes), V_head] (rows in item order) to the builders."""
+        offsets = torch.tensor([0] + [len(n) for n in nodes]).cumsum(0).tolist()
+        greedy = [b for b, g in enumerate(items) if nodes[b] and isinstance(g.builder, TopKTree)]
+        sampled = [b for b, g in enumerate(items)
+                   if nodes[b] and isinstance(g.builder, SampledTree)]
+        if greedy:
+            sel = torch.cat([torch.arange(offsets[b], offsets[b + 1]) for b in greedy])
+            logq, toks = topk_children(logits[sel.to(logits.device)], self.cfg.eagle_topk,
+                                       self.to_target)  # [M, k] each
+            logq, toks, off = logq.cpu(), toks.cpu(), 0
+            for b in greedy:
+                n = len(nodes[b])
+                items[b].frontier = items[b].builder.expand(
+                    nodes[b], logq[off : off + n], toks[off : off + n])
+                off += n
+        if sampled:
+            sel = torch.cat([torch.arange(offsets[b], offsets[b + 1]) for b in sampled])
+            params = [items[b].req.params for b in sampled for _ in nodes[b]]
+            q = self._draft_q(logits[sel.to(logits.device)], params)  # [M, V]
+            off = 0
+            for b in sampled:
+                n, g = len(nodes[b]), items[b]
+                g.frontier = g.builder.expand(nodes[b], q[off : off + n], g.req.generator)
+                off += n
+        for b, g in enumerate(items):
+            if not nodes[b]:
+                g.frontier = []
+
+    def _draft_q(self, logits: Tensor, params: list) -> Tensor:
+        """Head logits [M, V_head] → q [M, V] over the TARGET vocabulary, processed with each
+        request's temperature / top-k / top-p / min-p like its target distribution."""
+        full = logits.float()
+        if self.to_target is not None:  # ids outside the draft vocabulary get q = 0
+            full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+            full[:, self.to_target] = logits.float()
+        info = SamplingBatchInfo.from_params(params, self.vocab_size, full.device,
+                                             generators=[None] * len(params))
+        return process_logits(full, info)
+
+    def _ensure_scratch(self, need: int) -> None:
+        """Grow the head pool's scratch region (slots above the target's capacity) to `need`."""
+        if need <= self.scratch:
+            return
+        old = self.head.kv_pool
+        self.scratch = max(need, 2 * self.scratch)
+        pool = KVPool(self.target_capacity + self.scratch, 1, old.num_kv_heads, old.head_dim,
+                      old.dtype, old.device)
+        rows = old.capacity + 1
+        pool.k[0][:rows] = old.k[0]
+        pool.v[0][:rows] = old.v[0]
+        self.head.kv_pool = pool
+        self.backend = self.head.create_backend()
+        logger.info("EAGLE head scratch KV grown to %d slots", self.scratch)
+
+    def release(self, rid: str) -> None:
+        self.states.pop(rid, None)
+
+    def reset(self) -> None:
+        self.states.clear()
+
+
+@register_algorithm("EAGLE3")
+class Eagle3Drafter(EagleDrafter):
+    head_kind = "eagle3"

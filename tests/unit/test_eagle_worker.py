@@ -1,0 +1,229 @@
+"""EAGLE / EAGLE3 speculation through the real scheduler and runner worker on a tiny target:
+greedy output equals plain decoding token for token (random heads, and heads steered toward the
+known continuation so deep trees get accepted), the head's KV mirrors the target's committed
+slots, and no KV leaks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from launch.server_args import ServerArgs
+from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
+from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
+from runtime.model_runner.runner_process import RunnerWorker
+from speculative.base import SpecConfig, create_drafter
+from speculative.eagle import Eagle3Drafter, EagleDrafter
+from speculative.models.base import HeadOutput
+from speculative.worker import SpeculativeWorker
+from tests.helpers.eagle_checkpoints import write_eagle1_checkpoint, write_eagle3_checkpoint
+from tests.helpers.tiny_models import write_tiny_model
+from tests.unit.test_scheduler import Harness, prompts, reference
+
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    d = write_tiny_model(tmp_path_factory.mktemp("eagle_w") / "t", "llama", seed=3,
+                         num_hidden_layers=4)  # EAGLE-3 captures the states entering 2, 2, 1
+    return d, ModelRunner(RunnerConfig(str(d), "cpu", "float32", max_total_tokens=4096))
+
+
+@pytest.fixture(scope="module")
+def truth(target):
+    ps = prompts(50, seed=21)
+    return ps, reference(target, ps, ignore_eos=True, max_new_tokens=NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def heads(target, truth, tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle_heads")
+    ps, ref = truth
+    # EAGLE-3's reduced vocabulary: the ids these runs use (so steering can reach them); ids
+    # 0-2 and 300+ are left out, so draft id d != target id
+    hot = torch.tensor(sorted({t for p, r in zip(ps, ref) for t in p + r}))
+    return {"EAGLE": write_eagle1_checkpoint(root / "e1", target[0], seed=1),
+            "EAGLE3": write_eagle3_checkpoint(root / "e3", target[0], seed=2,
+                                              draft_vocab_size=hot.numel(), hot_ids=hot)}
+
+
+class Steered:
+    """Makes the known next token likely (top, or second) in most head rows. Keys are
+    (position, input token) of the head row; the truth of every prompt is merged, so a
+    collision only makes a draft wrong. Only logits change: KV and hidden stay the head's."""
+
+    hints: dict[tuple[int, int], int]
+
+    def _run_head(self, batch, hidden, fused):
+        out = super()._run_head(batch, hidden, fused)
+        rows = batch.logits_indices
+        logits = out.logits.clone()
+        pos, tok = batch.positions[rows].tolist(), batch.input_ids[rows].tolist()
+        for i, (p, x) in enumerate(zip(pos, tok)):
+            want = self.hints.get((p, x))
+            if want is None or (p + x) % 4 == 3:  # a quarter of the rows stay unsteered
+                continue
+            d = want
+            if self.to_target is not None:  # EAGLE-3: its draft id, if it has one
+                found = (self.to_target == want).nonzero().flatten()
+                if found.numel() == 0:
+                    continue
+                d = int(found[0])
+            others = logits[i].clone()
+            others[d] = float("-inf")
+            best, rival = others.max(dim=0)
+            # a confident head: the hint takes most of the mass, alone or shared with a rival
+            # that outranks it (then the right draft is the second child)
+            logits[i, d] = best + 6.0
+            if (p + x) % 4 == 2:
+                logits[i, rival] = best + 6.01
+        return HeadOutput(logits, out.hidden)
+
+
+class SteeredEagle(Steered, EagleDrafter):
+    pass
+
+
+class SteeredEagle3(Steered, Eagle3Drafter):
+    pass
+
+
+def hints_of(ps, outs) -> dict[tuple[int, int], int]:
+    hints = {}
+    for p, r in zip(ps, outs):
+        seq = p + r
+        for t in range(len(seq) - 2):  # head row t: (token t+1, hidden t) → token t+2
+            hints[(t, seq[t + 1])] = seq[t + 2]
+    return hints
+
+
+def eagle_harness(target, ckpt, algo, *, hints=None, steps=3, topk=4, n=8, **sched):
+    runner = target[1]
+    cfg = SpecConfig(algo, n, draft_model_path=str(ckpt), num_steps=steps, eagle_topk=topk,
+                     adaptive=False)
+    if hints is None:
+        drafter = create_drafter(cfg, runner)
+    else:
+        drafter = {"EAGLE": SteeredEagle, "EAGLE3": SteeredEagle3}[algo](cfg, runner)
+        drafter.hints = hints
+    h = Harness(target, num_draft_tokens=n, **sched)
+    h.worker = RunnerWorker(runner, SpeculativeWorker(cfg, drafter, runner))
+    h.sched.run_batch = h.worker.run
+    return h, drafter
+
+
+def count_moves(monkeypatch, runner) -> list[int]:
+    moves = []
+    real = runner.kv_pool.move
+
+    def spy(src, dst):
+        moves.append(src.numel())
+        real(src, dst)
+
+    monkeypatch.setattr(runner.kv_pool, "move", spy)
+    return moves
+
+
+@pytest.mark.parametrize("algo", ["EAGLE", "EAGLE3"])
+@pytest.mark.parametrize("concurrency", [1, 8])
+@pytest.mark.parametrize("steered", [False, True])
+def test_greedy_eagle_equals_plain_decoding_on_50_prompts(target, truth, heads, monkeypatch,
+                                                          algo, concurrency, steered):
+    ps, ref = truth
+    moves = count_moves(monkeypatch, target[1])
+    h, _ = eagle_harness(target, heads[algo], algo, hints=hints_of(ps, ref) if steered else None,
+                         max_running_requests=concurrency)
+    for i, p in enumerate(ps):
+        h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=NEW_TOKENS)
+    h.run()
+    assert [h.outputs[f"r{i}"] for i in range(len(ps))] == ref
+    info = h.sched.info()
+    # every step verified a full dynamic tree: 7 drafts over up to 3 levels
+    assert info["spec_decode_num_draft_tokens"] == 7 * info["spec_verify_steps"]
+    if steered:
+        per_pos = info["spec_decode_num_accepted_tokens_per_pos"]
+        assert info["avg_spec_accept_length"] > 2.0, info
+        assert len(per_pos) == 3 and per_pos[2] > 50, per_pos  # depth-3 drafts accepted
+        assert len(moves) > 50, "accepted paths off the first branches move their KV"
+    h.sched.check_no_leak()
+
+
+@pytest.mark.parametrize("algo", ["EAGLE", "EAGLE3"])
+def test_chunked_prefill_radix_hits_retraction_and_stops_keep_greedy_output(target, heads,
+                                                                            algo):
+    rng = random.Random(4)
+    shared = [rng.randrange(3, 300) for _ in range(30)]
+    ps = [shared + [rng.randrange(3, 300) for _ in range(rng.randrange(1, 12))] for _ in range(8)]
+    ref = reference(target, ps, ignore_eos=True, max_new_tokens=30)
+    h, _ = eagle_harness(target, heads[algo], algo, hints=hints_of(ps, ref), capacity=150,
+                         chunked_prefill_size=16, decode_reserve_ratio=0.0)
+    for i, p in enumerate(ps):
+        stop = [ref[i][9]] if i % 3 == 0 else []
+        h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=30, stop_token_ids=stop)
+    h.run()
+    for i in range(len(ps)):
+        expect = ref[i][: ref[i].index(ref[i][9]) + 1] if i % 3 == 0 else ref[i]
+        assert h.outputs[f"r{i}"] == expect, i
+    totals = h.sched.totals
+    assert totals["retracted"] > 0 and totals["cached_tokens"] > 0, totals
+    assert h.sched.info()["avg_spec_accept_length"] > 1.5
+    h.sched.check_no_leak()
+
+
+@pytest.mark.parametrize("algo", ["EAGLE", "EAGLE3"])
+def test_head_kv_after_spec_steps_equals_one_draft_extend_of_the_history(target, heads, algo):
+    """Mirror layout: after prefill chunks and verify commits (with moves), the head's KV at the
+    request's committed slots and its kept hidden equal one head pass over the whole history."""
+    ps = prompts(1, seed=33)
+    ps[0] = (ps[0] * 3)[:45]
+    ref = reference(target, ps, ignore_eos=True, max_new_tokens=40)
+    h, drafter = eagle_harness(target, heads[algo], algo, hints=hints_of(ps, ref),
+                               chunked_prefill_size=16)
+    h.submit("r", ps[0], ignore_eos=True, max_new_tokens=40)
+    while len(h.outputs.get("r", [])) < 20:
+        assert h.sched.step()
+    req = h.sched.running[0]
+    length, fill, slots = req.kv_len, req.fill_ids, req.kv_slots
+    assert len(fill) == length + 1
+    runner = target[1]
+    fresh = h.sched.allocator.alloc(length)
+    out = runner.forward(ForwardBatch.build(
+        ForwardMode.EXTEND, [fill[:length]], [fresh], [0], capture_layers=drafter.capture_layers,
+    ), return_final_hidden=drafter.needs_final_hidden)
+    base = EagleDrafter._run_head(  # the unsteered head, rows written to the fresh slots
+        drafter, ForwardBatch.build(ForwardMode.DRAFT_EXTEND, [fill[1 : length + 1]], [fresh],
+                                    [0]), drafter.head.target_hidden(out), True)
+    pool = drafter.head.kv_pool
+    for cache in (pool.k[0], pool.v[0], runner.kv_pool.k[-1]):
+        torch.testing.assert_close(cache[slots], cache[fresh], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(drafter.states["r"].hidden, base.hidden[-1], atol=1e-4,
+                               rtol=1e-4)
+    h.sched.allocator.free(fresh)
+    h.run()
+    assert h.outputs["r"] == ref[0]
+    h.sched.check_no_leak()
+
+
+def test_server_args_choose_the_eagle_tree_and_check_it(target, heads):
+    base = {"model_path": str(target[0]), "device": "cpu", "speculative_algorithm": "eagle",
+            "speculative_draft_model_path": str(heads["EAGLE"])}
+    args = ServerArgs(**base).resolve()
+    assert (args.speculative_num_steps, args.speculative_eagle_topk,
+            args.speculative_num_draft_tokens) == (3, 4, 8)  # the CPU default
+    cfg = args.spec_config()
+    assert (cfg.algorithm, cfg.num_steps, cfg.eagle_topk, cfg.num_draft_tokens) == (
+        "EAGLE", 3, 4, 8)
+    chain = ServerArgs(**base, speculative_num_steps=5, speculative_eagle_topk=1,
+                       speculative_num_draft_tokens=16).resolve()
+    assert chain.speculative_num_draft_tokens == 6  # k = 1 is a chain of num_steps
+    with pytest.raises(ValueError, match="exceeds the 7 nodes"):
+        ServerArgs(**base, speculative_num_steps=2, speculative_eagle_topk=2,
+                   speculative_num_draft_tokens=8).resolve()
+    with pytest.raises(ValueError, match="needs --speculative-draft-model-path"):
+        ServerArgs(**{**base, "speculative_draft_model_path": None}).resolve()
+    wrong = SpecConfig("EAGLE3", 8, draft_model_path=str(heads["EAGLE"]))
+    with pytest.raises(ValueError, match="needs a eagle3 head"):
+        create_drafter(wrong, target[1])
