@@ -19,6 +19,7 @@ import uvicorn
 from launch.processes import Backend, StartupError
 from launch.server_args import ServerArgs, parse_args
 from runtime.entrypoints.http_server import create_app
+from runtime.errors import SpecserveError
 from runtime.proc_utils import setup_logging
 from runtime.sampling.sampling_params import SamplingParams
 from runtime.tokenizer.tokenizer_manager import TokenizerManager
@@ -46,7 +47,7 @@ async def _warm_up(tm: TokenizerManager) -> float:
 
 
 def serve(args: ServerArgs) -> int:
-    args = args.resolve()
+    """Serve until SIGINT/SIGTERM or a child dies; `args` must be resolved."""
     setup_logging(args.log_level, "launcher")
     t0 = time.perf_counter()
     backend = Backend(args)
@@ -103,4 +104,11 @@ def serve(args: ServerArgs) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    sys.exit(serve(parse_args(argv)))
+    args = parse_args(argv)
+    try:
+        args = args.resolve()
+    except (ValueError, SpecserveError) as exc:
+        # a bad flag or model path: one clear line, no traceback
+        print(f"launch_server: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(serve(args))
