@@ -176,17 +176,10 @@ def sample_sharegpt(
     conversations: list[Conversation], num: int, tokenizer: Tokenizer, rng: random.Random,
     max_new_tokens: int | None,
 ) -> list[BenchRequest]:
-    order = list(range(len(conversations)))
-    rng.shuffle(order)
     out: list[BenchRequest] = []
-    seen: set[str] = set()
-    for idx in order:
+    for conv in rewrite_prompts.distinct_in_random_order(conversations, rng):
         if len(out) == num:
             break
-        conv = conversations[idx]
-        if conv.id in seen:  # a few ShareGPT ids occur twice; keep request ids unique
-            continue
-        seen.add(conv.id)
         pair = next(
             ((a.text, b.text) for a, b in zip(conv.turns, conv.turns[1:])
              if a.role == "user" and b.role == "assistant"),

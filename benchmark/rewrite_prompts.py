@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
@@ -82,21 +83,29 @@ def make_prompt(task: Task, passage: str, is_code: bool) -> str:
     return f"{task.instruction}\n\n{body}"
 
 
+def distinct_in_random_order(
+    conversations: list[Conversation], rng: random.Random
+) -> Iterator[Conversation]:
+    """Conversations in an order fixed by `rng`, each id once (a few ShareGPT ids occur twice;
+    request ids must stay unique). Shared by every ShareGPT-based sampler."""
+    order = list(range(len(conversations)))
+    rng.shuffle(order)
+    seen: set[str] = set()
+    for idx in order:
+        conv = conversations[idx]
+        if conv.id not in seen:
+            seen.add(conv.id)
+            yield conv
+
+
 def build(
     conversations: list[Conversation], num: int, tokenizer: Tokenizer, rng: random.Random
 ) -> list[RewritePrompt]:
     """At most one prompt per conversation, `num` in all, deterministic for `rng`'s seed."""
-    order = list(range(len(conversations)))
-    rng.shuffle(order)
     out: list[RewritePrompt] = []
-    seen: set[str] = set()
-    for idx in order:
+    for conv in distinct_in_random_order(conversations, rng):
         if len(out) == num:
             break
-        conv = conversations[idx]
-        if conv.id in seen:  # a few ShareGPT ids occur twice; keep request ids unique
-            continue
-        seen.add(conv.id)
         candidates = candidate_passages(conv)
         rng.shuffle(candidates)
         for passage, is_code in candidates:
