@@ -44,6 +44,9 @@ HELP = {
     "speculative_eagle_target_only": "EAGLE/EAGLE3 sampling: draft top-k trees and verify with "
     "the draft probabilities ignored (SGLang's target-only) instead of drafting from q and "
     "verifying with q",
+    "speculative_token_map": "EAGLE-1/2: draft only over these target token ids (SGLang's hot "
+    "token map: .pt read with weights_only, .safetensors, .json or .npy); lossless, EAGLE-3 "
+    "heads carry their own draft vocabulary",
     "speculative_accept_threshold_single": "LOSSY when < 1: also accept a draft token whose "
     "target probability is at least this (sampling only)",
     "speculative_accept_threshold_acc": "LOSSY when < 1: divide the acceptance test's ratio by "
@@ -98,6 +101,7 @@ class ServerArgs:
     speculative_num_steps: int | None = None
     speculative_eagle_topk: int | None = None
     speculative_eagle_target_only: bool = False
+    speculative_token_map: str | None = None
     speculative_accept_threshold_single: float = 1.0
     speculative_accept_threshold_acc: float = 1.0
     speculative_disable_adaptive: bool = False
@@ -122,6 +126,7 @@ class ServerArgs:
             num_draft_tokens=self.speculative_num_draft_tokens,
             draft_model_path=self.speculative_draft_model_path,
             eagle_target_only=self.speculative_eagle_target_only,
+            token_map=self.speculative_token_map,
             **tree,
             ngram_capacity=self.speculative_ngram_capacity,
             ngram_max_trie_depth=self.speculative_ngram_max_trie_depth,
@@ -157,6 +162,8 @@ class ServerArgs:
             from speculative.base import check_algorithm
 
             algo = check_algorithm(self.speculative_algorithm)
+            if self.speculative_token_map is not None:
+                self._check_token_map(algo)
             if algo in EAGLE_ALGORITHMS:
                 spec = self._eagle_tree()
                 n = spec["speculative_num_draft_tokens"]
@@ -180,6 +187,18 @@ class ServerArgs:
         return dataclasses.replace(
             self, model_path=model_dir, served_model_name=name, num_threads=threads, **spec
         )
+
+    def _check_token_map(self, algo: str) -> None:
+        """--speculative-token-map: EAGLE-1/2 only, and a readable file of a known format."""
+        from speculative.eagle import TOKEN_MAP_EAGLE3_ERROR
+        from speculative.token_map import check_token_map_path
+
+        if algo == "EAGLE3":
+            raise ValueError(TOKEN_MAP_EAGLE3_ERROR)
+        if algo != "EAGLE":
+            raise ValueError(f"--speculative-token-map applies to EAGLE-1/2 heads, not to "
+                             f"--speculative-algorithm {algo}")
+        check_token_map_path(self.speculative_token_map)
 
     def _eagle_tree(self) -> dict:
         """EAGLE's (num_steps, topk, num_draft_tokens): unset values from the device's default;

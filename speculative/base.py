@@ -43,6 +43,8 @@ class SpecConfig:
     draft_model_path: str | None = None
     num_steps: int = 3
     eagle_topk: int = 4
+    # EAGLE-1/2: a reduced draft vocabulary (speculative/token_map.py), None = the whole one
+    token_map: str | None = None
     # sampling: verify top-k trees with q ignored (SGLang's target-only) instead of drafting
     # children from q without replacement and verifying with q
     eagle_target_only: bool = False

@@ -31,7 +31,9 @@ verified with q: `QMode.WITHOUT_REPLACEMENT`), unless `eagle_target_only`, which
 top-k tree and verifies it with q ignored (ONE_HOT, SGLang's target-only sampling) — lossless
 too, kept for comparing the acceptance q buys. EAGLE-3's reduced vocabulary: draft ids map to
 target ids (`map_to_target`) before they become tree tokens, and q is scattered into the
-target vocabulary before processing, so trees and verification only ever see target ids.
+target vocabulary before processing, so trees and verification only ever see target ids. A
+token map (`--speculative-token-map`, EAGLE-1/2 only) gives an EAGLE-1/2 head the same kind of
+reduced vocabulary: its logits cover the map's hot ids and `to_target` is those ids.
 """
 
 from __future__ import annotations
@@ -48,12 +50,15 @@ from runtime.models.llama import ModelOutput
 from runtime.sampling.sampler import SamplingBatchInfo, process_logits
 from speculative.base import Drafter, SpecConfig, SpecReq, TargetRows, register_algorithm
 from speculative.eagle_tree import SampledTree, TopKTree, level_widths, topk_children
-from speculative.models import Eagle3Head, load_draft_head
+from speculative.models import Eagle3Head, EagleHead, load_draft_head
 from speculative.models.base import HeadOutput
+from speculative.token_map import load_token_map
 from speculative.tree import DraftTree
 from speculative.verify import QMode
 
 logger = logging.getLogger(__name__)
+TOKEN_MAP_EAGLE3_ERROR = ("--speculative-token-map applies to EAGLE-1/2 heads; EAGLE-3 heads carry "
+                          "their own draft vocabulary (d2t)")
 
 
 @dataclass(slots=True)
@@ -82,6 +87,8 @@ class EagleDrafter(Drafter):
         super().__init__(cfg, runner)
         assert cfg.draft_model_path, f"{cfg.algorithm} needs --speculative-draft-model-path"
         assert cfg.num_steps >= 1 and cfg.eagle_topk >= 1, "num_steps and eagle_topk must be >= 1"
+        if cfg.token_map and self.head_kind != "eagle":
+            raise ValueError(TOKEN_MAP_EAGLE3_ERROR)
         self.target_capacity = runner.kv_capacity
         self.scratch = max(64, 16 * (cfg.num_steps - 1) * cfg.eagle_topk)
         self.head = load_draft_head(cfg.draft_model_path, runner.model_config, runner.model,
@@ -90,14 +97,25 @@ class EagleDrafter(Drafter):
             raise ValueError(f"--speculative-algorithm {cfg.algorithm} needs a "
                              f"{self.head_kind} head; {cfg.draft_model_path} holds a "
                              f"{self.head.config.kind} head")
+        self.vocab_size = runner.model_config.vocab_size
+        # [V_draft] target id of each draft id (EAGLE-3's d2t, or a token map's hot ids), None
+        # when the head scores the whole target vocabulary
+        self.to_target = None
+        if cfg.token_map:
+            if not isinstance(self.head, EagleHead):
+                raise ValueError(TOKEN_MAP_EAGLE3_ERROR)
+            hot = load_token_map(cfg.token_map, self.vocab_size)
+            model = runner.model
+            tied = model.embed_tokens if runner.model_config.tie_word_embeddings else None
+            self.head.restrict_vocab(hot, model.lm_head, tied)
+            self.to_target = self.head.hot_ids
+            logger.info("EAGLE drafts over %d of %d tokens (%s)", hot.numel(), self.vocab_size,
+                        cfg.token_map)
         self.head.pack_weights()
         self.backend = self.head.create_backend()
         self.capture_layers = tuple(self.head.capture_layers)
         self.needs_final_hidden = self.head.needs_final_hidden
         self.device = self.head.kv_pool.device
-        self.vocab_size = runner.model_config.vocab_size
-        # [V_draft] target id of each draft id (EAGLE-3), None when the vocabularies agree
-        self.to_target = None
         if isinstance(self.head, Eagle3Head):
             self.to_target = self.head.map_to_target(
                 torch.arange(self.head.config.draft_vocab_size, device=self.device))
