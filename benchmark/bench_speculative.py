@@ -1,28 +1,33 @@
 """Speculative decoding against no speculation, on the same prompts, in the same run.
 
     python -m benchmark.bench_speculative --dataset rewrite --num-prompts 20 \\
-        --configs NGRAM NGRAM:num_draft_tokens=16 --concurrency 1,8 --compare-hf
+        --configs NGRAM NGRAM:num_draft_tokens=16 --concurrency 1,8 --temperature 0,0.7 \\
+        --compare-hf
     python -m benchmark.bench_speculative --base-url http://127.0.0.1:30000 \\
         --baseline-url http://127.0.0.1:30001 --dataset rewrite      # two running servers
 
-- Every run (dataset × concurrency × config, the baseline first) gets a fresh `Engine`: started,
+- Every dataset × concurrency × config (the baseline first) gets a fresh `Engine`: started,
   warmed up with one short request, measured, shut down. Fresh, because the NGRAM trie is shared
   by all requests of a server: a second pass over the same prompts would draft from the first
-  pass's outputs and inflate acceptance.
+  pass's outputs and inflate acceptance. The temperatures of `--temperature` (comma-separated,
+  e.g. 0,0.7) are measured one after another on that engine, with `flush_cache` (radix cache
+  and drafter state, the n-gram trie included) before each.
 - `--configs`: `ALGO[:key=value,...]`, keys are `speculative_<key>` ServerArgs fields, e.g.
   `NGRAM:num_draft_tokens=16,ngram_match_type=PROB`.
 - Concurrency c: c requests in flight (c = 1: one after another).
 - Metrics (definitions in `benchmark/spec_metrics.py`): output tokens/s, median per-request
-  tokens/s, speedup over the baseline at the same concurrency, mean accept length, acceptance
-  rate per draft position, draft tokens per step; at temperature 0 the number of requests whose
-  output differs from the baseline's (greedy must match up to near-ties).
+  tokens/s, speedup over the baseline at the same concurrency and temperature (same run), mean
+  accept length, acceptance rate per draft position, draft tokens per step; at temperature 0 the
+  number of requests whose output differs from the baseline's (greedy must match up to
+  near-ties). Sampled runs seed each request (`--seed` + its index), the same for every config.
 - `--compare-hf`: Hugging Face transformers on the same prompts (batch 1, fp32, greedy): plain
-  `generate` and prompt lookup; "vs HF PLD" = our tokens/s at c = 1 / HF prompt lookup's.
-  In the HF rows, "speedup" is prompt lookup over plain `generate`.
+  `generate` and prompt lookup; "vs HF PLD" = our tokens/s at c = 1, T = 0 / HF prompt
+  lookup's (needs 0 among the temperatures). In the HF rows, "speedup" is prompt lookup over
+  plain `generate`.
 - `--base-url`: measure an already-running server through HTTP `/generate` (whatever it is
   configured as); speedup needs `--baseline-url` (a server without speculation). The servers'
   radix caches are flushed before each run, their n-gram caches cannot be: with several
-  concurrency levels, later runs draft from earlier outputs.
+  concurrency levels or temperatures, later runs draft from earlier outputs.
 Writes full JSON (per-request records included, `--output`) and a PNG (`--plot`); prints a
 table last.
 """
@@ -32,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import time
 from dataclasses import asdict
@@ -57,6 +63,7 @@ from benchmark.spec_metrics import (
     SpecRecord,
     SpecRunConfig,
     compare_to_baseline,
+    fmt_temperatures,
     parse_spec_configs,
     speedup,
     summarize_run,
@@ -73,26 +80,27 @@ WARMUP_MAX_NEW_TOKENS = 16
 # ---- one run ---------------------------------------------------------------------------------
 def measure(
     target: Target, config: str, dataset: str, reqs: list[BenchRequest],
-    prompts: list[list[int]], concurrency: int, args: argparse.Namespace,
+    prompts: list[list[int]], concurrency: int, temperature: float, args: argparse.Namespace,
     server_args: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One run: counters before, every request, counters after; metrics from the deltas."""
     before = SpecCounters.from_server_info(target.server_info())
     records, wall = asyncio.run(run_requests(
-        target, reqs, prompts, concurrency, args.temperature, args.seed,
-        f"{dataset} {config} c={concurrency}", args.disable_tqdm,
+        target, reqs, prompts, concurrency, temperature, args.seed,
+        f"{dataset} {config} c={concurrency} T={temperature:g}", args.disable_tqdm,
     ))
     after = SpecCounters.from_server_info(target.server_info())
     counters = after.minus(before) if after is not None else None
     run = {
         "dataset": dataset, "config": config, "concurrency": concurrency,
-        "server_args": server_args or {}, "counters": asdict(counters) if counters else None,
+        "temperature": temperature, "server_args": server_args or {},
+        "counters": asdict(counters) if counters else None,
         "metrics": summarize_run(records, wall, counters), "records": records,
     }
     m = run["metrics"]
-    logger.info("%s %s c=%d: %d/%d ok, %d tokens in %.1fs = %.2f tok/s%s", dataset, config,
-                concurrency, m["completed"], len(records), m["total_output_tokens"], wall,
-                m["output_tokens_per_s"],
+    logger.info("%s %s c=%d T=%g: %d/%d ok, %d tokens in %.1fs = %.2f tok/s%s", dataset, config,
+                concurrency, temperature, m["completed"], len(records),
+                m["total_output_tokens"], wall, m["output_tokens_per_s"],
                 f", accept length {m['accept_length']:.2f}" if m["accept_length"] else "")
     for rec in records:
         if rec.error:
@@ -123,22 +131,37 @@ def run_engines(
     args: argparse.Namespace, configs: list[SpecRunConfig],
     requests: dict[str, list[BenchRequest]], prompts: dict[str, list[list[int]]],
 ) -> list[dict[str, Any]]:
-    """Baseline then every config, a fresh engine each, per dataset and concurrency. Fills
-    `prompts` (rendered with the first engine's chat template)."""
+    """Baseline then every config, a fresh engine each, per dataset and concurrency; every
+    temperature on that engine, its caches flushed in between. Fills `prompts` (rendered with
+    the first engine's chat template)."""
     runs = []
     cells = [(d, c, cfg) for d in requests for c in args.concurrency for cfg in [BASELINE,
                                                                                    *configs]]
-    for dataset, c, cfg in tqdm(cells, desc="runs", disable=args.disable_tqdm, unit="run"):
+    for dataset, c, cfg in tqdm(cells, desc="engines", disable=args.disable_tqdm, unit="engine"):
         engine = start_engine(args, cfg)
         try:
             if dataset not in prompts:
                 prompts[dataset] = render_prompts(requests[dataset], engine.tm.chat_ids,
                                                   engine.tm.tokenize)
-            runs.append(measure(EngineTarget(engine), cfg.label, dataset, requests[dataset],
-                                prompts[dataset], c, args, cfg.server_args))
+            for i, temperature in enumerate(args.temperature):
+                if i:
+                    _flush_engine(engine)
+                runs.append(measure(EngineTarget(engine), cfg.label, dataset, requests[dataset],
+                                    prompts[dataset], c, temperature, args, cfg.server_args))
         finally:
             engine.shutdown()
     return runs
+
+
+def _flush_engine(engine: Any, tries: int = 20) -> None:
+    """Radix cache and drafter state (the n-gram trie), so that the next temperature's run
+    drafts only from its own requests. Refused while requests still run: retried briefly."""
+    for _ in range(tries):
+        if engine.flush_cache():
+            return
+        time.sleep(0.1)
+    logger.warning("flush_cache refused %d times: the next run may draft from earlier outputs",
+                   tries)
 
 
 # ---- URL mode --------------------------------------------------------------------------------
@@ -164,10 +187,11 @@ def run_urls(
     runs = []
     for dataset in requests:
         for c in args.concurrency:
-            for t, label in zip(targets, labels):
-                t.flush_cache()
-                runs.append(measure(t, label, dataset, requests[dataset], prompts[dataset], c,
-                                    args))
+            for temperature in args.temperature:
+                for t, label in zip(targets, labels):
+                    t.flush_cache()
+                    runs.append(measure(t, label, dataset, requests[dataset], prompts[dataset],
+                                        c, temperature, args))
     return runs, labels[0] if args.baseline_url else ""
 
 
@@ -228,27 +252,33 @@ def bench_hf(
 
 
 # ---- putting runs together -------------------------------------------------------------------
+def _cell(run: dict[str, Any]) -> tuple[str, int, float]:
+    return run["dataset"], run["concurrency"], run["temperature"]
+
+
 def attach_comparisons(
-    runs: list[dict[str, Any]], baseline_label: str, temperature: float,
-    hf: dict[str, dict[str, Any]] | None,
+    runs: list[dict[str, Any]], baseline_label: str,
+    hf: dict[str, dict[str, Any]] | None = None,
 ) -> None:
-    """Speedup and mismatches against the same-run baseline; vs HF prompt lookup at c = 1."""
-    base = {(r["dataset"], r["concurrency"]): r for r in runs if r["config"] == baseline_label}
+    """Speedup against the same-run baseline at the same dataset, concurrency and temperature;
+    mismatches (greedy runs only) against its outputs. HF is greedy: vs HF prompt lookup for
+    runs at c = 1 and T = 0 only, HF mismatches against the baseline's c = 1, T = 0 run."""
+    base = {_cell(r): r for r in runs if r["config"] == baseline_label}
     for run in runs:
         m = run["metrics"]
-        ref = base.get((run["dataset"], run["concurrency"]))
+        ref = base.get(_cell(run))
         if ref is not None and ref is not run:
             m["speedup"] = speedup(m["output_tokens_per_s"], ref["metrics"]["output_tokens_per_s"])
-            if temperature == 0:
+            if run["temperature"] == 0:
                 m["mismatches"] = compare_to_baseline(run["records"], ref["records"])
         elif ref is run:
             m["speedup"] = 1.0
-        if hf and run["concurrency"] == 1 and run["dataset"] in hf:
+        if hf and run["concurrency"] == 1 and run["temperature"] == 0 and run["dataset"] in hf:
             pld = hf[run["dataset"]]["prompt_lookup"]["output_tokens_per_s"]
             m["vs_hf_prompt_lookup"] = speedup(m["output_tokens_per_s"], pld)
     for dataset, modes in (hf or {}).items():
-        ref = base.get((dataset, 1))
-        if ref is not None and temperature == 0:
+        ref = base.get((dataset, 1, 0.0))
+        if ref is not None:
             for h in modes.values():
                 h["mismatches"] = compare_to_baseline(h["records"], ref["records"])
 
@@ -275,9 +305,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--configs", nargs="+", default=None,
                    help="ALGO[:key=value,...] per config (default: NGRAM)")
     p.add_argument("--concurrency", default="1", help="comma-separated, e.g. 1,8")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", default="0", help="comma-separated, e.g. 0,0.7: every "
+                   "config and the baseline are measured at each")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--compare-hf", action="store_true")
+    p.add_argument("--compare-hf", action="store_true",
+                   help="HF transformers, greedy: needs 0 among the temperatures")
     p.add_argument("--hf-prompt-lookup-tokens", type=int, default=10)
     p.add_argument("--base-url", default=None, help="measure this running server instead")
     p.add_argument("--baseline-url", default=None, help="with --base-url: a server without "
@@ -294,6 +326,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--concurrency must be comma-separated integers, got {args.concurrency!r}")
     if not args.concurrency or min(args.concurrency) < 1:
         p.error("--concurrency needs positive integers")
+    try:
+        args.temperature = parse_temperatures(args.temperature)
+    except ValueError as exc:
+        p.error(f"--temperature: {exc}")
+    if args.compare_hf and 0.0 not in args.temperature:
+        p.error("--compare-hf is greedy (HF prompt lookup): add 0 to --temperature, "
+                f"e.g. --temperature 0,{fmt_temperatures(args.temperature)}")
     if args.num_prompts < 1 or args.max_new_tokens < 1:
         p.error("--num-prompts and --max-new-tokens must be positive")
     if args.baseline_url and not args.base_url:
@@ -303,6 +342,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 "is measured")
     args.dataset = list(dict.fromkeys(args.dataset))
     return args
+
+
+def parse_temperatures(text: str) -> list[float]:
+    """`0,0.7` -> [0.0, 0.7]: sorted, duplicates dropped, each finite and >= 0."""
+    out = set()
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        try:
+            t = float(item)
+        except ValueError:
+            raise ValueError(f"{item!r} is not a number (expected e.g. 0,0.7)") from None
+        if not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperatures must be finite and >= 0, got {item!r}")
+        out.add(t + 0.0)  # -0.0 -> 0.0
+    if not out:
+        raise ValueError(f"no temperature in {text!r} (expected e.g. 0 or 0,0.7)")
+    return sorted(out)
 
 
 def validate_configs(args: argparse.Namespace) -> list[SpecRunConfig]:
@@ -351,10 +406,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.compare_hf:
             hf = bench_hf(model_dir, requests, prompts, args.hf_prompt_lookup_tokens,
                           args.disable_tqdm)
-    attach_comparisons(runs, baseline_label, args.temperature, hf)
+    attach_comparisons(runs, baseline_label, hf)
 
     title = (f"bench_speculative  {', '.join(args.dataset)}  n={args.num_prompts}  "
-             f"max_new_tokens={args.max_new_tokens}  T={args.temperature}  "
+             f"max_new_tokens={args.max_new_tokens}  T={fmt_temperatures(args.temperature)}  "
              f"{'url ' + args.base_url if args.base_url else Path(model_dir).name}")
     result = {
         "title": title, "mode": "url" if args.base_url else "engine", "args": vars(args),

@@ -14,41 +14,66 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 def plot_speculative(result: dict[str, Any], path: str | Path) -> Path:
     """bench_speculative's figure: speedup over the same-run baseline per dataset × concurrency
-    (one bar per config), and acceptance rate by draft position (one line per run)."""
+    (one bar per config and temperature), and acceptance rate by draft position (one line per
+    run; with several temperatures, one line style per temperature)."""
     runs = [r for r in result["runs"] if r["config"] != result.get("baseline_label", "baseline")]
-    groups = list(dict.fromkeys(f"{r['dataset']}\nc={r['concurrency']}" for r in runs))
-    configs = list(dict.fromkeys(r["config"] for r in runs))
-    fig, (ax_bar, ax_pos) = plt.subplots(1, 2, figsize=(13, 4.8))
+    temps = sorted({r.get("temperature", 0.0) for r in runs})
+    multi_t = len(temps) > 1
 
-    width = 0.8 / max(len(configs), 1)
-    for j, cfg in enumerate(configs):
+    def with_t(label: str, t: float) -> str:
+        return f"{label} T={t:g}" if multi_t else label
+
+    def group(r: dict[str, Any]) -> str:
+        return f"{r['dataset']}\nc={r['concurrency']}"
+
+    groups = list(dict.fromkeys(group(r) for r in runs))
+    configs = list(dict.fromkeys(r["config"] for r in runs))
+    # temperature-major: each config keeps its colour, the hatching marks the temperature
+    series = [(cfg, t) for t in temps for cfg in configs]
+    hatches = ["", "//", "..", "xx", "\\\\", "oo"]
+    styles = ["-", "--", ":", "-."]
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, (ax_bar, ax_pos) = plt.subplots(1, 2, figsize=(13 + 2 * multi_t, 4.8))
+
+    width = 0.8 / max(len(series), 1)
+    for j, (cfg, t) in enumerate(series):
         xs, ys = [], []
         for r in runs:
             s = r["metrics"].get("speedup")
-            if r["config"] == cfg and s is not None:
-                xs.append(groups.index(f"{r['dataset']}\nc={r['concurrency']}") + j * width)
+            if r["config"] == cfg and r.get("temperature", 0.0) == t and s is not None:
+                xs.append(groups.index(group(r)) + j * width)
                 ys.append(s)
-        bars = ax_bar.bar(xs, ys, width, label=cfg)
-        ax_bar.bar_label(bars, fmt="%.2fx", fontsize=7)
+        if not xs:
+            continue
+        bars = ax_bar.bar(xs, ys, width, label=with_t(cfg, t),
+                          color=colours[configs.index(cfg) % len(colours)],
+                          hatch=hatches[temps.index(t) % len(hatches)], edgecolor="white")
+        ax_bar.bar_label(bars, fmt="%.2fx", fontsize=7 if len(series) <= 4 else 6)
     ax_bar.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
-    ax_bar.set_xticks([i + width * (len(configs) - 1) / 2 for i in range(len(groups))], groups)
-    ax_bar.set_ylabel("output tokens/s vs. baseline (same run)")
+    ax_bar.set_xticks([i + width * (len(series) - 1) / 2 for i in range(len(groups))], groups)
+    ax_bar.set_ylabel("output tokens/s vs. baseline (same run, same T)")
     ax_bar.set_title("speedup over no speculation")
-    if configs:
+    if ax_bar.containers:
         ax_bar.legend(fontsize=7)
 
+    lines: list[str] = []  # one colour per dataset × config × concurrency, a style per T
     for r in runs:
         rates = r["metrics"].get("accept_rate_per_pos") or []
         if rates:
+            t = r.get("temperature", 0.0)
+            name = f"{r['dataset']} {r['config']} c={r['concurrency']}"
+            lines += [name] if name not in lines else []
             ax_pos.plot(range(1, len(rates) + 1), rates, marker="o", markersize=3,
-                        label=f"{r['dataset']} {r['config']} c={r['concurrency']}")
+                        color=colours[lines.index(name) % len(colours)],
+                        linestyle=styles[temps.index(t) % len(styles)], label=with_t(name, t))
     ax_pos.set_xlabel("draft position k")
     ax_pos.set_ylabel("verify steps accepting >= k drafts")
     ax_pos.set_ylim(0, 1.02)
     ax_pos.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax_pos.set_title("acceptance rate by position")
     if ax_pos.lines:
-        ax_pos.legend(fontsize=7)
+        ax_pos.legend(fontsize=7 if len(ax_pos.lines) <= 8 else 6,
+                      handlelength=3 if multi_t else 2)  # long enough to show the dashes
 
     title = result.get("title")
     if title:

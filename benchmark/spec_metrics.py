@@ -1,10 +1,11 @@
 """The pure parts of `bench_speculative`: config strings, counter deltas, per-run metrics,
 losslessness against the baseline, and the summary table. No engine, no clock, no I/O.
 
-Definitions (one run = one config × dataset × concurrency):
+Definitions (one run = one config × dataset × concurrency × temperature):
 - output tokens/s: completion tokens of successful requests / wall time of the run;
 - per-request tokens/s: completion tokens / that request's end-to-end latency (median reported);
-- speedup: output tokens/s / the baseline's (no speculation) at the same dataset and concurrency;
+- speedup: output tokens/s / the baseline's (no speculation) at the same dataset, concurrency
+  and temperature;
 - mean accept length: completion tokens / verify steps (SGLang's definition; the prefill's first
   token counts, so a run that never accepts a draft still has an accept length slightly above 1);
 - acceptance rate at position k (1-based): verify steps that accepted >= k draft tokens / steps;
@@ -235,18 +236,33 @@ def _num(x: float | None, fmt: str = "{:.2f}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
+def fmt_temperature(t: float | None) -> str:
+    """0.0 -> "0", 0.70 -> "0.7"."""
+    return "-" if t is None else f"{t:g}"
+
+
+def fmt_temperatures(ts: list[float]) -> str:
+    return ",".join(fmt_temperature(t) for t in ts)
+
+
 def summary_table(result: dict[str, Any]) -> str:
-    """Baseline and candidates side by side, per dataset and concurrency; HF rows last."""
-    headers = ["dataset", "conc", "config", "out tok/s", "req tok/s (med)", "speedup",
+    """Baseline and candidates side by side, per dataset, concurrency and temperature (T); HF
+    rows (greedy, T = 0) last."""
+    headers = ["dataset", "conc", "T", "config", "out tok/s", "req tok/s (med)", "speedup",
                "accept len", "draft/step",
                *(f"acc@{k + 1}" for k in range(TABLE_POSITIONS)), "mismatch", "vs HF PLD"]
     rows = []
-    for run in result["runs"]:
+    datasets = list(dict.fromkeys(r["dataset"] for r in result["runs"]))
+    # baseline next to its candidates: engine runs come per config, every temperature each
+    runs = sorted(result["runs"], key=lambda r: (datasets.index(r["dataset"]), r["concurrency"],
+                                                 r.get("temperature") or 0.0))
+    for run in runs:
         m = run["metrics"]
         rates = m.get("accept_rate_per_pos") or []
         mism = m.get("mismatches")
         rows.append([
-            run["dataset"], run["concurrency"], run["config"], _num(m["output_tokens_per_s"]),
+            run["dataset"], run["concurrency"], fmt_temperature(run.get("temperature")),
+            run["config"], _num(m["output_tokens_per_s"]),
             _num(m["median_request_tokens_per_s"]), _num(m.get("speedup"), "{:.2f}x"),
             _num(m.get("accept_length")), _num(m.get("draft_tokens_per_step")),
             *(_num(rates[k] if k < len(rates) else None) for k in range(TABLE_POSITIONS)),
@@ -258,7 +274,7 @@ def summary_table(result: dict[str, Any]) -> str:
             h = hf[name]
             mism = h.get("mismatches")
             rows.append([
-                dataset, 1, label, _num(h["output_tokens_per_s"]),
+                dataset, 1, fmt_temperature(0.0), label, _num(h["output_tokens_per_s"]),
                 _num(h["median_request_tokens_per_s"]), _num(h.get("speedup"), "{:.2f}x"),
                 "-", "-", *(["-"] * TABLE_POSITIONS),
                 "-" if mism is None else f"{mism}/{h['completed']}", "-",

@@ -83,11 +83,47 @@ def test_duplicate_configs_are_rejected() -> None:
 def test_cli_parses_concurrency_list_and_rejects_configs_with_base_url() -> None:
     args = parse_args(["--concurrency", "8,1,8", "--configs", "NGRAM", "NGRAM:num_draft_tokens=4"])
     assert args.concurrency == [1, 8]
-    assert args.split == "heldout" and args.max_new_tokens == 128 and args.temperature == 0.0
+    assert args.split == "heldout" and args.max_new_tokens == 128 and args.temperature == [0.0]
     with pytest.raises(SystemExit):
         parse_args(["--base-url", "http://x", "--configs", "NGRAM"])
     with pytest.raises(SystemExit):
         parse_args(["--concurrency", "0"])
+
+
+@pytest.mark.parametrize("text, temps", [
+    ("0.7", [0.7]),  # a single value, as before
+    ("0", [0.0]),
+    ("0.7,0, 0.70,", [0.0, 0.7]),  # sorted, duplicates and empty items dropped
+    ("-0", [0.0]),
+    ("1e-1,2", [0.1, 2.0]),
+])
+def test_cli_parses_temperature_list(text: str, temps: list[float]) -> None:
+    args = parse_args(["--temperature", text])
+    assert args.temperature == temps
+    assert all(type(t) is float for t in args.temperature)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("-1", "finite and >= 0"),
+    ("0,-0.5", "finite and >= 0"),
+    ("nan", "finite and >= 0"),
+    ("0,inf", "finite and >= 0"),
+    ("0,hot", "'hot' is not a number"),
+    (",", "no temperature"),
+])
+def test_cli_rejects_bad_temperatures(text: str, message: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--temperature", text])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--temperature" in err and message in err
+
+
+def test_cli_compare_hf_needs_a_greedy_temperature(capsys) -> None:
+    assert parse_args(["--compare-hf", "--temperature", "0,0.7"]).temperature == [0.0, 0.7]
+    with pytest.raises(SystemExit):
+        parse_args(["--compare-hf", "--temperature", "0.7"])
+    assert "add 0 to --temperature, e.g. --temperature 0,0.7" in capsys.readouterr().err
 
 
 # ---- metric arithmetic -----------------------------------------------------------------------
@@ -170,22 +206,25 @@ def test_compare_to_baseline_counts_differing_outputs_by_id() -> None:
     assert cand[0].first_mismatch == 2
 
 
-def _run(config: str, c: int, tps: float, recs: list[SpecRecord], **metrics) -> dict:
-    return {"dataset": "rewrite", "config": config, "concurrency": c, "records": recs,
+def _run(config: str, c: int, tps: float, recs: list[SpecRecord], temperature: float = 0.0,
+         **metrics) -> dict:
+    return {"dataset": "rewrite", "config": config, "concurrency": c,
+            "temperature": temperature, "records": recs,
             "metrics": {"output_tokens_per_s": tps, "median_request_tokens_per_s": tps,
                         "completed": len(recs), "accept_length": None,
                         "draft_tokens_per_step": None, "accept_rate_per_pos": [], **metrics}}
 
 
-def _fake_result() -> dict:
+def _fake_result(temperature: float = 0.0) -> dict:
     same = [_rec("a", 3, 1, [1, 2, 3]), _rec("b", 3, 1, [4, 5, 6])]
     other = [_rec("a", 3, 1, [1, 2, 3]), _rec("b", 3, 1, [4, 0, 6])]
+    t = temperature
     runs = [
-        _run("baseline", 1, 20.0, same),
-        _run("NGRAM", 1, 50.0, other, accept_length=3.1, draft_tokens_per_step=7.0,
+        _run("baseline", 1, 20.0, same, t),
+        _run("NGRAM", 1, 50.0, other, t, accept_length=3.1, draft_tokens_per_step=7.0,
              accept_rate_per_pos=[0.7, 0.5, 0.4, 0.3]),
-        _run("baseline", 8, 80.0, same),
-        _run("NGRAM", 8, 120.0, same, accept_length=2.9, draft_tokens_per_step=6.5,
+        _run("baseline", 8, 80.0, same, t),
+        _run("NGRAM", 8, 120.0, same, t, accept_length=2.9, draft_tokens_per_step=6.5,
              accept_rate_per_pos=[0.65, 0.45, 0.3]),
     ]
     hf = {"rewrite": {
@@ -199,7 +238,7 @@ def _fake_result() -> dict:
 
 def test_attach_comparisons_speedup_mismatches_and_hf() -> None:
     result = _fake_result()
-    attach_comparisons(result["runs"], "baseline", 0.0, result["hf"])
+    attach_comparisons(result["runs"], "baseline", result["hf"])
     base1, ngram1, base8, ngram8 = (r["metrics"] for r in result["runs"])
     assert base1["speedup"] == 1.0 and "mismatches" not in base1
     assert ngram1["speedup"] == pytest.approx(2.5)  # against baseline c=1, not c=8
@@ -211,22 +250,93 @@ def test_attach_comparisons_speedup_mismatches_and_hf() -> None:
     table = summary_table(result)
     lines = table.splitlines()
     assert "speedup" in lines[0] and "acc@1" in lines[0]
+    assert lines[0].split()[:4] == ["dataset", "conc", "T", "config"]
+    assert lines[3].split()[:4] == ["rewrite", "1", "0", "NGRAM"]
     assert "2.50x" in lines[3] and "1/2" in lines[3] and "0.70" in lines[3]
-    assert "HF prompt lookup" in lines[-1]
+    assert "HF prompt lookup" in lines[-1] and lines[-1].split()[:3] == ["rewrite", "1", "0"]
 
 
-def test_sampled_runs_skip_the_lossless_check() -> None:
-    result = _fake_result()
-    attach_comparisons(result["runs"], "baseline", 0.7, None)
+def test_sampled_runs_skip_the_lossless_and_hf_checks() -> None:
+    result = _fake_result(temperature=0.7)
+    attach_comparisons(result["runs"], "baseline", result["hf"])
     assert all("mismatches" not in r["metrics"] for r in result["runs"])
+    assert all("vs_hf_prompt_lookup" not in r["metrics"] for r in result["runs"])
+    assert result["runs"][1]["metrics"]["speedup"] == pytest.approx(2.5)  # speedup all the same
+    assert all("mismatches" not in h for h in result["hf"]["rewrite"].values())  # no T=0 base
 
 
-def test_plot_file_written_from_fake_result(tmp_path) -> None:
+def _two_temperature_result() -> dict:
+    """c = 1, T = 0 and 0.7, in engine order (per config, every temperature): the baseline is
+    faster at T = 0.7, NGRAM's sampled outputs differ from the baseline's (as they may)."""
+    same = [_rec("a", 3, 1, [1, 2, 3]), _rec("b", 3, 1, [4, 5, 6])]
+    sampled = [_rec("a", 3, 1, [7, 8, 9]), _rec("b", 3, 1, [4, 0, 6])]
     result = _fake_result()
-    attach_comparisons(result["runs"], "baseline", 0.0, result["hf"])
+    result["runs"] = [
+        _run("baseline", 1, 20.0, same, 0.0),
+        _run("baseline", 1, 25.0, same, 0.7),
+        _run("NGRAM", 1, 50.0, list(same), 0.0, accept_length=3.1,
+             accept_rate_per_pos=[0.7, 0.5, 0.4]),
+        _run("NGRAM", 1, 30.0, sampled, 0.7, accept_length=1.8,
+             accept_rate_per_pos=[0.4, 0.2, 0.1]),
+    ]
+    return result
+
+
+def test_baseline_matched_per_temperature() -> None:
+    result = _two_temperature_result()
+    attach_comparisons(result["runs"], "baseline", result["hf"])
+    base0, base7, ngram0, ngram7 = (r["metrics"] for r in result["runs"])
+    assert base0["speedup"] == 1.0 and base7["speedup"] == 1.0
+    assert ngram0["speedup"] == pytest.approx(50 / 20)  # against the T = 0 baseline
+    assert ngram7["speedup"] == pytest.approx(30 / 25)  # against the T = 0.7 baseline
+    # greedy runs only: the sampled outputs differ but are not counted as mismatches
+    assert ngram0["mismatches"] == 0 and "mismatches" not in ngram7
+    assert all(r.matches_baseline is None for r in result["runs"][3]["records"])
+    # HF (greedy) against c = 1, T = 0 only
+    assert ngram0["vs_hf_prompt_lookup"] == pytest.approx(2.0)
+    assert "vs_hf_prompt_lookup" not in ngram7
+    assert result["hf"]["rewrite"]["prompt_lookup"]["mismatches"] == 0
+
+
+def test_summary_table_has_a_row_per_temperature_baseline_first() -> None:
+    result = _two_temperature_result()
+    attach_comparisons(result["runs"], "baseline", result["hf"])
+    rows = [line.split() for line in summary_table(result).splitlines()[2:]]
+    # grouped by temperature (baseline next to its candidates), HF rows last at T = 0
+    assert [r[2:4] for r in rows] == [["0", "baseline"], ["0", "NGRAM"], ["0.7", "baseline"],
+                                      ["0.7", "NGRAM"], ["0", "HF"], ["0", "HF"]]
+    assert "2.50x" in rows[1] and "0/2" in rows[1] and "2.00x" in rows[1]
+    assert "1.20x" in rows[3] and rows[3][-2:] == ["-", "-"]  # no mismatch, no vs HF at T=0.7
+
+
+@pytest.mark.parametrize("make", [_fake_result, _two_temperature_result])
+def test_plot_file_written_from_fake_result(tmp_path, make) -> None:
+    result = make()
+    attach_comparisons(result["runs"], "baseline", result["hf"])
     path = plot_speculative(result, tmp_path / "sub" / "spec.png")
     assert path.exists() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert path.stat().st_size > 10_000
+
+
+def test_plot_labels_name_the_temperature_only_when_several(tmp_path, monkeypatch) -> None:
+    import matplotlib.pyplot as plt
+
+    legends: list[list[str]] = []
+    close = plt.close
+
+    def keep_labels(fig) -> None:
+        for ax in fig.axes:
+            legends.append([t.get_text() for t in ax.get_legend().get_texts()])
+        close(fig)
+
+    monkeypatch.setattr(plt, "close", keep_labels)
+    for make in (_fake_result, _two_temperature_result):
+        result = make()
+        attach_comparisons(result["runs"], "baseline", result["hf"])
+        plot_speculative(result, tmp_path / "spec.png")
+    assert legends[0] == ["NGRAM"]
+    assert legends[2] == ["NGRAM T=0", "NGRAM T=0.7"]
+    assert legends[3] == ["rewrite NGRAM c=1 T=0", "rewrite NGRAM c=1 T=0.7"]
 
 
 # ---- request plumbing with a fake target -----------------------------------------------------
@@ -299,6 +409,62 @@ def test_render_prompts_uses_chat_template_for_messages() -> None:
     assert out == [[99, 1], [1, 1], [5, 6]]
 
 
+# ---- engine mode with fake engines ----------------------------------------------------------
+class FakeEngine:
+    """What run_engines uses of an Engine: echoes like FakeTarget, logs every call."""
+
+    def __init__(self, label: str, log: list) -> None:
+        self.label, self.log = label, log
+        self.tm = type("TM", (), {"chat_ids": staticmethod(lambda m: [1, 2]),
+                                  "tokenize": staticmethod(lambda t: [3])})()
+
+    async def async_generate(self, input_ids: list[int], sampling_params: dict) -> dict:
+        self.log.append((self.label, "generate", sampling_params["temperature"]))
+        n = sampling_params["max_new_tokens"]
+        return {"output_ids": [input_ids[-1]] * n,
+                "meta_info": {"completion_tokens": n, "finish_reason": {"type": "length"}}}
+
+    def server_info(self) -> dict:
+        return {}
+
+    def flush_cache(self) -> bool:
+        self.log.append((self.label, "flush"))
+        return True
+
+    def shutdown(self) -> None:
+        self.log.append((self.label, "shutdown"))
+
+
+def test_run_engines_measures_every_temperature_on_one_engine(monkeypatch) -> None:
+    log: list = []
+    started: list = []
+
+    def start(args, cfg):
+        started.append(cfg.label)
+        log.append((cfg.label, "start"))
+        return FakeEngine(cfg.label, log)
+
+    monkeypatch.setattr(bench_speculative, "start_engine", start)
+    args = parse_args(["--temperature", "0.7,0", "--concurrency", "1,2", "--disable-tqdm"])
+    reqs = [BenchRequest(id=f"r{i}", prompt_len=2, max_new_tokens=3, input_ids=[1, i])
+            for i in range(2)]
+    prompts: dict = {}
+    runs = bench_speculative.run_engines(args, parse_spec_configs(["NGRAM"]), {"rewrite": reqs},
+                                         prompts)
+    assert prompts == {"rewrite": [[1, 0], [1, 1]]}
+    assert started == ["baseline", "NGRAM"] * 2  # per concurrency and config, not per T
+    assert [(r["concurrency"], r["config"], r["temperature"]) for r in runs] == [
+        (c, cfg, t) for c in (1, 2) for cfg in ("baseline", "NGRAM") for t in (0.0, 0.7)]
+    # per engine: T = 0 requests, a flush, T = 0.7 requests, shutdown
+    assert log[:6] == [("baseline", "start"), ("baseline", "generate", 0.0),
+                       ("baseline", "generate", 0.0), ("baseline", "flush"),
+                       ("baseline", "generate", 0.7), ("baseline", "generate", 0.7)]
+    assert log[6] == ("baseline", "shutdown")
+    attach_comparisons(runs, "baseline")
+    assert [r["metrics"].get("mismatches") for r in runs if r["config"] == "NGRAM"] == [
+        0, None, 0, None]
+
+
 # ---- --base-url mode against fake servers ----------------------------------------------------
 def _fake_server_app(speculative: bool, delay_s: float):
     """/generate echoes max_new_tokens copies of the prompt's last token (the speculative server
@@ -345,15 +511,19 @@ def test_base_url_mode_measures_both_servers_and_compares() -> None:
     base_app, _ = _fake_server_app(False, 0.05)
     with live_server(spec_app) as spec_url, live_server(base_app) as base_url:
         args = parse_args(["--base-url", spec_url, "--baseline-url", base_url,
-                           "--concurrency", "1,3", "--disable-tqdm"])
+                           "--concurrency", "1,3", "--temperature", "0,0.7", "--disable-tqdm"])
         prompts = {"rewrite": [r.input_ids for r in reqs]}
         runs, baseline = bench_speculative.run_urls(args, {"rewrite": reqs}, prompts)
-    assert baseline.startswith("no-spec@") and len(runs) == 4
-    assert [r["config"].split("@")[0] for r in runs] == ["no-spec", "NGRAM:num_draft_tokens=8"] * 2
-    assert spec_state["flushes"] == 2
-    attach_comparisons(runs, baseline, 0.0, None)
+    assert baseline.startswith("no-spec@") and len(runs) == 8
+    assert [r["config"].split("@")[0] for r in runs] == ["no-spec", "NGRAM:num_draft_tokens=8"] * 4
+    assert [(r["concurrency"], r["temperature"]) for r in runs[::2]] == [
+        (1, 0.0), (1, 0.7), (3, 0.0), (3, 0.7)]
+    assert spec_state["flushes"] == 4
+    attach_comparisons(runs, baseline)
     cand = runs[1]["metrics"]
     assert cand["mismatches"] == 1 and cand["speedup"] > 1.5
     assert cand["accept_length"] == pytest.approx(18 / 6)  # warm-up's steps excluded
     assert cand["accept_rate_per_pos"] == pytest.approx([0.5])
     assert runs[0]["metrics"]["accept_length"] is None
+    sampled = runs[3]["metrics"]
+    assert "mismatches" not in sampled and sampled["speedup"] > 1.5
