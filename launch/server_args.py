@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import os
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 HELP = {
     "model_path": "HF model directory (Llama/Mistral/Qwen2/Qwen3), a .gguf file, or 'default' "
@@ -72,6 +73,9 @@ DEFAULT_NUM_DRAFT_TOKENS = {"NGRAM": 8}
 # SGLang's Llama default.
 EAGLE_TREE_DEFAULTS = {"cpu": (3, 4, 8), "cuda": (5, 4, 8)}
 EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3")
+# the EAGLE-3 head trained for the default model (speculative/train, model card in its README)
+DEFAULT_EAGLE3_HEAD = (Path(__file__).resolve().parents[1] / "assets"
+                       / "eagle3-smollm2-135m-instruct")
 
 
 @dataclass(frozen=True)
@@ -205,9 +209,15 @@ class ServerArgs:
         top-k 1 is a chain, so num_draft_tokens = num_steps + 1."""
         from runtime.model_runner.model_runner import resolve_device
 
-        if not self.speculative_draft_model_path:
-            raise ValueError(f"--speculative-algorithm {self.speculative_algorithm} needs "
-                             "--speculative-draft-model-path (an EAGLE head checkpoint)")
+        draft = self.speculative_draft_model_path
+        if not draft:
+            shipped = (DEFAULT_EAGLE3_HEAD / "config.json").exists()
+            if self.speculative_algorithm.upper() != "EAGLE3" or \
+                    self.model_path not in ("default", None) or not shipped:
+                raise ValueError(f"--speculative-algorithm {self.speculative_algorithm} needs "
+                                 "--speculative-draft-model-path (an EAGLE head checkpoint); "
+                                 "only the default model with EAGLE3 has a shipped head")
+            draft = str(DEFAULT_EAGLE3_HEAD)
         device = resolve_device(self.device).type
         auto = EAGLE_TREE_DEFAULTS.get(device, EAGLE_TREE_DEFAULTS["cpu"])
         given = (self.speculative_num_steps, self.speculative_eagle_topk,
@@ -222,7 +232,7 @@ class ServerArgs:
             raise ValueError(f"--speculative-num-draft-tokens {n} exceeds the {most} nodes a "
                              f"tree of {steps} steps and top-k {topk} can hold")
         return {"speculative_num_steps": steps, "speculative_eagle_topk": topk,
-                "speculative_num_draft_tokens": n}
+                "speculative_num_draft_tokens": n, "speculative_draft_model_path": draft}
 
 
 def build_parser() -> argparse.ArgumentParser:

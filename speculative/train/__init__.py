@@ -1,0 +1,1 @@
+"""Draft-head training: `python -m speculative.train` (see `speculative/train/cli.py`)."""

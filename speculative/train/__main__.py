@@ -1,0 +1,123 @@
+"""`python -m speculative.train`: regenerate, capture, train and evaluate an EAGLE-3 head.
+
+    python -m speculative.train --target-model default --algorithm EAGLE3 --data sharegpt \
+        --output results/eagle3 --num-prompts 4000 --regen-time-budget 2400 \
+        --train-time-budget 2400
+
+Every stage is resumable: rerun the same command (e.g. in a later session) and each stage
+continues from what `--output` already holds. `--stages` picks a subset, in order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+STAGES = ("regen", "capture", "train", "eval", "report")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m speculative.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target-model", default="default", help="target model dir (or 'default')")
+    p.add_argument("--algorithm", default="EAGLE3", choices=("EAGLE3", "EAGLE"),
+                   help="head kind; this trainer builds EAGLE-3 heads")
+    p.add_argument("--data", default="sharegpt", choices=("sharegpt",),
+                   help="prompt source (the ShareGPT train split)")
+    p.add_argument("--output", required=True, help="run directory (data, checkpoints, head)")
+    p.add_argument("--stages", default=",".join(STAGES),
+                   help=f"comma-separated subset of {','.join(STAGES)}")
+    g = p.add_argument_group("regen")
+    g.add_argument("--num-prompts", type=int, default=4000)
+    g.add_argument("--regen-max-new-tokens", type=int, default=256)
+    g.add_argument("--regen-concurrency", type=int, default=16)
+    g.add_argument("--regen-time-budget", type=float, default=None, help="seconds")
+    g.add_argument("--regen-sampled-every", type=int, default=3,
+                   help="every n-th prompt sampled at T=0.7, the rest greedy (0: all greedy)")
+    g.add_argument("--teacher-forced", type=int, default=0, metavar="N",
+                   help="also use the recorded ShareGPT answers of N more train prompts "
+                   "(labels are still the target's distributions; no generation needed)")
+    g = p.add_argument_group("capture")
+    g.add_argument("--max-prompt-tokens", type=int, default=256,
+                   help="prompt tail kept as context for each answer")
+    g = p.add_argument_group("train")
+    g.add_argument("--draft-vocab-size", type=int, default=8192)
+    g.add_argument("--ttt-steps", type=int, default=3, help="unrolled draft steps")
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--epochs", type=float, default=2.0)
+    g.add_argument("--batch-tokens", type=int, default=8192)
+    g.add_argument("--train-time-budget", type=float, default=None, help="seconds")
+    g.add_argument("--eval-every", type=int, default=100, help="optimizer steps")
+    g.add_argument("--device", default="auto", help="training device: auto (cuda if present), "
+                   "cpu or cuda")
+    g = p.add_argument_group("eval")
+    g.add_argument("--eval-prompts", type=int, default=24)
+    g.add_argument("--eval-max-new-tokens", type=int, default=128)
+    g.add_argument("--eval-snapshots", action="store_true",
+                   help="also evaluate every exported snapshot (the accept-vs-data curve)")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    bad = [s for s in stages if s not in STAGES]
+    if bad:
+        print(f"error: unknown stage(s) {bad}; choose from {STAGES}", file=sys.stderr)
+        return 2
+    if args.algorithm != "EAGLE3":
+        print("error: the trainer builds EAGLE-3 heads (--algorithm EAGLE3); EAGLE-1/2 heads "
+              "load from their published checkpoints", file=sys.stderr)
+        return 2
+    out = Path(args.output)
+    if "regen" in stages:
+        from speculative.train.regen import RegenConfig, regenerate
+
+        regenerate(RegenConfig(
+            target_model=args.target_model, output=str(out), num_prompts=args.num_prompts,
+            max_new_tokens=args.regen_max_new_tokens, concurrency=args.regen_concurrency,
+            time_budget_s=args.regen_time_budget, sampled_every=args.regen_sampled_every,
+            seed=args.seed))
+        if args.teacher_forced:
+            from speculative.train.regen import write_teacher_forced
+
+            write_teacher_forced(args.target_model, out, args.teacher_forced, seed=args.seed + 1)
+    if "capture" in stages:
+        from speculative.train.capture import CaptureConfig, capture
+
+        capture(CaptureConfig(target_model=args.target_model, output=str(out),
+                              max_prompt_tokens=args.max_prompt_tokens))
+    if "train" in stages:
+        from speculative.train.trainer import TrainConfig, train
+
+        train(TrainConfig(
+            target_model=args.target_model, output=str(out),
+            draft_vocab_size=args.draft_vocab_size, steps=args.ttt_steps, lr=args.lr,
+            epochs=args.epochs, batch_tokens=args.batch_tokens,
+            time_budget_s=args.train_time_budget, eval_every=args.eval_every, seed=args.seed,
+            device=args.device))
+    if "eval" in stages:
+        from speculative.train.evaluate import evaluate_head, evaluate_snapshots
+
+        kw = dict(target_model=args.target_model, num_prompts=args.eval_prompts,
+                  max_new_tokens=args.eval_max_new_tokens, seed=args.seed)
+        if args.eval_snapshots:
+            evaluate_snapshots(out, **kw)
+        res = evaluate_head(out / "head", **kw)
+        (out / "eval.json").write_text(json.dumps(res, indent=2) + "\n")
+        print(json.dumps(res, indent=2))
+    if "report" in stages:
+        from speculative.train.report import plot_training
+
+        print(f"wrote {plot_training(out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
