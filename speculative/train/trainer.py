@@ -58,7 +58,8 @@ class TrainConfig:
     epochs: float = 2.0
     batch_tokens: int = 8192
     max_seq_len: int = 768
-    prompt_loss_weight: float = 0.1
+    prompt_loss_weight: float = 0.0  # prompt rows: attention context only
+    train_lm_head: bool = False  # keep the target's LM-head rows (fewer parameters to fit)
     val_percent: int = 3
     eval_every: int = 100  # optimizer steps
     ckpt_every_s: float = 300.0
@@ -138,21 +139,54 @@ class Batches:
         return out
 
 
+class SoftCrossEntropy(torch.autograd.Function):
+    """-sum_v p_v log softmax(z)_v per row, = logsumexp(z) - <p, z> (p sums to 1), with the
+    gradient softmax(z) - p written in one pass: on this CPU the [rows, vocab] elementwise
+    passes of log_softmax + p * logq + their backward cost as much as the LM-head matmuls."""
+
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        lse = torch.logsumexp(z, dim=-1)
+        dot = torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).view(-1)
+        ctx.save_for_backward(z, p, lse)
+        return lse - dot
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        z, p, lse = ctx.saved_tensors
+        g = torch.exp(z - lse[:, None])
+        g.sub_(p).mul_(grad[:, None])
+        return g, None
+
+
 def step_losses(model: TrainableEagle3, batch: dict, target_w: torch.Tensor, steps: int,
                 step_decay: float, prompt_loss_weight: float,
                 draft_to_target: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """Forward + loss for one batch; returns (loss, metrics)."""
+    """Forward + loss for one batch; returns (loss, metrics).
+
+    Only rows with a non-zero loss weight go through the LM heads (the head's and the
+    target's): with `prompt_loss_weight=0` prompt rows are attention context only."""
     feats, final, tokens = batch["feats"], batch["final"], batch["tokens"]
     b, t, _ = feats.shape
     pos = torch.arange(t, device=feats.device)
     real = pos[None] < batch["lengths"][:, None]  # [B, T]
     hs = model(feats, tokens, real, steps)
+    # positions u whose target distribution (of token u+1) some step is trained on
+    need = real & (pos[None] + 1 >= batch["prompt"][:, None]) if prompt_loss_weight == 0 \
+        else real
     with torch.no_grad():
-        target_logp = torch.log_softmax(final @ target_w.T, dim=-1)  # [B, T, Vd]
+        target_z = final[need] @ target_w.T  # [M, Vd] the target's logits, draft vocabulary
+        target_lse = torch.logsumexp(target_z, dim=-1)
+        target_p = torch.exp(target_z - target_lse[:, None])
+        # entropy of each row: lse - <p, z>
+        target_ent = target_lse - torch.bmm(target_p.unsqueeze(1), target_z.unsqueeze(2)).view(-1)
+        del target_z
+        where = torch.full((b, t), -1, dtype=torch.long, device=feats.device)
+        where[need] = torch.arange(int(need.sum()), device=feats.device)
     total = feats.new_zeros(())
     metrics: dict = {}
     for k, h in enumerate(hs):
-        # row t predicts token t+2+k from label distribution at t+1+k
+        # row t predicts token t+2+k from the target's distribution at position t+1+k
         n_rows = t - 2 - k
         if n_rows <= 0:
             break
@@ -160,19 +194,23 @@ def step_losses(model: TrainableEagle3, batch: dict, target_w: torch.Tensor, ste
         valid = label_pos[None] < batch["lengths"][:, None]  # [B, R]
         answer = label_pos[None] >= batch["prompt"][:, None]
         w = valid.float() * torch.where(answer, 1.0, prompt_loss_weight)
-        logq = torch.log_softmax(model.logits(h[:, :n_rows]), dim=-1)  # [B, R, Vd]
-        p = target_logp[:, 1 + k: 1 + k + n_rows].exp()
-        ce = -(p * logq).sum(-1)  # [B, R]
-        loss_k = (ce * w).sum() / w.sum().clamp_min(1.0)
+        sel = w > 0
+        wk = w[sel]
+        z = model.logits(h[:, :n_rows][sel])  # [M_k, Vd]
+        rows = where[:, 1 + k: 1 + k + n_rows][sel]
+        ce = SoftCrossEntropy.apply(z, target_p[rows])  # [M_k]
+        loss_k = (ce * wk).sum() / wk.sum().clamp_min(1.0)
         total = total + step_decay ** k * loss_k
         with torch.no_grad():
             # KL(p || q) = CE - H(p): 0 for a perfect head (CE's floor is the target's entropy)
-            ent = -(p * target_logp[:, 1 + k: 1 + k + n_rows]).sum(-1)
-            metrics[f"kl_{k}"] = float(((ce - ent) * w).sum() / w.sum().clamp_min(1.0))
-            pred = draft_to_target[logq.argmax(-1)]
-            nxt = tokens[:, 2 + k: 2 + k + n_rows]
+            kl = ce.detach() - target_ent[rows]
+            metrics[f"kl_{k}"] = float((kl * wk).sum() / wk.sum().clamp_min(1.0))
+            logq = z.detach()
             scored = valid & answer & batch["greedy"][:, None]
-            hit = (pred == nxt) & scored
+            hit = torch.zeros_like(scored)
+            pred = draft_to_target[logq.argmax(-1)]
+            hit[sel] = pred == tokens[:, 2 + k: 2 + k + n_rows][sel]
+            hit &= scored
             metrics[f"loss_{k}"] = float(loss_k)
             metrics[f"acc_{k}"] = float(hit.sum()) / max(float(scored.sum()), 1.0)
             metrics[f"_hits_{k}"] = (hit, scored)
@@ -243,10 +281,12 @@ class Trainer:
         self.device = resolve_device(cfg.device)
         self.model = TrainableEagle3(shape, embed, draft_ids)
         self.model.init_from_target(lm_head, final_norm)
+        self.model.lm_head.weight.requires_grad_(cfg.train_lm_head)
         self.model.to(self.device)
         # [Vd, H] the target's LM-head rows of the draft vocabulary
         self.target_w = lm_head[draft_ids].contiguous().to(self.device)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr,
+        self.opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad],
+                                     lr=cfg.lr,
                                      weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
         seqs = [r for r in self.store.index if r["length"] >= 3]
         self.train_seqs = [r for r in seqs if not is_val(r["id"], cfg.val_percent)]

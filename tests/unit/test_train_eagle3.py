@@ -165,3 +165,14 @@ def test_chain_accept_counts_consecutive_hits():
     m = {"_hits_0": (hit0, ok), "_hits_1": (hit1, ok)}
     mean, n = chain_accept(m, 2)
     assert n == 4 and mean == pytest.approx((3 + 2 + 1 + 3) / 4)
+
+
+def test_soft_cross_entropy_value_and_gradient():
+    from speculative.train.trainer import SoftCrossEntropy
+
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(6, 11, dtype=torch.double, generator=gen, requires_grad=True)
+    p = torch.softmax(torch.randn(6, 11, dtype=torch.double, generator=gen), -1)
+    ref = -(p * torch.log_softmax(z, -1)).sum(-1)
+    torch.testing.assert_close(SoftCrossEntropy.apply(z, p), ref)
+    assert torch.autograd.gradcheck(lambda x: SoftCrossEntropy.apply(x, p), (z,))
