@@ -57,7 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-prompts", type=int, default=24)
     g.add_argument("--eval-max-new-tokens", type=int, default=128)
     g.add_argument("--eval-snapshots", action="store_true",
-                   help="also evaluate every exported snapshot (the accept-vs-data curve)")
+                   help="also evaluate exported snapshots (the accept-vs-data curve)")
+    g.add_argument("--eval-snapshots-every", type=int, default=1, metavar="N",
+                   help="with --eval-snapshots: every N-th snapshot (the last one always)")
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         kw = dict(target_model=args.target_model, num_prompts=args.eval_prompts,
                   max_new_tokens=args.eval_max_new_tokens, seed=args.seed)
         if args.eval_snapshots:
-            evaluate_snapshots(out, **kw)
+            evaluate_snapshots(out, every=args.eval_snapshots_every, **kw)
         res = evaluate_head(out / "head", **kw)
         (out / "eval.json").write_text(json.dumps(res, indent=2) + "\n")
         print(json.dumps(res, indent=2))

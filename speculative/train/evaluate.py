@@ -82,7 +82,8 @@ def evaluate_snapshots(output: str | Path, every: int = 1, **kwargs) -> list[dic
     seen = set()
     if log.exists():
         seen = {json.loads(x)["head"] for x in log.read_text().splitlines() if x.strip()}
-    snaps = sorted((out / "snapshots").glob("tokens-*"))[::every]
+    all_snaps = sorted((out / "snapshots").glob("tokens-*"))
+    snaps = all_snaps[::-1][::max(every, 1)][::-1]  # every N-th, counted back from the last
     results = []
     for snap in snaps:
         if str(snap) in seen:

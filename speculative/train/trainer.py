@@ -52,7 +52,7 @@ class TrainConfig:
     steps: int = 3  # unrolled draft steps (training-time test)
     step_decay: float = 0.8
     lr: float = 1e-3
-    warmup_steps: int = 50
+    warmup_steps: int = 20
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
     epochs: float = 2.0
@@ -235,10 +235,13 @@ def chain_accept(metrics: dict, steps: int) -> tuple[float, int]:
     return (float(length[ok].sum()) / n if n else 0.0), n
 
 
-def _lr(cfg: TrainConfig, step: int, total: int) -> float:
+def _lr(cfg: TrainConfig, step: int, total: int, time_frac: float = 0.0) -> float:
+    """Linear warm-up, then cosine decay to `min_lr_ratio` over whichever runs out first: the
+    planned steps or the run's time budget (`time_frac`), so a time-budgeted run still ends
+    at the low learning rate instead of being cut mid-schedule."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    frac = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+    frac = min(1.0, max((step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps), time_frac))
     cosine = 0.5 * (1 + math.cos(math.pi * frac))
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
 
@@ -363,7 +366,7 @@ class Trainer:
 
     # ---- evaluation --------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, max_batches: int = 8) -> dict:
+    def evaluate(self, max_batches: int = 4) -> dict:
         self.model.eval()
         cfg = self.cfg
         d2t = self.model.draft_ids
@@ -397,6 +400,8 @@ class Trainer:
         cfg = self.cfg
         torch.manual_seed(cfg.seed + self.pos["step"])
         deadline = None if cfg.time_budget_s is None else time.monotonic() + cfg.time_budget_s
+        # this run's share of the schedule: from the elapsed time at its start to the deadline
+        t_start, e_start = time.monotonic(), self.pos["elapsed_s"]
         per_epoch = len(self.train_batches.groups)
         bar = tqdm(total=self.total_steps, initial=self.pos["step"], desc="train EAGLE-3 head",
                    unit="step", dynamic_ncols=True)
@@ -413,7 +418,11 @@ class Trainer:
             g = self.train_batches.order(epoch, cfg.seed)[within]
             t0 = time.monotonic()
             batch = self.train_batches.load(g, self.device)
-            lr = _lr(cfg, step, self.total_steps)
+            time_frac = 0.0
+            if cfg.time_budget_s:
+                done = e_start + (time.monotonic() - t_start)
+                time_frac = done / (e_start + cfg.time_budget_s)
+            lr = _lr(cfg, step, self.total_steps, time_frac)
             for group in self.opt.param_groups:
                 group["lr"] = lr
             loss, m = step_losses(self.model, batch, self.target_w, cfg.steps, cfg.step_decay,

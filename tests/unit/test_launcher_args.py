@@ -28,3 +28,22 @@ def test_every_flag_is_documented_and_defaults_come_from_the_dataclass():
         if action.dest != "help":
             assert action.help, f"--{action.dest} has no help text"
     assert ServerArgs().host == "127.0.0.1"
+
+
+def test_eagle3_on_the_default_model_uses_the_shipped_head(tmp_path):
+    import json
+
+    from launch.server_args import DEFAULT_EAGLE3_HEAD
+
+    args = ServerArgs(speculative_algorithm="EAGLE3").resolve()
+    assert args.speculative_draft_model_path == str(DEFAULT_EAGLE3_HEAD)
+    weights = DEFAULT_EAGLE3_HEAD / "model.safetensors"
+    assert weights.stat().st_size <= 25 * 2**20  # the repository budget for the shipped head
+    config = json.loads((DEFAULT_EAGLE3_HEAD / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert (DEFAULT_EAGLE3_HEAD / "README.md").exists()  # the model card
+    # any other target, or EAGLE-1/2, still needs a path
+    with pytest.raises(ValueError, match="needs --speculative-draft-model-path"):
+        ServerArgs(speculative_algorithm="EAGLE").resolve()
+    with pytest.raises(ValueError, match="needs --speculative-draft-model-path"):
+        ServerArgs(model_path=str(DEFAULT_EAGLE3_HEAD), speculative_algorithm="EAGLE3").resolve()
