@@ -176,3 +176,14 @@ def test_soft_cross_entropy_value_and_gradient():
     ref = -(p * torch.log_softmax(z, -1)).sum(-1)
     torch.testing.assert_close(SoftCrossEntropy.apply(z, p), ref)
     assert torch.autograd.gradcheck(lambda x: SoftCrossEntropy.apply(x, p), (z,))
+
+
+def test_learning_rate_follows_steps_or_time_whichever_is_further():
+    from speculative.train.trainer import _lr
+
+    cfg = TrainConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    assert _lr(cfg, 0, 100) == pytest.approx(0.1)
+    assert _lr(cfg, 10, 100) == pytest.approx(1.0)
+    assert _lr(cfg, 100, 100) == pytest.approx(0.1)
+    assert _lr(cfg, 10, 100, time_frac=1.0) == pytest.approx(0.1)  # budget spent: floor
+    assert _lr(cfg, 55, 100, time_frac=0.0) == pytest.approx(0.55)  # half way: cosine mid
