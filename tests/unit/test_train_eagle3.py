@@ -135,7 +135,7 @@ def test_capture_train_export_and_resume(target, tmp_path):
     assert ids.numel() == 64 and coverage > 0.9  # answers use 57 ids + the first two
 
     cfg = TrainConfig(target_model=str(model_dir), output=str(out), draft_vocab_size=64,
-                      steps=2, lr=3e-3, warmup_steps=5, epochs=30, batch_tokens=512,
+                      steps=2, lr=3e-3, warmup_steps=5, epochs=3000, batch_tokens=512,
                       eval_every=20, val_percent=10, ckpt_every_s=0.0, time_budget_s=4.0)
     first = Trainer(cfg)
     first.train()
