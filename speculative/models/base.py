@@ -29,7 +29,9 @@ from runtime.model_runner.forward_batch import ForwardBatch
 
 
 class HeadOutput(NamedTuple):
-    logits: torch.Tensor  # [num_logits, vocab (EAGLE-1/2) or draft_vocab (EAGLE-3)] float32
+    # [num_logits, vocab (EAGLE-1/2), hot ids (EAGLE-1/2 with a token map) or draft_vocab
+    # (EAGLE-3)] float32
+    logits: torch.Tensor
     # [T, H]: what the next draft step feeds back as its hidden input (EAGLE-3: before `norm`)
     hidden: torch.Tensor
 
