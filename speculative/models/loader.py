@@ -102,22 +102,35 @@ def save_eagle3_head(head: Eagle3Head, out_dir: str | Path) -> Path:
     if head.embed_weight is not None:
         tensors["embed_tokens.weight"] = head.embed_weight.detach().cpu().clone()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg, lc = head.config, head.config.layer
-    config = {
-        "architectures": [EAGLE3_ARCHITECTURE], "model_type": "llama", "hidden_act": "silu",
-        "hidden_size": lc.hidden_size, "intermediate_size": lc.intermediate_size,
-        "num_hidden_layers": 1, "num_attention_heads": lc.num_attention_heads,
-        "num_key_value_heads": lc.num_key_value_heads, "head_dim": lc.head_dim,
-        "rms_norm_eps": lc.rms_norm_eps, "rope_theta": lc.rope_theta,
-        "rope_scaling": lc.rope_scaling, "max_position_embeddings": lc.max_position_embeddings,
-        "vocab_size": cfg.target_vocab_size, "draft_vocab_size": cfg.draft_vocab_size,
-        "tie_word_embeddings": False, "attention_bias": lc.attention_bias,
-        "torch_dtype": str(head.fc.weight.dtype).removeprefix("torch."),
-        # layer-OUTPUT ids, as SGLang / vLLM / SpecForge read them (ours count layer inputs)
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [c - 1 for c in cfg.capture_layers]},
-    }
+    cfg = head.config
+    config = eagle3_config_json(cfg.layer, cfg.target_vocab_size, cfg.draft_vocab_size,
+                                cfg.capture_layers, head.fc.weight.dtype,
+                                cfg.layer.attention_bias)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+def eagle3_config_json(
+    layer: Any, target_vocab_size: int, draft_vocab_size: int, capture_layers: tuple[int, ...],
+    dtype: torch.dtype, attention_bias: bool = False,
+) -> dict[str, Any]:
+    """config.json of an EAGLE-3 head in the public layout. `layer` has the layer's shape
+    attributes (hidden_size, intermediate_size, heads, head_dim, rms_norm_eps, rope, max
+    positions): a `ModelConfig` or the trainer's `HeadShape`."""
+    return {
+        "architectures": [EAGLE3_ARCHITECTURE], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": layer.hidden_size, "intermediate_size": layer.intermediate_size,
+        "num_hidden_layers": 1, "num_attention_heads": layer.num_attention_heads,
+        "num_key_value_heads": layer.num_key_value_heads, "head_dim": layer.head_dim,
+        "rms_norm_eps": layer.rms_norm_eps, "rope_theta": layer.rope_theta,
+        "rope_scaling": layer.rope_scaling,
+        "max_position_embeddings": layer.max_position_embeddings,
+        "vocab_size": target_vocab_size, "draft_vocab_size": draft_vocab_size,
+        "tie_word_embeddings": False, "attention_bias": attention_bias,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        # layer-OUTPUT ids, as SGLang / vLLM / SpecForge read them (ours count layer inputs)
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [c - 1 for c in capture_layers]},
+    }
 
 
 def _read_config(path: Path) -> dict[str, Any]:

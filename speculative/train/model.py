@@ -29,7 +29,7 @@ from torch import nn
 from runtime.layers.rotary import apply_rotary, rope_inv_freq
 from runtime.model_loader.config import ModelConfig
 from speculative.models.eagle3_head import default_capture_layers
-from speculative.models.loader import EAGLE3_ARCHITECTURE
+from speculative.models.loader import eagle3_config_json
 
 
 @dataclass
@@ -223,21 +223,8 @@ class TrainableEagle3(nn.Module):
         out.mkdir(parents=True, exist_ok=True)
         save_file(self.public_state(dtype), str(out / "model.safetensors"),
                   metadata={"format": "pt"})
-        config = {
-            "architectures": [EAGLE3_ARCHITECTURE], "model_type": "llama", "hidden_act": "silu",
-            "hidden_size": s.hidden_size, "intermediate_size": s.intermediate_size,
-            "num_hidden_layers": 1, "num_attention_heads": s.num_attention_heads,
-            "num_key_value_heads": s.num_key_value_heads, "head_dim": s.head_dim,
-            "rms_norm_eps": s.rms_norm_eps, "rope_theta": s.rope_theta,
-            "rope_scaling": s.rope_scaling, "max_position_embeddings": s.max_position_embeddings,
-            "vocab_size": s.target_vocab_size, "draft_vocab_size": s.draft_vocab_size,
-            "tie_word_embeddings": False, "attention_bias": False,
-            "torch_dtype": str(dtype).removeprefix("torch."),
-            # layer-OUTPUT ids, as SGLang / vLLM / SpecForge read them (ours count layer inputs)
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids":
-                             [c - 1 for c in s.capture_layers]},
-            **(extra_config or {}),
-        }
+        config = {**eagle3_config_json(s, s.target_vocab_size, s.draft_vocab_size,
+                                       s.capture_layers, dtype), **(extra_config or {})}
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         return out
 
