@@ -109,9 +109,13 @@ def main(argv: list[str] | None = None) -> int:
 
         kw = dict(target_model=args.target_model, num_prompts=args.eval_prompts,
                   max_new_tokens=args.eval_max_new_tokens, seed=args.seed)
-        if args.eval_snapshots:
-            evaluate_snapshots(out, every=args.eval_snapshots_every, **kw)
-        res = evaluate_head(out / "head", **kw)
+        done = evaluate_snapshots(out, every=args.eval_snapshots_every, **kw) \
+            if args.eval_snapshots else []
+        # the final export is also the last snapshot: do not evaluate the same weights twice
+        seen = json.loads((out / "head" / "config.json").read_text()).get(
+            "specserve_training", {}).get("train_tokens_seen")
+        res = next((r for r in done if r["train_tokens"] == seen), None) \
+            or evaluate_head(out / "head", **kw)
         (out / "eval.json").write_text(json.dumps(res, indent=2) + "\n")
         print(json.dumps(res, indent=2))
     if "report" in stages:
