@@ -61,6 +61,10 @@ HELP = {
     "speculative_ngram_match_type": "NGRAM: BFS (most recent continuations) or PROB (most "
     "frequent)",
     "speculative_ngram_external_corpus_path": "NGRAM: JSONL/text corpus preloaded into the trie",
+    "speculative_ngram_max_draft_tokens": "NGRAM: tree nodes (root included) a request may "
+    "draft after a step that accepted a whole default-size draft (copying text), granted while "
+    "the step's total stays within it (default: 2x --speculative-num-draft-tokens; equal to it "
+    "turns deep drafts off)",
 }
 
 
@@ -116,6 +120,7 @@ class ServerArgs:
     speculative_ngram_min_bfs_breadth: int = 1
     speculative_ngram_match_type: str = "BFS"
     speculative_ngram_external_corpus_path: str | None = None
+    speculative_ngram_max_draft_tokens: int | None = None
 
     def spec_config(self):
         """The speculative configuration (None without speculation); call on resolved args."""
@@ -175,6 +180,16 @@ class ServerArgs:
                 n = self.speculative_num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS[algo]
             if n < 1:
                 raise ValueError("--speculative-num-draft-tokens must be >= 1")
+            deep = self.speculative_ngram_max_draft_tokens
+            if algo == "NGRAM":
+                deep = 2 * n if deep is None else deep
+                if deep < n:
+                    raise ValueError("--speculative-ngram-max-draft-tokens must be >= "
+                                     f"--speculative-num-draft-tokens ({n}), got {deep}")
+            elif deep is not None:
+                raise ValueError("--speculative-ngram-max-draft-tokens applies to "
+                                 f"--speculative-algorithm NGRAM, not {algo}")
+            spec["speculative_ngram_max_draft_tokens"] = deep
             if self.speculative_ngram_match_type not in ("BFS", "PROB"):
                 raise ValueError("--speculative-ngram-match-type must be BFS or PROB")
             for name in ("single", "acc"):

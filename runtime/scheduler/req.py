@@ -31,6 +31,7 @@ class Req:
     spec_verify_ct: int = 0
     spec_drafted: int = 0
     spec_accept_hist: list[int] = field(default_factory=list)  # [k] = steps accepting k drafts
+    spec_last_accepted: int = 0  # drafts accepted by its last verify step
 
     @property
     def fill_ids(self) -> list[int]:

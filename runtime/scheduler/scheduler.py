@@ -49,6 +49,10 @@ class SchedulerConfig:
     # speculative decoding: fresh KV slots per request per decode step (tree nodes incl. root);
     # 1 = plain decoding
     num_draft_tokens: int = 1
+    # a request whose last step accepted >= num_draft_tokens - 1 drafts (it is copying) may
+    # draft up to this many nodes, while the step's total stays <= this (the flat part of the
+    # verify-cost curve); = num_draft_tokens turns deep drafts off
+    max_draft_tokens: int = 1
 
 
 class Scheduler:
@@ -242,14 +246,34 @@ class Scheduler:
             decoding.remove(victim)
             self._retract(victim)
         entries = []
-        for req in decoding:
+        sizes = self._draft_sizes(decoding, tokens_per_req)
+        for req, n in zip(decoding, sizes):
             # never draft past the context length: the tree's positions must exist
             room = self.stop.context_length - req.kv_len
-            slots = self._alloc(max(1, min(tokens_per_req, room)))
+            slots = None
+            if n > tokens_per_req:  # a deep draft only from truly free slots
+                slots = self._alloc(min(n, room)) if self.allocator.num_free >= n else None
+            if slots is None:
+                slots = self._alloc(max(1, min(tokens_per_req, room)))
             if slots is None:
                 raise RuntimeError("KV cache too small for a single request")
             entries.append(self._entry(req, 1, slots))
         return entries
+
+    def _draft_sizes(self, decoding: list[Req], base: int) -> list[int]:
+        """Tree nodes per request: `base`, or `max_draft_tokens` for a request that accepted a
+        whole base-size draft last step, while the step's total stays <= max_draft_tokens.
+        Copied text keeps matching for a while, so its next drafts are worth more nodes."""
+        deep = self.cfg.max_draft_tokens
+        sizes = [base] * len(decoding)
+        if deep <= base:
+            return sizes
+        total = base * len(decoding)
+        for i, req in enumerate(decoding):
+            if req.spec_last_accepted >= base - 1 and total + deep - base <= deep:
+                sizes[i] = deep
+                total += deep - base
+        return sizes
 
     def _retract(self, req: Req) -> None:
         logger.info("KV cache full: retracting %s (%d tokens) to the queue", req.rid, req.kv_len)
@@ -319,6 +343,7 @@ class Scheduler:
             self.spec_accepted_per_pos[pos] += 1
         req.spec_verify_ct += 1
         req.spec_drafted += spec["drafted"]
+        req.spec_last_accepted = acc
         if len(req.spec_accept_hist) <= acc:
             req.spec_accept_hist += [0] * (acc + 1 - len(req.spec_accept_hist))
         req.spec_accept_hist[acc] += 1

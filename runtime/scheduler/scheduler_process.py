@@ -72,6 +72,8 @@ def run_scheduler_process(server_args, ipc_dir: str, parent_pid: int) -> None:
         schedule_policy=server_args.schedule_policy,
         disable_radix_cache=server_args.disable_radix_cache,
         num_draft_tokens=server_args.speculative_num_draft_tokens or 1,
+        max_draft_tokens=server_args.speculative_ngram_max_draft_tokens
+        or server_args.speculative_num_draft_tokens or 1,
     )
     sched = Scheduler(cfg, int(info["kv_capacity"]), stop, run_batch, to_tokenizer.send)
     to_tokenizer.send(ReadyOut(info={**info, "scheduler_pid": os.getpid()}))

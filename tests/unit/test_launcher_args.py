@@ -11,6 +11,10 @@ from launch.server_args import ServerArgs, build_parser
     (["--speculative-algorithm", "FOO"], "available: ['EAGLE', 'EAGLE3', 'NGRAM']"),
     (["--schedule-policy", "random"], "--schedule-policy must be one of"),
     (["--chunked-prefill-size", "0"], "--chunked-prefill-size must be positive"),
+    (["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8",
+      "--speculative-ngram-max-draft-tokens", "4"], "must be >= --speculative-num-draft-tokens"),
+    (["--speculative-algorithm", "EAGLE3", "--speculative-ngram-max-draft-tokens", "16"],
+     "applies to --speculative-algorithm NGRAM"),
 ])
 def test_bad_flags_exit_2_with_one_clear_line(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -47,3 +51,12 @@ def test_eagle3_on_the_default_model_uses_the_shipped_head(tmp_path):
         ServerArgs(speculative_algorithm="EAGLE").resolve()
     with pytest.raises(ValueError, match="needs --speculative-draft-model-path"):
         ServerArgs(model_path=str(DEFAULT_EAGLE3_HEAD), speculative_algorithm="EAGLE3").resolve()
+
+
+def test_ngram_deep_drafts_default_to_twice_the_tree_size():
+    args = ServerArgs(speculative_algorithm="NGRAM").resolve()
+    assert (args.speculative_num_draft_tokens, args.speculative_ngram_max_draft_tokens) == (8, 16)
+    args = ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=6,
+                      speculative_ngram_max_draft_tokens=6).resolve()
+    assert args.speculative_ngram_max_draft_tokens == 6  # deep drafts off
+    assert ServerArgs().resolve().speculative_ngram_max_draft_tokens is None

@@ -105,3 +105,52 @@ def test_sampled_spec_runs_and_frees_kv(tiny):  # noqa: F811
     assert all(len(h.outputs[f"r{i}"]) == 20 for i in range(4))
     h.sched.check_no_leak()
     torch.manual_seed(0)
+
+
+class ChainOracleDrafter(OracleMixDrafter):
+    """The known continuation as a chain of the whole budget; records every budget it got."""
+
+    def __init__(self, cfg, runner, truth) -> None:
+        super().__init__(cfg, runner, truth, seed=0)
+        self.budgets: dict[str, list[int]] = {}
+
+    def propose(self, reqs: list[SpecReq]) -> list[DraftTree]:
+        trees = []
+        for r in reqs:
+            self.budgets.setdefault(r.rid, []).append(r.budget)
+            cont = self._continuation(r.tokens) or []
+            trees.append(DraftTree.chain(r.tokens[-1], cont[: r.budget - 1]))
+        return trees
+
+
+@pytest.mark.parametrize("concurrent", [False, True])
+def test_deep_drafts_after_a_fully_accepted_draft_only_while_the_step_fits(
+        tiny, concurrent):  # noqa: F811
+    ps = prompts(2, seed=21)
+    ref = reference(tiny, ps, ignore_eos=True, max_new_tokens=40)
+    truth = {tuple(p): r for p, r in zip(ps, ref)}
+    drafters = []
+
+    def make(c, r):
+        drafters.append(ChainOracleDrafter(c, r, truth))
+        return drafters[-1]
+
+    h = spec_harness(tiny, make, num_draft_tokens=4, max_draft_tokens=10)
+    if concurrent:  # two copying requests: 4 + 10 > 10, the step would leave the flat cost
+        for i, p in enumerate(ps):
+            h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=40)
+        h.run()
+    else:
+        for i, p in enumerate(ps):
+            h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=40)
+            h.run()
+    assert [h.outputs[f"r{i}"] for i in range(2)] == ref
+    budgets = drafters[0].budgets
+    for i in range(2):
+        b = budgets[f"r{i}"]
+        assert b[0] == 4  # the first step has no history
+        if concurrent:
+            assert set(b) == {4}
+        else:  # every draft is accepted whole, so every later step drafts deep
+            assert set(b[1:]) <= {10} and len(b) <= 1 + 36 // 10 + 1
+    h.sched.check_no_leak()
