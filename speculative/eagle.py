@@ -162,7 +162,7 @@ class EagleDrafter(Drafter):
             depth = min(self.cfg.num_steps, r.budget - 1)
             if self._sampled(r):
                 widths = level_widths(r.budget - 1, depth, self.cfg.eagle_topk)
-                builder = SampledTree(r.tokens[-1], widths, self.vocab_size)
+                builder = SampledTree(r.tokens[-1], widths, self.vocab_size, self.to_target)
             else:
                 builder = TopKTree(r.tokens[-1], self.cfg.eagle_topk, depth)
             work.append((i, _Growing(r, builder, [0], {0: st.hidden})))
@@ -239,15 +239,14 @@ class EagleDrafter(Drafter):
                 g.frontier = []
 
     def _draft_q(self, logits: Tensor, params: list) -> Tensor:
-        """Head logits [M, V_head] → q [M, V] over the TARGET vocabulary, processed with each
-        request's temperature / top-k / top-p / min-p like its target distribution."""
-        full = logits.float()
-        if self.to_target is not None:  # ids outside the draft vocabulary get q = 0
-            full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
-            full[:, self.to_target] = logits.float()
-        info = SamplingBatchInfo.from_params(params, self.vocab_size, full.device,
+        """Head logits [M, V_head] → q [M, V_head], processed with each request's temperature /
+        top-k / top-p / min-p like its target distribution. Over a reduced draft vocabulary
+        this equals processing the target-vocabulary row with -inf outside it (softmax, the
+        top-k / top-p order and min-p's maximum only see the finite entries); `SampledTree`
+        maps the drawn ids with `to_target`."""
+        info = SamplingBatchInfo.from_params(params, logits.shape[-1], logits.device,
                                              generators=[None] * len(params))
-        return process_logits(full, info)
+        return process_logits(logits.float(), info)
 
     def _ensure_scratch(self, need: int) -> None:
         """Grow the head pool's scratch region (slots above the target's capacity) to `need`."""

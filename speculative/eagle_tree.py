@@ -120,16 +120,21 @@ class TopKTree(_Nodes):
 class SampledTree(_Nodes):
     """Children drawn from q without replacement, fixed level widths (module docstring)."""
 
-    def __init__(self, root_token: int, widths: list[int], vocab_size: int) -> None:
+    def __init__(self, root_token: int, widths: list[int], vocab_size: int,
+                 to_target: Tensor | None = None) -> None:
         super().__init__(root_token)
         self.widths = widths
         self.vocab_size = vocab_size
-        self.q_rows: dict[int, Tensor] = {}  # node → [V] the q its children were drawn from
+        # q rows may cover a reduced draft vocabulary (EAGLE-3's d2t, a token map): drawing
+        # there is the same draw as over the target vocabulary with q = 0 outside it, and
+        # ~6x cheaper; `to_target` [V_q] maps a draft id to its target id
+        self.to_target = to_target
+        self.q_rows: dict[int, Tensor] = {}  # node → [V_q] the q its children were drawn from
 
     def expand(self, nodes: list[int], q: Tensor, generator: torch.Generator | None
                ) -> list[int]:
-        """`nodes` got head distributions `q` [len(nodes), V] (processed probabilities). Draws
-        this level's children; returns the nodes to expand next (empty when complete)."""
+        """`nodes` got head distributions `q` [len(nodes), V_q] (processed probabilities).
+        Draws this level's children; returns the nodes to expand next (empty when complete)."""
         assert q.shape[0] == len(nodes), "one q row per node"
         level = self.depths[nodes[0]]
         width = self.widths[level]
@@ -151,13 +156,16 @@ class SampledTree(_Nodes):
             # without replacement; q = 0 tokens get key -1 and are never drawn
             e = torch.empty_like(qs).exponential_(generator=generator)
             keys = torch.where(qs > 0, qs / e, torch.full_like(qs, -1.0))
-            order = keys.argsort(dim=-1, descending=True)
+            # the m largest keys in order (a partial sort: a full one of V keys per row costs
+            # milliseconds); m never exceeds a row's nonzero count, so no key -1 is taken
+            order = keys.topk(max(counts), dim=-1).indices  # [f', m]
             for j, r in enumerate(rows):
                 u = nodes[r]
                 self.q_rows[u] = qs[j]
-                picked = order[j, : counts[r]].tolist()
+                picked = order[j, : counts[r]]
                 logq = torch.log(qs[j, picked]).tolist()
-                for t, lq in zip(picked, logq):
+                ids = picked if self.to_target is None else self.to_target[picked]
+                for t, lq in zip(ids.tolist(), logq):
                     added.append(self.add(t, u, self.scores[u] + lq))
         if not added or level + 1 >= len(self.widths):
             return []
@@ -171,5 +179,8 @@ class SampledTree(_Nodes):
             ref = next(iter(self.q_rows.values()))
             probs = torch.zeros((n, self.vocab_size), dtype=ref.dtype, device=ref.device)
             for u, row in self.q_rows.items():
-                probs[u] = row
+                if self.to_target is None:
+                    probs[u] = row
+                else:
+                    probs[u, self.to_target] = row
         return DraftTree.from_parents(self.tokens, self.parents, draft_probs=probs)

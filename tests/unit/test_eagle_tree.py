@@ -177,3 +177,24 @@ def test_sampled_tree_shape_is_fixed_and_q_rows_are_what_children_were_drawn_fro
                 path = path_of(tree, u)
                 want = sum(math.log(float(qs[path[:i]][path[i]])) for i in range(len(path)))
                 assert builder.scores[u] == pytest.approx(want, abs=1e-5)
+
+
+def test_sampled_tree_over_a_reduced_vocabulary_draws_target_ids_and_scatters_q():
+    # q over 4 draft ids that stand for target ids 5, 1, 3, 0 of a V-token vocabulary: the
+    # children are target ids, and the verifier's q row is the draft q put at those ids
+    to_target = torch.tensor([5, 1, 3, 0])
+    q = torch.tensor([0.5, 0.0, 0.3, 0.2])
+    gen = torch.Generator().manual_seed(2)
+    seen = set()
+    for _ in range(200):
+        builder = SampledTree(99, [2], V, to_target)
+        assert builder.expand([0], q[None], gen) == []
+        tree = builder.finalize()
+        kids = tree.tokens[1:].tolist()
+        assert len(set(kids)) == 2 and set(kids) <= {5, 3, 0}  # draft id 1 has q = 0
+        seen.update(kids)
+        full = torch.zeros(V)
+        full[to_target] = q
+        torch.testing.assert_close(tree.draft_probs[0], full)
+        assert float(tree.draft_probs[1:].sum()) == 0.0
+    assert seen == {5, 3, 0}
