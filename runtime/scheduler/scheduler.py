@@ -55,6 +55,22 @@ class SchedulerConfig:
     max_draft_tokens: int = 1
 
 
+def draft_sizes(last_accepted: list[int], base: int, deep: int) -> list[int]:
+    """Tree nodes per decoding request: `base`, or `deep` for a request whose last step
+    accepted a whole base-size draft (>= base - 1 drafts), while the step's total stays
+    <= deep. Copied text keeps matching for a while, so its next drafts are worth more nodes;
+    the cap keeps the verify forward on the flat part of its cost curve."""
+    sizes = [base] * len(last_accepted)
+    if deep <= base:
+        return sizes
+    total = base * len(last_accepted)
+    for i, acc in enumerate(last_accepted):
+        if acc >= base - 1 and total + deep - base <= deep:
+            sizes[i] = deep
+            total += deep - base
+    return sizes
+
+
 class Scheduler:
     def __init__(
         self,
@@ -261,19 +277,8 @@ class Scheduler:
         return entries
 
     def _draft_sizes(self, decoding: list[Req], base: int) -> list[int]:
-        """Tree nodes per request: `base`, or `max_draft_tokens` for a request that accepted a
-        whole base-size draft last step, while the step's total stays <= max_draft_tokens.
-        Copied text keeps matching for a while, so its next drafts are worth more nodes."""
-        deep = self.cfg.max_draft_tokens
-        sizes = [base] * len(decoding)
-        if deep <= base:
-            return sizes
-        total = base * len(decoding)
-        for i, req in enumerate(decoding):
-            if req.spec_last_accepted >= base - 1 and total + deep - base <= deep:
-                sizes[i] = deep
-                total += deep - base
-        return sizes
+        return draft_sizes([r.spec_last_accepted for r in decoding], base,
+                           self.cfg.max_draft_tokens)
 
     def _retract(self, req: Req) -> None:
         logger.info("KV cache full: retracting %s (%d tokens) to the queue", req.rid, req.kv_len)

@@ -1,0 +1,203 @@
+"""Replay greedy outputs through the NGRAM drafter to compare drafting policies without the model.
+
+    python -m benchmark.bench_speculative --dataset rewrite sharegpt --split train \\
+        --num-prompts 40 --configs NGRAM --concurrency 1 --output results/train_ngram.json
+    python -m benchmark.replay_ngram results/train_ngram.json \\
+        --configs num_draft_tokens=8,max_draft_tokens=8 num_draft_tokens=8,max_draft_tokens=16
+
+Greedy speculation is exact: every config outputs the baseline's tokens, and which drafts get
+accepted depends only on those tokens. So the baseline records of a `bench_speculative` JSON
+(prompts re-sampled from its own arguments) are enough to replay, at batch 1 and in order, what
+the real `NgramDrafter`, the worker's backoff (`SpeculativeWorker._budget` / `_adapt`) and the
+scheduler's deep-draft rule (`draft_sizes`) would do: tokens per verify step exactly, and a
+modelled speedup = decode steps / sum of verify costs, each step costing T(n)/T(1) of a decode
+step for an n-node tree (`--cost-curve`) plus `--step-overhead` when it drafted. Tune on the
+`train` split; measure the winner on `heldout` with `bench_speculative`.
+
+Config keys: num_draft_tokens, max_draft_tokens, and the NGRAM trie's max_trie_depth,
+min_match_window, max_bfs_breadth, min_bfs_breadth, match_type (as `--speculative-ngram-*`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, fields
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from benchmark.common import format_table, write_json
+from benchmark.datasets import chat_prompt_ids, load_bench_tokenizer, sample_requests
+
+# T(n)/T(1) of an n-node TARGET_VERIFY forward against a decode step, default model, CPU, 2
+# threads, measured in-process inside the serving loop on 2026-11-22 (decode 24.0 ms, 8 nodes
+# 30.4 ms, 16 nodes 37.2 ms; docs/benchmarks.md); between points linear.
+DEFAULT_CURVE = "1:1.0,4:1.08,8:1.27,16:1.55,32:2.3"
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    num_draft_tokens: int = 8
+    max_draft_tokens: int = 16
+    max_trie_depth: int = 18
+    min_match_window: int = 1
+    max_bfs_breadth: int = 10
+    min_bfs_breadth: int = 1
+    match_type: str = "BFS"
+
+    @classmethod
+    def parse(cls, text: str) -> ReplayConfig:
+        kinds = {f.name: f.type for f in fields(cls)}
+        kw: dict = {}
+        for item in filter(None, (x.strip() for x in text.split(","))):
+            key, sep, value = item.partition("=")
+            if not sep or key not in kinds:
+                raise ValueError(f"bad config item {item!r}: keys are {sorted(kinds)}")
+            kw[key] = value if kinds[key] == "str" else int(value)
+        return cls(**kw)
+
+    @property
+    def label(self) -> str:
+        base = ReplayConfig()
+        diff = [f"{f.name}={getattr(self, f.name)}" for f in fields(self)
+                if getattr(self, f.name) != getattr(base, f.name)]
+        return ",".join(diff) or "default"
+
+
+def parse_curve(text: str) -> tuple[list[float], list[float]]:
+    pts = sorted((float(n), float(r)) for n, r in (p.split(":") for p in text.split(",")))
+    return [n for n, _ in pts], [r for _, r in pts]
+
+
+def replay(items: list[tuple[list[int], list[int]]], cfg: ReplayConfig,
+           curve: tuple[list[float], list[float]], step_overhead: float = 0.03) -> dict:
+    """items: (prompt ids, greedy output ids) served one after another by one server."""
+    from runtime.sampling.sampling_params import SamplingParams
+    from runtime.scheduler.scheduler import draft_sizes
+    from speculative.base import SpecConfig, SpecReq
+    from speculative.ngram import NgramDrafter
+    from speculative.verify import verify_greedy
+    from speculative.worker import SpecEntry, SpeculativeWorker
+
+    spec = SpecConfig("NGRAM", cfg.num_draft_tokens, ngram_max_trie_depth=cfg.max_trie_depth,
+                      ngram_min_match_window=cfg.min_match_window,
+                      ngram_max_bfs_breadth=cfg.max_bfs_breadth,
+                      ngram_min_bfs_breadth=cfg.min_bfs_breadth, ngram_match_type=cfg.match_type)
+    drafter = NgramDrafter(spec, runner=None)
+    worker = SpeculativeWorker(spec, drafter, runner=None)
+    state = SimpleNamespace(params=SamplingParams(temperature=0.0))
+    steps = tokens = 0
+    cost = base_cost = 0.0
+    per_request = []
+    for i, (prompt, out) in enumerate(items):
+        rid = f"r{i}"
+        drafter.observe(rid, prompt, len(prompt))
+        history = prompt + out[:1]  # the first token comes from the prefill
+        drafter.observe(rid, history, 1)
+        pos, last_accepted, req_cost = 1, 0, 0.0
+        while pos < len(out):
+            fresh = draft_sizes([last_accepted], cfg.num_draft_tokens, cfg.max_draft_tokens)[0]
+            prefix = len(history) - 1
+            entry = SpecEntry(rid, history, prefix, torch.empty(prefix + fresh), state)
+            budget = worker._budget(entry)
+            tree = drafter.propose([SpecReq(rid, history, budget, state.params)])[0]
+            # the target's argmax is known on the true path (the next output token); the walk
+            # never continues from any other node
+            truth = out[pos:]
+            depth = tree.depth.tolist()
+            on_path = [True] + [False] * (tree.num_nodes - 1)
+            argmax = [truth[0]] + [-1] * (tree.num_nodes - 1)
+            for u in range(1, tree.num_nodes):
+                p, d = int(tree.parents[u]), depth[u]
+                if on_path[p] and d <= len(truth) and int(tree.tokens[u]) == truth[d - 1]:
+                    on_path[u] = True
+                    argmax[u] = truth[d] if d < len(truth) else -1
+            res = verify_greedy(tree, torch.tensor(argmax))
+            gained = min(len(res.accepted_tokens) + 1, len(truth))
+            drafted = tree.num_nodes - 1
+            worker._adapt(rid, drafted, len(res.accepted_tokens))
+            last_accepted = len(res.accepted_tokens)
+            c = float(np.interp(tree.num_nodes, *curve)) + (step_overhead if drafted else 0.0)
+            req_cost += c
+            steps += 1
+            tokens += gained
+            history = history + truth[:gained]
+            drafter.observe(rid, history, gained)
+            pos += gained
+        worker.release(rid)
+        cost += req_cost
+        base_cost += len(out) - 1
+        per_request.append((len(out) - 1) / req_cost if req_cost else 1.0)
+    return {"config": cfg.label, "verify_steps": steps,
+            "tokens_per_step": tokens / max(steps, 1),
+            "modelled_speedup": base_cost / cost if cost else 1.0,
+            "median_request_speedup": float(np.median(per_request)) if per_request else 1.0}
+
+
+def load_items(path: str, dataset: str) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, baseline greedy output) of `dataset` from a bench_speculative JSON."""
+    d = json.loads(open(path).read())
+    a = d["args"]
+    base = next((r for r in d["runs"] if r["dataset"] == dataset and r["config"] == "baseline"
+                 and r.get("temperature", 0) == 0), None)
+    if base is None:
+        raise ValueError(f"{path} has no greedy baseline run of dataset {dataset!r}")
+    tok = load_bench_tokenizer(a.get("model_path") if a.get("model_path") != "default" else None)
+    reqs = sample_requests(dataset, a["num_prompts"], tok, a["seed"], a["max_new_tokens"],
+                           dataset_path=a.get("dataset_path"), split=a.get("split", "all"))
+    recs = {r["id"]: r for r in base["records"]}
+    items = []
+    for q in reqs:
+        r = recs[q.id]
+        prompt = chat_prompt_ids(tok, q.messages)
+        if len(prompt) != r["prompt_len"]:
+            raise ValueError(f"{q.id}: re-rendered prompt has {len(prompt)} tokens, the run "
+                             f"had {r['prompt_len']} (another tokenizer or template?)")
+        items.append((prompt, r["output_ids"]))
+    return items
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("input", help="a bench_speculative JSON with greedy baseline runs")
+    p.add_argument("--datasets", nargs="+", default=None,
+                   help="datasets of the JSON to replay (default: all)")
+    p.add_argument("--configs", nargs="+", default=["max_draft_tokens=8", "default"],
+                   help="key=value,... per config (see the module docstring)")
+    p.add_argument("--cost-curve", default=DEFAULT_CURVE, help="n:T(n)/T(1),... points")
+    p.add_argument("--step-overhead", type=float, default=0.03,
+                   help="extra cost of a drafting step, in decode steps (drafting, masks, "
+                        "verification, commit)")
+    p.add_argument("--output", default="results/replay_ngram.json")
+    args = p.parse_args(argv)
+    try:
+        configs = [ReplayConfig() if c == "default" else ReplayConfig.parse(c)
+                   for c in args.configs]
+        curve = parse_curve(args.cost_curve)
+        data = json.loads(open(args.input).read())
+        datasets = args.datasets or list(data["args"]["dataset"])
+        items = {ds: load_items(args.input, ds) for ds in datasets}
+    except (OSError, ValueError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rows = []
+    for ds in datasets:
+        for cfg in tqdm(configs, desc=f"replay {ds}", unit="config"):
+            rows.append({"dataset": ds, **replay(items[ds], cfg, curve, args.step_overhead)})
+    write_json(args.output, {"input": args.input, "cost_curve": args.cost_curve,
+                             "step_overhead": args.step_overhead, "rows": rows})
+    print(format_table(
+        ["dataset", "config", "verify steps", "tokens/step", "modelled speedup",
+         "median request"],
+        [[r["dataset"], r["config"], r["verify_steps"], f"{r['tokens_per_step']:.2f}",
+          f"{r['modelled_speedup']:.3f}x", f"{r['median_request_speedup']:.3f}x"]
+         for r in rows]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""benchmark/replay_ngram: the replay drives the real drafter, backoff and deep-draft rule."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from benchmark.replay_ngram import ReplayConfig, parse_curve, replay
+
+CURVE = parse_curve("1:1,8:1.25,16:1.5,32:2.2")
+
+
+def copy_items(seed: int, n: int = 4) -> list[tuple[list[int], list[int]]]:
+    """Prompts holding a passage; outputs copy it with an edit every ~30 tokens."""
+    rng = random.Random(seed)
+    items = []
+    for _ in range(n):
+        passage = [rng.randrange(100, 5000) for _ in range(120)]
+        out = [t if rng.random() > 1 / 30 else rng.randrange(100, 5000) for t in passage]
+        items.append(([1, 2, 3, *passage, 4], out))
+    return items
+
+
+def test_every_output_token_is_counted_once_and_copies_are_accepted():
+    items = copy_items(0)
+    res = replay(items, ReplayConfig(max_draft_tokens=8), CURVE)
+    total = sum(len(out) - 1 for _, out in items)  # the first token comes from the prefill
+    assert res["tokens_per_step"] * res["verify_steps"] == pytest.approx(total)
+    assert res["tokens_per_step"] > 3 and res["modelled_speedup"] > 2
+
+
+def test_deep_drafts_take_fewer_steps_on_long_copies_and_random_text_backs_off():
+    items = copy_items(1)
+    shallow = replay(items, ReplayConfig(max_draft_tokens=8), CURVE)
+    deep = replay(items, ReplayConfig(max_draft_tokens=16), CURVE)
+    assert deep["verify_steps"] < shallow["verify_steps"]
+    rng = random.Random(2)
+    noise = [([rng.randrange(100, 30000) for _ in range(40)],
+               [rng.randrange(100, 30000) for _ in range(100)]) for _ in range(3)]
+    res = replay(noise, ReplayConfig(), CURVE)
+    # nothing matches: few drafts, so the modelled cost stays near plain decoding
+    assert res["modelled_speedup"] > 0.95
+
+
+@pytest.mark.parametrize("bad", ["nodes=8", "num_draft_tokens", "num_draft_tokens=x"])
+def test_bad_config_items_are_rejected(bad):
+    with pytest.raises(ValueError):
+        ReplayConfig.parse(bad)
