@@ -1,0 +1,130 @@
+"""Where a speculative step's time goes: forwards by mode and size, and the rest, in-process.
+
+    python -m benchmark.profile_spec_step --dataset rewrite --split train --num-prompts 12
+
+Runs the scheduler and the model-runner worker in one process (no HTTP, no IPC) on the default
+model, serving the prompts one after another, once without speculation and once per `--configs`
+entry (NGRAM options as in `bench_speculative`: `NGRAM`, `NGRAM:ngram_max_draft_tokens=8`).
+Every `ModelRunner.forward` is timed; the table gives the median forward time per (mode, tree
+size), its ratio to a decode step measured in the same serving loop (the T(n)/T(1) that
+`benchmark.replay_ngram` models), and the per-step time outside forwards (drafting, tree
+masks, verification, commit, scheduling). The first two prompts warm up and are not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import torch
+from tqdm import tqdm
+
+from benchmark.common import format_table, write_json
+from benchmark.datasets import SPLITS, chat_prompt_ids, load_bench_tokenizer, sample_requests
+from benchmark.spec_metrics import parse_spec_config
+
+WARMUP_PROMPTS = 2
+
+
+def serve(label: str, server_args: dict, prompts: list[tuple[list[int], int]],
+          threads: int) -> dict:
+    from launch.server_args import ServerArgs
+    from runtime.messages import GenerateReq
+    from runtime.model_loader.tokenizer import load_tokenizer
+    from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
+    from runtime.model_runner.runner_process import RunnerWorker
+    from runtime.sampling.sampling_params import SamplingParams
+    from runtime.scheduler.scheduler import Scheduler, SchedulerConfig
+    from runtime.scheduler.stop import StopChecker
+    from speculative.base import create_drafter
+    from speculative.worker import SpeculativeWorker
+
+    torch.set_num_threads(threads)
+    args = ServerArgs(**server_args).resolve()
+    runner = ModelRunner(RunnerConfig(args.model_path, "cpu", "float32",
+                                      max_total_tokens=8192))
+    spec_cfg = args.spec_config()
+    spec = None
+    if spec_cfg is not None:
+        spec = SpeculativeWorker(spec_cfg, create_drafter(spec_cfg, runner), runner)
+    worker = RunnerWorker(runner, spec)
+    n = args.speculative_num_draft_tokens or 1
+    sched = Scheduler(
+        SchedulerConfig(num_draft_tokens=n,
+                        max_draft_tokens=args.speculative_ngram_max_draft_tokens or n),
+        runner.kv_capacity, StopChecker(load_tokenizer(args.model_path), [], 8192),
+        worker.run, lambda msg: None)
+    times: dict[tuple[str, int], list[float]] = defaultdict(list)
+    forward = runner.forward
+
+    def timed(batch, *a, **kw):
+        t = time.perf_counter()
+        out = forward(batch, *a, **kw)
+        if counting:
+            times[(batch.mode.name, batch.num_tokens)].append(time.perf_counter() - t)
+        return out
+
+    runner.forward = timed
+    counting, wall, steps, tokens = False, 0.0, 0, 0
+    for i, (ids, max_new) in enumerate(tqdm(prompts, desc=label, unit="prompt")):
+        counting = i >= WARMUP_PROMPTS
+        before = sched.totals["generation_tokens"]
+        sched.handle(GenerateReq(rid=f"p{i}", input_ids=ids, sampling_params=SamplingParams(
+            temperature=0.0, max_new_tokens=max_new, ignore_eos=True).to_dict()))
+        t = time.perf_counter()
+        while sched.step():
+            steps += counting
+        if counting:
+            wall += time.perf_counter() - t
+            tokens += sched.totals["generation_tokens"] - before
+    fwd = sum(sum(v) for v in times.values())
+    return {"label": label, "wall_s": wall, "tokens": tokens, "steps": steps,
+            "forward_s": fwd, "outside_forward_ms_per_step": (wall - fwd) / max(steps, 1) * 1e3,
+            "forwards": {f"{m}:{k}": {"count": len(v), "median_ms": statistics.median(v) * 1e3}
+                         for (m, k), v in sorted(times.items())}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dataset", default="rewrite", choices=["rewrite", "sharegpt"])
+    p.add_argument("--split", default="train", choices=SPLITS)
+    p.add_argument("--num-prompts", type=int, default=12)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--configs", nargs="+", default=["NGRAM"])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", default="results/profile_spec_step.json")
+    args = p.parse_args(argv)
+    try:
+        configs = [parse_spec_config(c) for c in args.configs]
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    tok = load_bench_tokenizer(None)
+    reqs = sample_requests(args.dataset, args.num_prompts + WARMUP_PROMPTS, tok, args.seed,
+                           args.max_new_tokens, split=args.split)
+    prompts = [(chat_prompt_ids(tok, r.messages), r.max_new_tokens) for r in reqs]
+    runs = [serve("baseline", {}, prompts, args.threads)]
+    runs += [serve(c.label, c.server_args, prompts, args.threads) for c in configs]
+    decode = runs[0]["forwards"].get("DECODE:1", {}).get("median_ms")
+    rows = []
+    for r in runs:
+        for key, f in r["forwards"].items():
+            if f["count"] >= 5 and not key.startswith("EXTEND"):
+                ratio = f"{f['median_ms'] / decode:.2f}" if decode else "-"
+                rows.append([r["label"], key, f["count"], f"{f['median_ms']:.1f}", ratio, ""])
+        rows.append([r["label"], "outside forwards", r["steps"],
+                     f"{r['outside_forward_ms_per_step']:.2f}", "", ""])
+        rows.append([r["label"], "end to end", r["tokens"], "", "",
+                     f"{r['tokens'] / r['wall_s']:.1f} tok/s"])
+    write_json(args.output, {"args": vars(args), "runs": runs})
+    print(format_table(["run", "forward (mode:tokens)", "count", "median ms / step",
+                        "vs decode", "throughput"], rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
