@@ -3,7 +3,7 @@
     python -m benchmark.bench_speculative --dataset rewrite sharegpt --split train \\
         --num-prompts 40 --configs NGRAM --concurrency 1 --output results/train_ngram.json
     python -m benchmark.replay_ngram results/train_ngram.json \\
-        --configs num_draft_tokens=8,max_draft_tokens=8 num_draft_tokens=8,max_draft_tokens=16
+        --configs NGRAM NGRAM:ngram_max_draft_tokens=8 NGRAM:num_draft_tokens=16
 
 Greedy speculation is exact: every config outputs the baseline's tokens, and which drafts get
 accepted depends only on those tokens. So the baseline records of a `bench_speculative` JSON
@@ -14,8 +14,8 @@ modelled speedup = decode steps / sum of verify costs, each step costing T(n)/T(
 step for an n-node tree (`--cost-curve`) plus `--step-overhead` when it drafted. Tune on the
 `train` split; measure the winner on `heldout` with `bench_speculative`.
 
-Config keys: num_draft_tokens, max_draft_tokens, and the NGRAM trie's max_trie_depth,
-min_match_window, max_bfs_breadth, min_bfs_breadth, match_type (as `--speculative-ngram-*`).
+`--configs` are NGRAM configs written as for `bench_speculative` (`NGRAM[:key=value,...]`, keys
+are `speculative_<key>` server flags), resolved like the server resolves them.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass, fields
 from types import SimpleNamespace
 
 import numpy as np
@@ -32,6 +31,9 @@ from tqdm import tqdm
 
 from benchmark.common import format_table, write_json
 from benchmark.datasets import chat_prompt_ids, load_bench_tokenizer, sample_requests
+from benchmark.spec_metrics import parse_spec_config
+from launch.server_args import ServerArgs
+from speculative.base import SpecConfig
 
 # T(n)/T(1) of an n-node TARGET_VERIFY forward against a decode step, default model, CPU, 2
 # threads, measured in-process inside the serving loop on 2026-11-22 (decode 24.0 ms, 8 nodes
@@ -39,54 +41,31 @@ from benchmark.datasets import chat_prompt_ids, load_bench_tokenizer, sample_req
 DEFAULT_CURVE = "1:1.0,4:1.08,8:1.27,16:1.55,32:2.3"
 
 
-@dataclass(frozen=True)
-class ReplayConfig:
-    num_draft_tokens: int = 8
-    max_draft_tokens: int = 16
-    max_trie_depth: int = 18
-    min_match_window: int = 1
-    max_bfs_breadth: int = 10
-    min_bfs_breadth: int = 1
-    match_type: str = "BFS"
-
-    @classmethod
-    def parse(cls, text: str) -> ReplayConfig:
-        kinds = {f.name: f.type for f in fields(cls)}
-        kw: dict = {}
-        for item in filter(None, (x.strip() for x in text.split(","))):
-            key, sep, value = item.partition("=")
-            if not sep or key not in kinds:
-                raise ValueError(f"bad config item {item!r}: keys are {sorted(kinds)}")
-            kw[key] = value if kinds[key] == "str" else int(value)
-        return cls(**kw)
-
-    @property
-    def label(self) -> str:
-        base = ReplayConfig()
-        diff = [f"{f.name}={getattr(self, f.name)}" for f in fields(self)
-                if getattr(self, f.name) != getattr(base, f.name)]
-        return ",".join(diff) or "default"
-
-
 def parse_curve(text: str) -> tuple[list[float], list[float]]:
     pts = sorted((float(n), float(r)) for n, r in (p.split(":") for p in text.split(",")))
     return [n for n, _ in pts], [r for _, r in pts]
 
 
-def replay(items: list[tuple[list[int], list[int]]], cfg: ReplayConfig,
+def resolve(config: str) -> tuple[str, SpecConfig, int]:
+    """An NGRAM config string → (label, SpecConfig, max draft tokens), as the server has them."""
+    cfg = parse_spec_config(config)
+    if cfg.server_args.get("speculative_algorithm") != "NGRAM":
+        raise ValueError(f"{config!r}: only NGRAM configs replay without the model")
+    args = ServerArgs(**cfg.server_args).resolve()
+    return cfg.label, args.spec_config(), args.speculative_ngram_max_draft_tokens
+
+
+def replay(items: list[tuple[list[int], list[int]]], spec: SpecConfig, max_draft_tokens: int,
            curve: tuple[list[float], list[float]], step_overhead: float = 0.03) -> dict:
     """items: (prompt ids, greedy output ids) served one after another by one server."""
     from runtime.sampling.sampling_params import SamplingParams
     from runtime.scheduler.scheduler import draft_sizes
-    from speculative.base import SpecConfig, SpecReq
+    from speculative.base import SpecReq
     from speculative.ngram import NgramDrafter
     from speculative.verify import verify_greedy
     from speculative.worker import SpecEntry, SpeculativeWorker
 
-    spec = SpecConfig("NGRAM", cfg.num_draft_tokens, ngram_max_trie_depth=cfg.max_trie_depth,
-                      ngram_min_match_window=cfg.min_match_window,
-                      ngram_max_bfs_breadth=cfg.max_bfs_breadth,
-                      ngram_min_bfs_breadth=cfg.min_bfs_breadth, ngram_match_type=cfg.match_type)
+    base = spec.num_draft_tokens
     drafter = NgramDrafter(spec, runner=None)
     worker = SpeculativeWorker(spec, drafter, runner=None)
     state = SimpleNamespace(params=SamplingParams(temperature=0.0))
@@ -100,7 +79,7 @@ def replay(items: list[tuple[list[int], list[int]]], cfg: ReplayConfig,
         drafter.observe(rid, history, 1)
         pos, last_accepted, req_cost = 1, 0, 0.0
         while pos < len(out):
-            fresh = draft_sizes([last_accepted], cfg.num_draft_tokens, cfg.max_draft_tokens)[0]
+            fresh = draft_sizes([last_accepted], base, max_draft_tokens)[0]
             prefix = len(history) - 1
             entry = SpecEntry(rid, history, prefix, torch.empty(prefix + fresh), state)
             budget = worker._budget(entry)
@@ -132,7 +111,7 @@ def replay(items: list[tuple[list[int], list[int]]], cfg: ReplayConfig,
         cost += req_cost
         base_cost += len(out) - 1
         per_request.append((len(out) - 1) / req_cost if req_cost else 1.0)
-    return {"config": cfg.label, "verify_steps": steps,
+    return {"verify_steps": steps,
             "tokens_per_step": tokens / max(steps, 1),
             "modelled_speedup": base_cost / cost if cost else 1.0,
             "median_request_speedup": float(np.median(per_request)) if per_request else 1.0}
@@ -166,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("input", help="a bench_speculative JSON with greedy baseline runs")
     p.add_argument("--datasets", nargs="+", default=None,
                    help="datasets of the JSON to replay (default: all)")
-    p.add_argument("--configs", nargs="+", default=["max_draft_tokens=8", "default"],
-                   help="key=value,... per config (see the module docstring)")
+    p.add_argument("--configs", nargs="+", default=["NGRAM:ngram_max_draft_tokens=8", "NGRAM"],
+                   help="NGRAM[:key=value,...] per config, as for bench_speculative")
     p.add_argument("--cost-curve", default=DEFAULT_CURVE, help="n:T(n)/T(1),... points")
     p.add_argument("--step-overhead", type=float, default=0.03,
                    help="extra cost of a drafting step, in decode steps (drafting, masks, "
@@ -175,8 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", default="results/replay_ngram.json")
     args = p.parse_args(argv)
     try:
-        configs = [ReplayConfig() if c == "default" else ReplayConfig.parse(c)
-                   for c in args.configs]
+        configs = [resolve(c) for c in args.configs]
         curve = parse_curve(args.cost_curve)
         data = json.loads(open(args.input).read())
         datasets = args.datasets or list(data["args"]["dataset"])
@@ -186,8 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows = []
     for ds in datasets:
-        for cfg in tqdm(configs, desc=f"replay {ds}", unit="config"):
-            rows.append({"dataset": ds, **replay(items[ds], cfg, curve, args.step_overhead)})
+        for label, spec, deep in tqdm(configs, desc=f"replay {ds}", unit="config"):
+            rows.append({"dataset": ds, "config": label,
+                         **replay(items[ds], spec, deep, curve, args.step_overhead)})
     write_json(args.output, {"input": args.input, "cost_curve": args.cost_curve,
                              "step_overhead": args.step_overhead, "rows": rows})
     print(format_table(

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from benchmark.replay_ngram import ReplayConfig, parse_curve, replay
+from benchmark.replay_ngram import parse_curve, replay, resolve
 
 CURVE = parse_curve("1:1,8:1.25,16:1.5,32:2.2")
 
@@ -24,7 +24,7 @@ def copy_items(seed: int, n: int = 4) -> list[tuple[list[int], list[int]]]:
 
 def test_every_output_token_is_counted_once_and_copies_are_accepted():
     items = copy_items(0)
-    res = replay(items, ReplayConfig(max_draft_tokens=8), CURVE)
+    res = replay(items, *resolve("NGRAM:ngram_max_draft_tokens=8")[1:], CURVE)
     total = sum(len(out) - 1 for _, out in items)  # the first token comes from the prefill
     assert res["tokens_per_step"] * res["verify_steps"] == pytest.approx(total)
     assert res["tokens_per_step"] > 3 and res["modelled_speedup"] > 2
@@ -32,18 +32,21 @@ def test_every_output_token_is_counted_once_and_copies_are_accepted():
 
 def test_deep_drafts_take_fewer_steps_on_long_copies_and_random_text_backs_off():
     items = copy_items(1)
-    shallow = replay(items, ReplayConfig(max_draft_tokens=8), CURVE)
-    deep = replay(items, ReplayConfig(max_draft_tokens=16), CURVE)
+    shallow = replay(items, *resolve("NGRAM:ngram_max_draft_tokens=8")[1:], CURVE)
+    label, spec, deep_nodes = resolve("NGRAM")
+    assert (spec.num_draft_tokens, deep_nodes) == (8, 16)  # the server's defaults
+    deep = replay(items, spec, deep_nodes, CURVE)
     assert deep["verify_steps"] < shallow["verify_steps"]
     rng = random.Random(2)
     noise = [([rng.randrange(100, 30000) for _ in range(40)],
                [rng.randrange(100, 30000) for _ in range(100)]) for _ in range(3)]
-    res = replay(noise, ReplayConfig(), CURVE)
+    res = replay(noise, spec, deep_nodes, CURVE)
     # nothing matches: few drafts, so the modelled cost stays near plain decoding
     assert res["modelled_speedup"] > 0.95
 
 
-@pytest.mark.parametrize("bad", ["nodes=8", "num_draft_tokens", "num_draft_tokens=x"])
-def test_bad_config_items_are_rejected(bad):
+@pytest.mark.parametrize("bad", ["NGRAM:nodes=8", "NGRAM:num_draft_tokens=x", "EAGLE3",
+                                 "NGRAM:ngram_max_draft_tokens=4"])
+def test_bad_configs_are_rejected(bad):
     with pytest.raises(ValueError):
-        ReplayConfig.parse(bad)
+        resolve(bad)
