@@ -36,8 +36,9 @@ from launch.server_args import ServerArgs
 from speculative.base import SpecConfig
 
 # T(n)/T(1) of an n-node TARGET_VERIFY forward against a decode step, default model, CPU, 2
-# threads, measured in-process inside the serving loop on 2026-11-22 (decode 24.0 ms, 8 nodes
-# 30.4 ms, 16 nodes 37.2 ms; docs/benchmarks.md); between points linear.
+# threads, timed inside the serving loop (decode 24.0 ms, 8 nodes 30.4 ms, 16 nodes 37.2 ms on
+# 2026-11-22; `benchmark.profile_spec_step` on a quieter machine later gave 1.21-1.25 and 1.47,
+# docs/benchmarks.md); between points linear. Pass your own with --cost-curve.
 DEFAULT_CURVE = "1:1.0,4:1.08,8:1.27,16:1.55,32:2.3"
 
 
