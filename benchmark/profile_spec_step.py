@@ -51,12 +51,9 @@ def serve(label: str, server_args: dict, prompts: list[tuple[list[int], int]],
     if spec_cfg is not None:
         spec = SpeculativeWorker(spec_cfg, create_drafter(spec_cfg, runner), runner)
     worker = RunnerWorker(runner, spec)
-    n = args.speculative_num_draft_tokens or 1
-    sched = Scheduler(
-        SchedulerConfig(num_draft_tokens=n,
-                        max_draft_tokens=args.speculative_ngram_max_draft_tokens or n),
-        runner.kv_capacity, StopChecker(load_tokenizer(args.model_path), [], 8192),
-        worker.run, lambda msg: None)
+    stop = StopChecker(load_tokenizer(args.model_path), [], 8192)
+    sched = Scheduler(SchedulerConfig.from_server_args(args), runner.kv_capacity, stop,
+                      worker.run, lambda msg: None)
     times: dict[tuple[str, int], list[float]] = defaultdict(list)
     forward = runner.forward
 

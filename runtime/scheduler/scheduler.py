@@ -54,6 +54,19 @@ class SchedulerConfig:
     # verify-cost curve); = num_draft_tokens turns deep drafts off
     max_draft_tokens: int = 1
 
+    @classmethod
+    def from_server_args(cls, server_args) -> SchedulerConfig:
+        """The scheduler's part of resolved `ServerArgs`."""
+        n = server_args.speculative_num_draft_tokens or 1
+        return cls(
+            max_running_requests=server_args.max_running_requests,
+            chunked_prefill_size=server_args.chunked_prefill_size,
+            schedule_policy=server_args.schedule_policy,
+            disable_radix_cache=server_args.disable_radix_cache,
+            num_draft_tokens=n,
+            max_draft_tokens=server_args.speculative_ngram_max_draft_tokens or n,
+        )
+
 
 def draft_sizes(last_accepted: list[int], base: int, deep: int) -> list[int]:
     """Tree nodes per decoding request: `base`, or `deep` for a request whose last step
@@ -262,7 +275,8 @@ class Scheduler:
             decoding.remove(victim)
             self._retract(victim)
         entries = []
-        sizes = self._draft_sizes(decoding, tokens_per_req)
+        sizes = draft_sizes([r.spec_last_accepted for r in decoding], tokens_per_req,
+                            self.cfg.max_draft_tokens)
         for req, n in zip(decoding, sizes):
             # never draft past the context length: the tree's positions must exist
             room = self.stop.context_length - req.kv_len
@@ -275,10 +289,6 @@ class Scheduler:
                 raise RuntimeError("KV cache too small for a single request")
             entries.append(self._entry(req, 1, slots))
         return entries
-
-    def _draft_sizes(self, decoding: list[Req], base: int) -> list[int]:
-        return draft_sizes([r.spec_last_accepted for r in decoding], base,
-                           self.cfg.max_draft_tokens)
 
     def _retract(self, req: Req) -> None:
         logger.info("KV cache full: retracting %s (%d tokens) to the queue", req.rid, req.kv_len)

@@ -66,15 +66,7 @@ def run_scheduler_process(server_args, ipc_dir: str, parent_pid: int) -> None:
         assert isinstance(result, BatchResult), f"unexpected {type(result).__name__}"
         return result
 
-    cfg = SchedulerConfig(
-        max_running_requests=server_args.max_running_requests,
-        chunked_prefill_size=server_args.chunked_prefill_size,
-        schedule_policy=server_args.schedule_policy,
-        disable_radix_cache=server_args.disable_radix_cache,
-        num_draft_tokens=server_args.speculative_num_draft_tokens or 1,
-        max_draft_tokens=server_args.speculative_ngram_max_draft_tokens
-        or server_args.speculative_num_draft_tokens or 1,
-    )
+    cfg = SchedulerConfig.from_server_args(server_args)
     sched = Scheduler(cfg, int(info["kv_capacity"]), stop, run_batch, to_tokenizer.send)
     to_tokenizer.send(ReadyOut(info={**info, "scheduler_pid": os.getpid()}))
     logger.info("scheduler ready: %d KV slots, max %d running requests",
