@@ -18,7 +18,7 @@ from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 
 @dataclass(slots=True)
 class TorchNativeMetadata:
-    kv_gather: torch.Tensor  # [B, max_kv] slot indices, 0 where padded
+    kv_gather: torch.Tensor  # [B * max_kv] slot indices, request-major, 0 where padded
     mask: torch.Tensor | None  # [B, 1, max_q, max_kv] bool, None when nothing is masked
     q_pad_index: torch.Tensor | None  # [T] position of each token in the flat [B * max_q]
     batch_size: int
@@ -55,7 +55,7 @@ class TorchNativeBackend(AttentionBackend):
         seq_lens = batch.seq_lens
         max_q, max_kv = max(batch.extend_lens), max(seq_lens)
         if bsz == 1:
-            kv_gather = batch.kv_indices.view(1, -1).to(device)
+            kv_gather = batch.kv_indices.to(device)
             q_pad_index = None
         else:
             kv_gather = torch.zeros((bsz, max_kv), dtype=torch.int64)
@@ -66,7 +66,7 @@ class TorchNativeBackend(AttentionBackend):
                 q_pad_index[tok : tok + extend_len] = torch.arange(extend_len) + b * max_q
                 kv_start += seq_len
                 tok += extend_len
-            kv_gather = kv_gather.to(device)
+            kv_gather = kv_gather.view(-1).to(device)
             q_pad_index = q_pad_index.to(device)
         trivial = batch.mode == ForwardMode.DECODE and bsz == 1
         mask = None if trivial else build_attention_mask(batch, max_q, max_kv).to(device)
@@ -79,9 +79,13 @@ class TorchNativeBackend(AttentionBackend):
         self.kv_pool.write(layer_id, batch.out_cache_loc, k, v)
         bsz, max_q = meta.batch_size, meta.max_q
         num_tokens = q.shape[0]
-        # [B, max_kv, num_kv_heads, head_dim] → [B, num_kv_heads, max_kv, head_dim]
-        keys = self.kv_pool.k[layer_id][meta.kv_gather].transpose(1, 2)
-        values = self.kv_pool.v[layer_id][meta.kv_gather].transpose(1, 2)
+        # [B * max_kv, num_kv_heads, head_dim] → [B, num_kv_heads, max_kv, head_dim].
+        # index_select, not advanced indexing: 4-5x faster on CPU for these row gathers
+        # (20 vs 4.5 µs for 400 slots), and it runs twice per layer in every mode.
+        kv_shape = (bsz, -1, self.num_kv_heads, self.head_dim)
+        keys = self.kv_pool.k[layer_id].index_select(0, meta.kv_gather).view(kv_shape)
+        values = self.kv_pool.v[layer_id].index_select(0, meta.kv_gather).view(kv_shape)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         if meta.q_pad_index is None:
             qp = q.view(1, num_tokens, self.num_heads, self.head_dim)
         else:
