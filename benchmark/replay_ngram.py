@@ -80,11 +80,13 @@ def replay(items: list[tuple[list[int], list[int]]], spec: SpecConfig, max_draft
         drafter.observe(rid, history, 1)
         pos, last_accepted, req_cost = 1, 0, 0.0
         while pos < len(out):
-            fresh = draft_sizes([last_accepted], base, max_draft_tokens)[0]
+            fresh = draft_sizes([last_accepted], base, max_draft_tokens,
+                                spec.ngram_match_sizing)[0]
             prefix = len(history) - 1
             entry = SpecEntry(rid, history, prefix, torch.empty(prefix + fresh), state)
-            budget = worker._budget(entry)
-            tree = drafter.propose([SpecReq(rid, history, budget, state.params)])[0]
+            budget, backed_off = worker._budget(entry)
+            tree = drafter.propose([SpecReq(rid, history, budget, state.params,
+                                            backed_off=backed_off)])[0]
             # the target's argmax is known on the true path (the next output token); the walk
             # never continues from any other node
             truth = out[pos:]

@@ -61,6 +61,9 @@ HELP = {
     "speculative_ngram_match_type": "NGRAM: BFS (most recent continuations) or PROB (most "
     "frequent)",
     "speculative_ngram_external_corpus_path": "NGRAM: JSONL/text corpus preloaded into the trie",
+    "speculative_ngram_disable_match_sizing": "NGRAM: draft the whole budget whenever the "
+    "context matches, instead of sizing each tree by the match length (longer match, larger "
+    "tree; a backed-off request drafts again on a long match)",
     "speculative_ngram_max_draft_tokens": "NGRAM: tree nodes (root included) a request may "
     "draft after a step that accepted a whole default-size draft (copying text), granted while "
     "the step's total stays within it (default: 2x --speculative-num-draft-tokens; equal to it "
@@ -121,6 +124,7 @@ class ServerArgs:
     speculative_ngram_match_type: str = "BFS"
     speculative_ngram_external_corpus_path: str | None = None
     speculative_ngram_max_draft_tokens: int | None = None
+    speculative_ngram_disable_match_sizing: bool = False
 
     def spec_config(self):
         """The speculative configuration (None without speculation); call on resolved args."""
@@ -144,6 +148,7 @@ class ServerArgs:
             ngram_min_bfs_breadth=self.speculative_ngram_min_bfs_breadth,
             ngram_match_type=self.speculative_ngram_match_type,
             ngram_external_corpus_path=self.speculative_ngram_external_corpus_path,
+            ngram_match_sizing=not self.speculative_ngram_disable_match_sizing,
             accept_threshold_single=self.speculative_accept_threshold_single,
             accept_threshold_acc=self.speculative_accept_threshold_acc,
             adaptive=not self.speculative_disable_adaptive,

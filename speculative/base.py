@@ -39,6 +39,7 @@ class SpecConfig:
     ngram_min_bfs_breadth: int = 1
     ngram_match_type: str = "BFS"
     ngram_external_corpus_path: str | None = None
+    ngram_match_sizing: bool = True  # tree size grows with the context match length
     # EAGLE / EAGLE3 (speculative/eagle.py): head checkpoint, tree depth S and branching k
     draft_model_path: str | None = None
     num_steps: int = 3
@@ -65,6 +66,9 @@ class SpecReq:
     params: SamplingParams | None = None
     generator: torch.Generator | None = None  # the request's seeded stream, None = global RNG
     prefix_slots: torch.Tensor | None = None  # [len(tokens) - 1] KV slots of the committed tokens
+    # drafts kept failing (the worker's backoff): draft only when confident, which only a
+    # drafter with `drafts_when_backed_off` is asked to judge (the others get budget 1)
+    backed_off: bool = False
 
 
 @dataclass(slots=True)
@@ -90,6 +94,9 @@ class Drafter(ABC):
     # what every target forward must also return for `draft_extend` (nothing by default)
     capture_layers: tuple[int, ...] = ()
     needs_final_hidden: bool = False
+    # whether `propose` judges a backed-off request's draft itself (`SpecReq.backed_off`); if
+    # not, a backed-off request gets budget 1 (no draft) except on the worker's probe steps
+    drafts_when_backed_off: bool = False
 
     def __init__(self, cfg: SpecConfig, runner) -> None:
         self.cfg = cfg

@@ -20,6 +20,8 @@ logger = logging.getLogger(__name__)
 class NgramDrafter(Drafter):
     def __init__(self, cfg: SpecConfig, runner) -> None:
         super().__init__(cfg, runner)
+        # with match sizing, a backed-off request still drafts on a confident (long) match
+        self.drafts_when_backed_off = cfg.ngram_match_sizing
         self.cache = NgramCache(NgramConfig(
             capacity=cfg.ngram_capacity,
             max_trie_depth=cfg.ngram_max_trie_depth,
@@ -28,6 +30,7 @@ class NgramDrafter(Drafter):
             min_bfs_breadth=cfg.ngram_min_bfs_breadth,
             match_type=cfg.ngram_match_type,
             num_draft_tokens=cfg.num_draft_tokens,
+            size_by_match=cfg.ngram_match_sizing,
         ))
         if cfg.ngram_external_corpus_path:
             n = self.cache.load_corpus(cfg.ngram_external_corpus_path, tokenize=self._tokenize)
@@ -48,7 +51,8 @@ class NgramDrafter(Drafter):
             if r.budget <= 1:
                 trees.append(DraftTree.chain(r.tokens[-1], []))
             else:
-                trees.append(self.cache.draft(r.tokens[-depth:], r.budget, key=r.rid))
+                trees.append(self.cache.draft(r.tokens[-depth:], r.budget, key=r.rid,
+                                              backed_off=r.backed_off))
         return trees
 
     def release(self, rid: str) -> None:

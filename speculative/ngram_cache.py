@@ -34,6 +34,7 @@ trie defaults to 10M nodes. Not thread-safe: the model runner calls it from one 
 from __future__ import annotations
 
 import heapq
+import itertools
 import json
 from array import array
 from collections import OrderedDict, deque
@@ -61,6 +62,8 @@ class NgramConfig:
     max/min_bfs_breadth:  children taken per tree node, decaying with match length + depth.
     match_type:           "BFS" (most recent continuations) | "PROB" (most frequent).
     num_draft_tokens:     default tree size, root included.
+    size_by_match:        size each tree by its longest match (`tree_size_for_match`) within
+                          the budget, instead of filling the budget whenever anything matches.
     max_tracked_requests: per-request anchor states kept for `extend` (LRU beyond; a dropped
                           state only costs one O(D^2) rebuild).
     """
@@ -72,6 +75,7 @@ class NgramConfig:
     min_bfs_breadth: int = 1
     match_type: str = "BFS"
     num_draft_tokens: int = 8
+    size_by_match: bool = True
     max_tracked_requests: int = 4096
 
     def __post_init__(self) -> None:
@@ -98,6 +102,33 @@ class NgramConfig:
             raise ValueError(f"num_draft_tokens counts the root, >= 1, got {self.num_draft_tokens}")
         if self.max_tracked_requests < 1:
             raise ValueError(f"max_tracked_requests must be >= 1, got {self.max_tracked_requests}")
+
+
+# A context suffix of at least this many tokens matched is a confident match: drafts from it
+# are accepted most of the time (on the train split, 3-token matches got >= 1 draft accepted
+# 81% of the time against 49% for 1-token matches; docs/benchmarks.md), so a backed-off request
+# still drafts on one.
+CONFIDENT_MATCH = 3
+
+
+def tree_size_for_match(m: int, base: int, budget: int) -> int:
+    """Tree nodes (root included) for a draft whose longest context match is `m` tokens.
+
+    A verify node costs about as much on a CPU as a decoded token's share of memory traffic
+    (compute-bound small-M matmuls), so nodes go where they are likely to be accepted: half
+    the base size for a 1-token match, three quarters for 2, halfway from base to the budget
+    for 3, the whole budget (deep drafts included) for longer matches."""
+    if m <= 0 or budget <= 1:
+        return 1
+    if m == 1:
+        n = max(2, base // 2)
+    elif m == 2:
+        n = max(2, 3 * base // 4)
+    elif m == CONFIDENT_MATCH:
+        n = (base + max(base, budget)) // 2
+    else:
+        n = budget
+    return min(n, budget)
 
 
 @dataclass(slots=True)
@@ -434,15 +465,19 @@ class NgramCache:
         num_draft_tokens: int | None = None,
         *,
         key: Hashable | None = None,
+        backed_off: bool = False,
     ) -> DraftTree:
         """A draft tree of at most `num_draft_tokens` nodes rooted at context_tail[-1].
 
         Reads only the last D-1 tokens. Suffixes are matched longest first (down to
         min_match_window) and their continuations merged into one tree until it is full; no
-        match gives the root-only tree. With the `key` of the request's last `extend` over the
-        same context, the suffix nodes are reused instead of looked up.
+        match gives the root-only tree. With `size_by_match` the tree is sized by the longest
+        match (`tree_size_for_match`), and `backed_off` drafts only on a confident match. With
+        the `key` of the request's last `extend` over the same context, the suffix nodes are
+        reused instead of looked up.
         """
-        tokens, parents = self.draft_lists(context_tail, num_draft_tokens, key=key)
+        tokens, parents = self.draft_lists(context_tail, num_draft_tokens, key=key,
+                                           backed_off=backed_off)
         return DraftTree.from_parents(tokens, parents)
 
     def draft_lists(
@@ -451,6 +486,7 @@ class NgramCache:
         num_draft_tokens: int | None = None,
         *,
         key: Hashable | None = None,
+        backed_off: bool = False,
     ) -> tuple[list[int], list[int]]:
         """`draft` as plain (tokens, parents) lists, parents[i] < i, parents[0] = -1."""
         budget = self.cfg.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
@@ -458,9 +494,20 @@ class NgramCache:
         tail = self._tail(context_tail)
         assert tail, "drafting needs at least one context token (the root)"
         tokens, parents = [tail[-1]], [-1]
-        if budget > 1:
-            build = self._build_bfs if self.cfg.match_type == "BFS" else self._build_prob
-            build(self._matches(tail, key), tokens, parents, budget)
+        if budget <= 1:
+            return tokens, parents
+        matches = self._matches(tail, key)
+        if self.cfg.size_by_match or backed_off:
+            first = next(matches, None)
+            if first is None:
+                return tokens, parents
+            if backed_off and first[1] < CONFIDENT_MATCH:
+                return tokens, parents
+            if self.cfg.size_by_match:
+                budget = tree_size_for_match(first[1], self.cfg.num_draft_tokens, budget)
+            matches = itertools.chain((first,), matches)
+        build = self._build_bfs if self.cfg.match_type == "BFS" else self._build_prob
+        build(matches, tokens, parents, budget)
         return tokens, parents
 
     def _matches(self, tail: list[int], key: Hashable | None) -> Iterator[tuple[int, int]]:

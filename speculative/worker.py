@@ -66,22 +66,25 @@ class SpeculativeWorker:
     EMA_WEIGHT = 0.1
     PROBE_EVERY = 8
 
-    def _budget(self, e: SpecEntry) -> int:
-        """Tree nodes (root included) this request may draft this step."""
+    def _budget(self, e: SpecEntry) -> tuple[int, bool]:
+        """(tree nodes, root included, this request may draft this step; whether it is backed
+        off, i.e. may draft only what its drafter is confident of)."""
         fresh = e.slots.numel() - e.prefix_len
         p = e.state.params
         if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
-            return 1
+            return 1, False
         if not self.cfg.adaptive:
-            return fresh
+            return fresh, False
         st = self.req_states.setdefault(e.rid, SpecReqState())
         if st.accept_ema >= self.MIN_ACCEPT_PER_STEP:
-            return fresh
+            return fresh, False
         st.steps_since_probe += 1
         if st.steps_since_probe >= self.PROBE_EVERY:
             st.steps_since_probe = 0
-            return fresh
-        return 1
+            return fresh, False
+        if self.drafter.drafts_when_backed_off:
+            return fresh, True
+        return 1, False
 
     def _adapt(self, rid: str, drafted: int, accepted: int) -> None:
         st = self.req_states.get(rid)
@@ -90,8 +93,11 @@ class SpeculativeWorker:
         st.accept_ema += self.EMA_WEIGHT * (accepted - st.accept_ema)
 
     def step(self, entries: list[SpecEntry]) -> tuple[list[list[int]], list[dict]]:
-        reqs = [SpecReq(e.rid, e.tokens, self._budget(e), e.state.params, e.state.generator,
-                        e.slots[: e.prefix_len]) for e in entries]
+        reqs = []
+        for e in entries:
+            budget, backed_off = self._budget(e)
+            reqs.append(SpecReq(e.rid, e.tokens, budget, e.state.params, e.state.generator,
+                                e.slots[: e.prefix_len], backed_off=backed_off))
         trees = self.drafter.propose(reqs)
         masks, positions, slots, tokens = [], [], [], []
         for e, tree, r in zip(entries, trees, reqs):

@@ -49,10 +49,12 @@ class SchedulerConfig:
     # speculative decoding: fresh KV slots per request per decode step (tree nodes incl. root);
     # 1 = plain decoding
     num_draft_tokens: int = 1
-    # a request whose last step accepted >= num_draft_tokens - 1 drafts (it is copying) may
-    # draft up to this many nodes, while the step's total stays <= this (the flat part of the
-    # verify-cost curve); = num_draft_tokens turns deep drafts off
+    # a request may draft up to this many nodes while the step's total stays <= this (the
+    # flat part of the verify-cost curve): any request when the drafter sizes its trees by
+    # match length (NGRAM's default, `deep_for_all`), else one whose last step accepted
+    # >= num_draft_tokens - 1 drafts (it is copying); = num_draft_tokens turns deep drafts off
     max_draft_tokens: int = 1
+    deep_for_all: bool = False
 
     @classmethod
     def from_server_args(cls, server_args) -> SchedulerConfig:
@@ -65,22 +67,23 @@ class SchedulerConfig:
             disable_radix_cache=server_args.disable_radix_cache,
             num_draft_tokens=n,
             max_draft_tokens=server_args.speculative_ngram_max_draft_tokens or n,
+            deep_for_all=not server_args.speculative_ngram_disable_match_sizing,
         )
 
 
-def draft_sizes(last_accepted: list[int], base: int, deep: int) -> list[int]:
-    """Tree nodes per decoding request: `base`, or `deep` for a request whose last step
-    accepted a whole base-size draft (>= base - 1 drafts), while the step's total stays
-    <= deep. Copied text keeps matching for a while, so its next drafts are worth more nodes;
-    the cap keeps the verify forward on the flat part of its cost curve."""
+def draft_sizes(
+    last_accepted: list[int], base: int, deep: int, deep_for_all: bool = False
+) -> list[int]:
+    """KV slots (tree nodes) per decoding request: `base`, or `deep` while the step's total
+    stays <= deep, which keeps the verify forward on the flat part of its cost curve: so only
+    when a single request decodes.
+
+    It gets `deep` with `deep_for_all` (the NGRAM drafter then sizes each tree by how long its
+    context match is and leaves the slots it does not use), otherwise only when its last step
+    accepted a whole base-size draft (>= base - 1 drafts): copied text keeps matching."""
     sizes = [base] * len(last_accepted)
-    if deep <= base:
-        return sizes
-    total = base * len(last_accepted)
-    for i, acc in enumerate(last_accepted):
-        if acc >= base - 1 and total + deep - base <= deep:
-            sizes[i] = deep
-            total += deep - base
+    if deep > base and len(sizes) == 1 and (deep_for_all or last_accepted[0] >= base - 1):
+        sizes[0] = deep
     return sizes
 
 
@@ -276,7 +279,7 @@ class Scheduler:
             self._retract(victim)
         entries = []
         sizes = draft_sizes([r.spec_last_accepted for r in decoding], tokens_per_req,
-                            self.cfg.max_draft_tokens)
+                            self.cfg.max_draft_tokens, self.cfg.deep_for_all)
         for req, n in zip(decoding, sizes):
             # never draft past the context length: the tree's positions must exist
             room = self.stop.context_length - req.kv_len

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from launch.launcher import main
-from launch.server_args import ServerArgs, build_parser
+from launch.server_args import ServerArgs, build_parser, parse_args
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -60,3 +60,15 @@ def test_ngram_deep_drafts_default_to_twice_the_tree_size():
                       speculative_ngram_max_draft_tokens=6).resolve()
     assert args.speculative_ngram_max_draft_tokens == 6  # deep drafts off
     assert ServerArgs().resolve().speculative_ngram_max_draft_tokens is None
+
+
+def test_ngram_match_sizing_is_on_by_default_and_one_flag_turns_it_off():
+    from runtime.scheduler.scheduler import SchedulerConfig
+
+    on = ServerArgs(speculative_algorithm="NGRAM").resolve()
+    assert on.spec_config().ngram_match_sizing
+    assert SchedulerConfig.from_server_args(on).deep_for_all
+    off = parse_args(["--speculative-algorithm", "NGRAM",
+                      "--speculative-ngram-disable-match-sizing"]).resolve()
+    assert not off.spec_config().ngram_match_sizing
+    assert not SchedulerConfig.from_server_args(off).deep_for_all

@@ -7,11 +7,13 @@ from collections import Counter
 
 import pytest
 
-from speculative.ngram_cache import NgramCache, NgramConfig
+from speculative.ngram_cache import NgramCache, NgramConfig, tree_size_for_match
 
 
 def _cache(**kw) -> NgramCache:
-    return NgramCache(NgramConfig(**kw))
+    """A cache whose trees fill their budget (the builders' own behaviour); the tests of
+    sizing by match length pass size_by_match=True."""
+    return NgramCache(NgramConfig(**{"size_by_match": False, **kw}))
 
 
 def _dump(cache: NgramCache) -> list[tuple[tuple[int, ...], int]]:
@@ -448,3 +450,40 @@ def test_load_corpus_rejects_text_without_tokenizer_and_bad_records(tmp_path) ->
 def test_config_rejects_invalid_values(kw: dict) -> None:
     with pytest.raises(ValueError):
         NgramConfig(**kw)
+
+
+def test_tree_size_grows_with_the_match_length_within_the_budget() -> None:
+    base, budget = 8, 16
+    sizes = [tree_size_for_match(m, base, budget) for m in range(6)]
+    assert sizes == [1, 4, 6, 12, 16, 16]
+    assert all(a <= b for a, b in zip(sizes, sizes[1:]))
+    # the budget always caps (concurrency grants only `base`; a retraction may grant less)
+    assert [tree_size_for_match(m, base, 8) for m in range(1, 6)] == [4, 6, 8, 8, 8]
+    assert [tree_size_for_match(m, base, 3) for m in range(1, 6)] == [3, 3, 3, 3, 3]
+    assert tree_size_for_match(5, base, 1) == 1
+
+
+def test_sized_trees_follow_the_longest_match_and_backoff_drafts_only_on_long_ones() -> None:
+    cache = NgramCache(NgramConfig(max_trie_depth=18, num_draft_tokens=8))
+    assert cache.cfg.size_by_match  # the default
+    passage = list(range(1000, 1040))
+    cache.insert(passage)
+    for c in range(100, 130):  # token 7 has many one-token continuations
+        cache.insert([7, c, c + 100])
+    # a one-token match: half the base size, however large the budget
+    tokens, _ = cache.draft_lists([5, 7], 16)
+    assert len(tokens) == 4
+    # a long match (inside the passage): the whole budget, as a chain of the passage
+    tokens, parents = cache.draft_lists(passage[:10], 16)
+    assert tokens == passage[9:25] and parents == list(range(-1, 15))
+    # backed off: nothing on a short match, the sized tree on a long one
+    assert cache.draft_lists([5, 7], 16, backed_off=True) == ([7], [-1])
+    assert cache.draft_lists(passage[:10], 16, backed_off=True)[0] == passage[9:25]
+    assert cache.draft_lists(passage[:2], 16, backed_off=True) == ([passage[1]], [-1])  # m = 2
+    # no match at all: the root alone, backed off or not
+    assert cache.draft_lists([99999], 16) == ([99999], [-1])
+    # sizing off: a one-token match fills the budget
+    flat = _cache(max_trie_depth=8, num_draft_tokens=8)
+    for c in range(100, 130):
+        flat.insert([7, c, c + 100])
+    assert len(flat.draft_lists([5, 7], 16)[0]) == 16

@@ -154,3 +154,84 @@ def test_deep_drafts_after_a_fully_accepted_draft_only_while_the_step_fits(
         else:  # every draft is accepted whole, so every later step drafts deep
             assert set(b[1:]) <= {10} and len(b) <= 1 + 36 // 10 + 1
     h.sched.check_no_leak()
+
+
+class ShortChainOracleDrafter(ChainOracleDrafter):
+    """Drafts 2 nodes of the known continuation whatever the budget (a drafter sizing its own
+    trees, like NGRAM by match length): the slots it leaves must go back to the pool."""
+
+    def propose(self, reqs: list[SpecReq]) -> list[DraftTree]:
+        trees = []
+        for r in reqs:
+            self.budgets.setdefault(r.rid, []).append(r.budget)
+            cont = self._continuation(r.tokens) or []
+            trees.append(DraftTree.chain(r.tokens[-1], cont[: min(r.budget - 1, 2)]))
+        return trees
+
+
+@pytest.mark.parametrize("concurrent", [False, True])
+def test_deep_for_all_grants_deep_budgets_from_the_first_step_at_batch_one(
+        tiny, concurrent):  # noqa: F811
+    ps = prompts(2, seed=22)
+    ref = reference(tiny, ps, ignore_eos=True, max_new_tokens=30)
+    truth = {tuple(p): r for p, r in zip(ps, ref)}
+    drafters = []
+
+    def make(c, r):
+        drafters.append(ShortChainOracleDrafter(c, r, truth))
+        return drafters[-1]
+
+    h = spec_harness(tiny, make, num_draft_tokens=4, max_draft_tokens=10, deep_for_all=True)
+    for i, p in enumerate(ps):
+        h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=30)
+        if not concurrent:
+            h.run()
+    h.run()
+    assert [h.outputs[f"r{i}"] for i in range(2)] == ref
+    budgets = drafters[0].budgets
+    if concurrent:  # both decode in the first step: 4 + 10 > 10, nobody gets deep
+        assert budgets["r0"][0] == budgets["r1"][0] == 4
+    else:  # alone, every step may draft deep, the first included
+        assert all(set(budgets[f"r{i}"]) == {10} for i in range(2))
+    h.sched.check_no_leak()
+
+
+def test_draft_sizes_grants_deep_only_to_a_request_decoding_alone():
+    from runtime.scheduler.scheduler import draft_sizes
+
+    assert draft_sizes([0], 8, 16) == [8]  # nothing accepted: no deep draft by default
+    assert draft_sizes([7], 8, 16) == [16]
+    assert draft_sizes([0], 8, 16, deep_for_all=True) == [16]
+    assert draft_sizes([0, 0], 8, 16, deep_for_all=True) == [8, 8]  # 8 + 16 > 16
+    assert draft_sizes([7, 7], 8, 16) == [8, 8]
+    assert draft_sizes([5], 8, 8, deep_for_all=True) == [8]  # deep drafts off
+
+
+@pytest.mark.parametrize("judges", [False, True])
+def test_backoff_leaves_confident_drafts_to_drafters_that_judge_them(judges):
+    from types import SimpleNamespace
+
+    from runtime.sampling.sampling_params import SamplingParams
+    from speculative.worker import SpecEntry
+
+    class Judging(Drafter):
+        drafts_when_backed_off = judges
+
+        def propose(self, reqs):
+            return [DraftTree.chain(r.tokens[-1], []) for r in reqs]
+
+    cfg = SpecConfig("TEST", 8)
+    w = SpeculativeWorker(cfg, Judging(cfg, None), None)
+    state = SimpleNamespace(params=SamplingParams(temperature=0.0))
+    entry = SpecEntry("r", [1, 2, 3], 2, torch.arange(10), state)
+    assert w._budget(entry) == (8, False)  # optimistic start
+    for _ in range(30):  # drafts keep failing: the request backs off
+        w._adapt("r", 7, 0)
+    got = [w._budget(entry) for _ in range(2 * w.PROBE_EVERY)]
+    probes = [g for g in got if g == (8, False)]
+    assert len(probes) == 2  # a full-tree probe every PROBE_EVERY steps either way
+    rest = {g for g in got if g != (8, False)}
+    assert rest == ({(8, True)} if judges else {(1, False)})
+    w._adapt("r", 15, 15)  # a confident draft that was accepted lifts the backoff
+    w._adapt("r", 15, 15)
+    assert w._budget(entry) == (8, False)
