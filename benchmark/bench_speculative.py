@@ -6,17 +6,24 @@
     python -m benchmark.bench_speculative --base-url http://127.0.0.1:30000 \\
         --baseline-url http://127.0.0.1:30001 --dataset rewrite      # two running servers
 
-- Every dataset × concurrency × config (the baseline first) gets a fresh `Engine`: started,
+- Every dataset × concurrency × config (the baseline included) gets a fresh `Engine`: started,
   warmed up with one short request, measured, shut down. Fresh, because the NGRAM trie is shared
   by all requests of a server: a second pass over the same prompts would draft from the first
   pass's outputs and inflate acceptance. The temperatures of `--temperature` (comma-separated,
   e.g. 0,0.7) are measured one after another on that engine, with `flush_cache` (radix cache
   and drafter state, the n-gram trie included) before each.
+- Interleaved (the default): the baseline's and every config's engines run side by side and
+  take turns, request by request at c = 1 (4c requests at a time at concurrency c, the first
+  to serve a block rotating). This machine's speed drifts by ±10% over minutes; taking turns
+  puts that drift into every config alike instead of into the ratios. An idle engine blocks
+  in its polls and costs no CPU, only memory (one model copy per engine). `--no-interleave`:
+  one engine at a time, all requests each.
 - `--configs`: `ALGO[:key=value,...]`, keys are `speculative_<key>` ServerArgs fields, e.g.
   `NGRAM:num_draft_tokens=16,ngram_match_type=PROB`.
 - Concurrency c: c requests in flight (c = 1: one after another).
 - Metrics (definitions in `benchmark/spec_metrics.py`): output tokens/s, median per-request
-  tokens/s, speedup over the baseline at the same concurrency and temperature (same run), mean
+  tokens/s, speedup over the baseline at the same concurrency and temperature (same run), the
+  median over requests of each one's own speedup (same prompt, baseline time / config time), mean
   accept length, acceptance rate per draft position, draft tokens per step; at temperature 0 the
   number of requests whose output differs from the baseline's (greedy must match up to
   near-ties). Sampled runs seed each request (`--seed` + its index), the same for every config.
@@ -64,6 +71,7 @@ from benchmark.spec_metrics import (
     SpecRunConfig,
     compare_to_baseline,
     fmt_temperatures,
+    median_paired_speedup,
     parse_spec_configs,
     speedup,
     summarize_run,
@@ -78,34 +86,66 @@ WARMUP_MAX_NEW_TOKENS = 16
 
 
 # ---- one run ---------------------------------------------------------------------------------
+def interleave_block(concurrency: int) -> int:
+    """Requests per interleaved block: one at c = 1; at c > 1, 4c, so that most of a block runs
+    with c requests in flight (each block fills and drains the batch)."""
+    return 1 if concurrency == 1 else 4 * concurrency
+
+
 def measure(
-    target: Target, config: str, dataset: str, reqs: list[BenchRequest],
+    targets: list[tuple[Target, str, dict[str, Any]]], dataset: str, reqs: list[BenchRequest],
     prompts: list[list[int]], concurrency: int, temperature: float, args: argparse.Namespace,
-    server_args: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """One run: counters before, every request, counters after; metrics from the deltas."""
-    before = SpecCounters.from_server_info(target.server_info())
-    records, wall = asyncio.run(run_requests(
-        target, reqs, prompts, concurrency, temperature, args.seed,
-        f"{dataset} {config} c={concurrency} T={temperature:g}", args.disable_tqdm,
-    ))
-    after = SpecCounters.from_server_info(target.server_info())
-    counters = after.minus(before) if after is not None else None
-    run = {
-        "dataset": dataset, "config": config, "concurrency": concurrency,
-        "temperature": temperature, "server_args": server_args or {},
-        "counters": asdict(counters) if counters else None,
-        "metrics": summarize_run(records, wall, counters), "records": records,
-    }
-    m = run["metrics"]
-    logger.info("%s %s c=%d T=%g: %d/%d ok, %d tokens in %.1fs = %.2f tok/s%s", dataset, config,
-                concurrency, temperature, m["completed"], len(records),
-                m["total_output_tokens"], wall, m["output_tokens_per_s"],
-                f", accept length {m['accept_length']:.2f}" if m["accept_length"] else "")
-    for rec in records:
-        if rec.error:
-            logger.warning("request %s failed: %s", rec.id, rec.error)
-    return run
+    block: int | None = None,
+) -> list[dict[str, Any]]:
+    """One run per (target, config label, server args), on the same requests.
+
+    Counters are read before and after; metrics come from the deltas. With several targets and
+    a `block`, the requests go block by block and every target serves each block in turn (the
+    first target of a block rotates), so minutes-long drifts of this machine's speed hit every
+    config alike; tokens/s is then output tokens over the sum of a target's block times.
+    Without a block, each target serves all requests at once, one target after the other.
+    """
+    block = block or len(reqs)
+    before = [SpecCounters.from_server_info(t.server_info()) for t, _, _ in targets]
+    records: list[list[SpecRecord]] = [[] for _ in targets]
+    walls = [0.0] * len(targets)
+    starts = list(range(0, len(reqs), block))
+    interleaved = len(starts) > 1 and len(targets) > 1
+    desc = f"{dataset} c={concurrency} T={temperature:g}"
+    bar = tqdm(total=len(reqs) * len(targets), desc=f"{desc} interleaved", unit="req",
+               disable=args.disable_tqdm or not interleaved, leave=False)
+    for b, s in enumerate(starts):
+        for k in [(b + j) % len(targets) for j in range(len(targets))]:
+            target, config, _ = targets[k]
+            recs, wall = asyncio.run(run_requests(
+                target, reqs[s : s + block], prompts[s : s + block], concurrency, temperature,
+                args.seed + s, f"{desc} {config}", args.disable_tqdm or interleaved,
+            ))
+            records[k] += recs
+            walls[k] += wall
+            bar.update(len(recs))
+    bar.close()
+    runs = []
+    for (target, config, server_args), recs, wall, prev in zip(targets, records, walls, before):
+        after = SpecCounters.from_server_info(target.server_info())
+        counters = after.minus(prev) if after is not None else None
+        run = {
+            "dataset": dataset, "config": config, "concurrency": concurrency,
+            "temperature": temperature, "server_args": server_args,
+            "interleaved_block": block if interleaved else None,
+            "counters": asdict(counters) if counters else None,
+            "metrics": summarize_run(recs, wall, counters), "records": recs,
+        }
+        m = run["metrics"]
+        logger.info("%s %s c=%d T=%g: %d/%d ok, %d tokens in %.1fs = %.2f tok/s%s", dataset,
+                    config, concurrency, temperature, m["completed"], len(recs),
+                    m["total_output_tokens"], wall, m["output_tokens_per_s"],
+                    f", accept length {m['accept_length']:.2f}" if m["accept_length"] else "")
+        for rec in recs:
+            if rec.error:
+                logger.warning("request %s failed: %s", rec.id, rec.error)
+        runs.append(run)
+    return runs
 
 
 # ---- engine mode -----------------------------------------------------------------------------
@@ -131,25 +171,35 @@ def run_engines(
     args: argparse.Namespace, configs: list[SpecRunConfig],
     requests: dict[str, list[BenchRequest]], prompts: dict[str, list[list[int]]],
 ) -> list[dict[str, Any]]:
-    """Baseline then every config, a fresh engine each, per dataset and concurrency; every
-    temperature on that engine, its caches flushed in between. Fills `prompts` (rendered with
-    the first engine's chat template)."""
+    """Per dataset and concurrency, fresh engines for the baseline and every config: all of
+    them at once, interleaved block by block (the default), or one after the other
+    (`--no-interleave`, one engine in memory at a time). Every temperature on those engines,
+    their caches flushed in between. Fills `prompts` (rendered with the first engine's chat
+    template)."""
     runs = []
-    cells = [(d, c, cfg) for d in requests for c in args.concurrency for cfg in [BASELINE,
-                                                                                   *configs]]
-    for dataset, c, cfg in tqdm(cells, desc="engines", disable=args.disable_tqdm, unit="engine"):
-        engine = start_engine(args, cfg)
+    groups = [[BASELINE, *configs]] if args.interleave else [[cfg] for cfg in
+                                                             [BASELINE, *configs]]
+    cells = [(d, c, g) for d in requests for c in args.concurrency for g in groups]
+    for dataset, c, group in tqdm(cells, desc="engines", disable=args.disable_tqdm,
+                                  unit="cell"):
+        engines: list[Any] = []
         try:
+            for cfg in group:
+                engines.append(start_engine(args, cfg))
             if dataset not in prompts:
-                prompts[dataset] = render_prompts(requests[dataset], engine.tm.chat_ids,
-                                                  engine.tm.tokenize)
+                prompts[dataset] = render_prompts(requests[dataset], engines[0].tm.chat_ids,
+                                                  engines[0].tm.tokenize)
+            targets = [(EngineTarget(e), cfg.label, cfg.server_args)
+                       for e, cfg in zip(engines, group)]
             for i, temperature in enumerate(args.temperature):
                 if i:
-                    _flush_engine(engine)
-                runs.append(measure(EngineTarget(engine), cfg.label, dataset, requests[dataset],
-                                    prompts[dataset], c, temperature, args, cfg.server_args))
+                    for e in engines:
+                        _flush_engine(e)
+                runs += measure(targets, dataset, requests[dataset], prompts[dataset], c,
+                                temperature, args, interleave_block(c))
         finally:
-            engine.shutdown()
+            for e in engines:
+                e.shutdown()
     return runs
 
 
@@ -185,13 +235,16 @@ def run_urls(
     if len(set(labels)) < len(labels):
         labels = [f"baseline {labels[0]}", labels[1]]
     runs = []
+    pairs = [(t, label, {}) for t, label in zip(targets, labels)]
+    groups = [pairs] if args.interleave else [[p] for p in pairs]
     for dataset in requests:
         for c in args.concurrency:
             for temperature in args.temperature:
-                for t, label in zip(targets, labels):
-                    t.flush_cache()
-                    runs.append(measure(t, label, dataset, requests[dataset], prompts[dataset],
-                                        c, temperature, args))
+                for group in groups:
+                    for t, _, _ in group:
+                        t.flush_cache()
+                    runs += measure(group, dataset, requests[dataset], prompts[dataset], c,
+                                    temperature, args, interleave_block(c))
     return runs, labels[0] if args.baseline_url else ""
 
 
@@ -269,10 +322,11 @@ def attach_comparisons(
         ref = base.get(_cell(run))
         if ref is not None and ref is not run:
             m["speedup"] = speedup(m["output_tokens_per_s"], ref["metrics"]["output_tokens_per_s"])
+            m["median_request_speedup"] = median_paired_speedup(run["records"], ref["records"])
             if run["temperature"] == 0:
                 m["mismatches"] = compare_to_baseline(run["records"], ref["records"])
         elif ref is run:
-            m["speedup"] = 1.0
+            m["speedup"] = m["median_request_speedup"] = 1.0
         if hf and run["concurrency"] == 1 and run["temperature"] == 0 and run["dataset"] in hf:
             pld = hf[run["dataset"]]["prompt_lookup"]["output_tokens_per_s"]
             m["vs_hf_prompt_lookup"] = speedup(m["output_tokens_per_s"], pld)
@@ -318,6 +372,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--output", default="results/bench_speculative.json")
     p.add_argument("--plot", default=None, help="PNG path (default: --output with .png)")
+    p.add_argument("--no-interleave", dest="interleave", action="store_false",
+                   help="run the baseline and each config one after the other (one engine in "
+                   "memory at a time) instead of all at once, taking turns request by request "
+                   "(4c requests at a time at concurrency c)")
     p.add_argument("--disable-tqdm", action="store_true")
     args = p.parse_args(argv)
     try:

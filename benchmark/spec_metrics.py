@@ -210,6 +210,15 @@ def speedup(candidate: float | None, baseline: float | None) -> float | None:
     return candidate / baseline
 
 
+def median_paired_speedup(records: list[SpecRecord], baseline: list[SpecRecord]) -> float | None:
+    """Median over requests served by both of the baseline's time over the candidate's (by
+    request id, successful ones only): each prompt its own control, robust to a few outliers."""
+    base = {r.id: r for r in baseline if r.success and r.e2e_s > 0}
+    ratios = [base[r.id].e2e_s / r.e2e_s for r in records
+              if r.success and r.e2e_s > 0 and r.id in base]
+    return statistics.median(ratios) if ratios else None
+
+
 def first_mismatch(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -249,7 +258,7 @@ def summary_table(result: dict[str, Any]) -> str:
     """Baseline and candidates side by side, per dataset, concurrency and temperature (T); HF
     rows (greedy, T = 0) last."""
     headers = ["dataset", "conc", "T", "config", "out tok/s", "req tok/s (med)", "speedup",
-               "accept len", "draft/step",
+               "req speedup (med)", "accept len", "draft/step",
                *(f"acc@{k + 1}" for k in range(TABLE_POSITIONS)), "mismatch", "vs HF PLD"]
     rows = []
     datasets = list(dict.fromkeys(r["dataset"] for r in result["runs"]))
@@ -264,6 +273,7 @@ def summary_table(result: dict[str, Any]) -> str:
             run["dataset"], run["concurrency"], fmt_temperature(run.get("temperature")),
             run["config"], _num(m["output_tokens_per_s"]),
             _num(m["median_request_tokens_per_s"]), _num(m.get("speedup"), "{:.2f}x"),
+            _num(m.get("median_request_speedup"), "{:.2f}x"),
             _num(m.get("accept_length")), _num(m.get("draft_tokens_per_step")),
             *(_num(rates[k] if k < len(rates) else None) for k in range(TABLE_POSITIONS)),
             "-" if mism is None else f"{mism}/{m['completed']}",
@@ -276,7 +286,7 @@ def summary_table(result: dict[str, Any]) -> str:
             rows.append([
                 dataset, 1, fmt_temperature(0.0), label, _num(h["output_tokens_per_s"]),
                 _num(h["median_request_tokens_per_s"]), _num(h.get("speedup"), "{:.2f}x"),
-                "-", "-", *(["-"] * TABLE_POSITIONS),
+                "-", "-", "-", *(["-"] * TABLE_POSITIONS),
                 "-" if mism is None else f"{mism}/{h['completed']}", "-",
             ])
     return format_table(headers, rows)

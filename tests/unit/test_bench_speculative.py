@@ -435,7 +435,7 @@ class FakeEngine:
         self.log.append((self.label, "shutdown"))
 
 
-def test_run_engines_measures_every_temperature_on_one_engine(monkeypatch) -> None:
+def _fake_engines(monkeypatch) -> tuple[list, list]:
     log: list = []
     started: list = []
 
@@ -445,7 +445,13 @@ def test_run_engines_measures_every_temperature_on_one_engine(monkeypatch) -> No
         return FakeEngine(cfg.label, log)
 
     monkeypatch.setattr(bench_speculative, "start_engine", start)
-    args = parse_args(["--temperature", "0.7,0", "--concurrency", "1,2", "--disable-tqdm"])
+    return log, started
+
+
+def test_run_engines_measures_every_temperature_on_one_engine(monkeypatch) -> None:
+    log, started = _fake_engines(monkeypatch)
+    args = parse_args(["--temperature", "0.7,0", "--concurrency", "1,2", "--disable-tqdm",
+                       "--no-interleave"])
     reqs = [BenchRequest(id=f"r{i}", prompt_len=2, max_new_tokens=3, input_ids=[1, i])
             for i in range(2)]
     prompts: dict = {}
@@ -463,6 +469,32 @@ def test_run_engines_measures_every_temperature_on_one_engine(monkeypatch) -> No
     attach_comparisons(runs, "baseline")
     assert [r["metrics"].get("mismatches") for r in runs if r["config"] == "NGRAM"] == [
         0, None, 0, None]
+
+
+def test_interleaved_engines_take_turns_request_by_request(monkeypatch) -> None:
+    log, started = _fake_engines(monkeypatch)
+    args = parse_args(["--temperature", "0,0.7", "--disable-tqdm"])
+    assert args.interleave  # the default
+    reqs = [BenchRequest(id=f"r{i}", prompt_len=2, max_new_tokens=3, input_ids=[1, i])
+            for i in range(3)]
+    labels = ["baseline", "NGRAM", "NGRAM:num_draft_tokens=4"]
+    runs = bench_speculative.run_engines(args, parse_spec_configs(labels[1:]),
+                                         {"rewrite": reqs}, {})
+    assert started == labels  # all at once, once for both temperatures
+    gen = [entry[0] for entry in log if entry[1] == "generate" and entry[2] == 0.0]
+    # request b is served by every engine in turn, the first one rotating
+    assert gen == labels + labels[1:] + labels[:1] + labels[2:] + labels[:2]
+    flushes = [entry for entry in log if entry[1] == "flush"]
+    assert len(flushes) == 3  # every engine before T = 0.7
+    assert [(r["config"], r["temperature"]) for r in runs] == [
+        (cfg, t) for t in (0.0, 0.7) for cfg in labels]
+    for r in runs:
+        assert [x.id for x in r["records"]] == ["r0", "r1", "r2"]
+        assert r["interleaved_block"] == 1 and r["metrics"]["completed"] == 3
+    assert log[-3:] == [(label, "shutdown") for label in labels]
+    attach_comparisons(runs, "baseline")
+    assert [r["metrics"].get("mismatches") for r in runs if r["config"] != "baseline"] == [
+        0, 0, None, None]
 
 
 # ---- --base-url mode against fake servers ----------------------------------------------------
@@ -527,3 +559,15 @@ def test_base_url_mode_measures_both_servers_and_compares() -> None:
     assert runs[0]["metrics"]["accept_length"] is None
     sampled = runs[3]["metrics"]
     assert "mismatches" not in sampled and sampled["speedup"] > 1.5
+
+
+def test_median_paired_speedup_pairs_requests_by_id() -> None:
+    from benchmark.spec_metrics import median_paired_speedup
+
+    def rec(i: str, e2e: float, ok: bool = True) -> SpecRecord:
+        return SpecRecord(i, "k", 1, 1, success=ok, e2e_s=e2e)
+
+    base = [rec("a", 2.0), rec("b", 3.0), rec("c", 4.0), rec("d", 1.0, ok=False)]
+    cand = [rec("c", 1.0), rec("a", 1.0), rec("b", 3.0), rec("d", 0.5)]
+    assert median_paired_speedup(cand, base) == 2.0  # ratios 4, 2, 1; d failed in the baseline
+    assert median_paired_speedup([], base) is None
