@@ -40,6 +40,7 @@ from speculative.base import SpecConfig
 # 2026-11-22; `benchmark.profile_spec_step` on a quieter machine later gave 1.21-1.25 and 1.47,
 # docs/benchmarks.md); between points linear. Pass your own with --cost-curve.
 DEFAULT_CURVE = "1:1.0,4:1.08,8:1.27,16:1.55,32:2.3"
+MATCH_BUCKETS = 13  # by-match statistics for m = 1..11 and 12+ (0 never drafts)
 
 
 def parse_curve(text: str) -> tuple[list[float], list[float]]:
@@ -73,6 +74,8 @@ def replay(items: list[tuple[list[int], list[int]]], spec: SpecConfig, max_draft
     steps = tokens = 0
     cost = base_cost = 0.0
     per_request = []
+    # drafting steps by the longest context match m (MATCH_BUCKETS - 1 = "that many or more")
+    by_match = [[0, 0, 0, 0] for _ in range(MATCH_BUCKETS)]  # steps, nodes, accepted, any
     for i, (prompt, out) in enumerate(items):
         rid = f"r{i}"
         drafter.observe(rid, prompt, len(prompt))
@@ -101,6 +104,12 @@ def replay(items: list[tuple[list[int], list[int]]], spec: SpecConfig, max_draft
             res = verify_greedy(tree, torch.tensor(argmax))
             gained = min(len(res.accepted_tokens) + 1, len(truth))
             drafted = tree.num_nodes - 1
+            if drafted:
+                row = by_match[min(drafter.cache.last_match_len, MATCH_BUCKETS - 1)]
+                row[0] += 1
+                row[1] += tree.num_nodes
+                row[2] += len(res.accepted_tokens)
+                row[3] += bool(res.accepted_tokens)
             worker._adapt(rid, drafted, len(res.accepted_tokens))
             last_accepted = len(res.accepted_tokens)
             c = float(np.interp(tree.num_nodes, *curve)) + (step_overhead if drafted else 0.0)
@@ -117,7 +126,14 @@ def replay(items: list[tuple[list[int], list[int]]], spec: SpecConfig, max_draft
     return {"verify_steps": steps,
             "tokens_per_step": tokens / max(steps, 1),
             "modelled_speedup": base_cost / cost if cost else 1.0,
-            "median_request_speedup": float(np.median(per_request)) if per_request else 1.0}
+            "median_request_speedup": float(np.median(per_request)) if per_request else 1.0,
+            "by_match": [{"match": m, "steps": n, "mean_nodes": nodes / n,
+                          "mean_accepted": acc / n, "p_any_accepted": anyacc / n}
+                         for m, (n, nodes, acc, anyacc) in enumerate(by_match) if n]}
+
+
+def _bucket(m: int) -> str:
+    return f"{m}+" if m == MATCH_BUCKETS - 1 else str(m)
 
 
 def load_items(path: str, dataset: str) -> list[tuple[list[int], list[int]]]:
@@ -154,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-overhead", type=float, default=0.03,
                    help="extra cost of a drafting step, in decode steps (drafting, masks, "
                         "verification, commit)")
+    p.add_argument("--by-match", action="store_true",
+                   help="also print, per config, the drafting steps by their longest context "
+                   "match m: tree nodes, drafts accepted, how often any was")
     p.add_argument("--output", default="results/replay_ngram.json")
     args = p.parse_args(argv)
     try:
@@ -172,6 +191,14 @@ def main(argv: list[str] | None = None) -> int:
                          **replay(items[ds], spec, deep, curve, args.step_overhead)})
     write_json(args.output, {"input": args.input, "cost_curve": args.cost_curve,
                              "step_overhead": args.step_overhead, "rows": rows})
+    if args.by_match:
+        print(format_table(
+            ["dataset", "config", "m", "steps", "nodes (mean)", "accepted (mean)",
+             "P(any accepted)"],
+            [[r["dataset"], r["config"], _bucket(b["match"]), b["steps"],
+              f"{b['mean_nodes']:.1f}", f"{b['mean_accepted']:.2f}",
+              f"{b['p_any_accepted']:.2f}"] for r in rows for b in r["by_match"]]))
+        print()
     print(format_table(
         ["dataset", "config", "verify steps", "tokens/step", "modelled speedup",
          "median request"],

@@ -172,6 +172,7 @@ class NgramCache:
         self._tops: dict[int, array[int]] = {}
         self._num_nodes = 0
         self._states: OrderedDict[Hashable, _ReqState] = OrderedDict()
+        self.last_match_len = 0  # m of the last draft (0: no match), for replay statistics
         # breadth for (match length m, tree level l), indexed by m + l - 2 in [0, D-2]: the
         # linear decay SGLang uses, spanning exactly max_bfs_breadth (m = l = 1) down to
         # min_bfs_breadth (m + l = D, the deepest continuation the trie holds).
@@ -494,20 +495,20 @@ class NgramCache:
         tail = self._tail(context_tail)
         assert tail, "drafting needs at least one context token (the root)"
         tokens, parents = [tail[-1]], [-1]
+        self.last_match_len = 0
         if budget <= 1:
             return tokens, parents
         matches = self._matches(tail, key)
-        if self.cfg.size_by_match or backed_off:
-            first = next(matches, None)
-            if first is None:
-                return tokens, parents
-            if backed_off and first[1] < CONFIDENT_MATCH:
-                return tokens, parents
-            if self.cfg.size_by_match:
-                budget = tree_size_for_match(first[1], self.cfg.num_draft_tokens, budget)
-            matches = itertools.chain((first,), matches)
+        first = next(matches, None)
+        if first is None:
+            return tokens, parents
+        self.last_match_len = m = first[1]
+        if backed_off and m < CONFIDENT_MATCH:
+            return tokens, parents
+        if self.cfg.size_by_match:
+            budget = tree_size_for_match(m, self.cfg.num_draft_tokens, budget)
         build = self._build_bfs if self.cfg.match_type == "BFS" else self._build_prob
-        build(matches, tokens, parents, budget)
+        build(itertools.chain((first,), matches), tokens, parents, budget)
         return tokens, parents
 
     def _matches(self, tail: list[int], key: Hashable | None) -> Iterator[tuple[int, int]]:

@@ -50,3 +50,20 @@ def test_deep_drafts_take_fewer_steps_on_long_copies_and_random_text_backs_off()
 def test_bad_configs_are_rejected(bad):
     with pytest.raises(ValueError):
         resolve(bad)
+
+
+def test_by_match_statistics_cover_the_drafting_steps_and_follow_the_sizing_rule():
+    items = copy_items(3)
+    label, spec, deep_nodes = resolve("NGRAM")
+    res = replay(items, spec, deep_nodes, CURVE)
+    rows = res["by_match"]
+    assert rows and all(r["match"] >= 1 for r in rows)  # no match never drafts
+    assert sum(r["steps"] for r in rows) <= res["verify_steps"]
+    long = [r for r in rows if r["match"] >= 4]
+    # a copy: long matches get the whole deep budget and are mostly accepted
+    assert long and all(r["mean_nodes"] <= deep_nodes for r in long)
+    assert max(r["mean_nodes"] for r in long) == deep_nodes
+    assert sum(r["p_any_accepted"] * r["steps"] for r in long) / sum(r["steps"] for r in long) > 0.8
+    fixed = replay(items, *resolve("NGRAM:ngram_disable_match_sizing=true")[1:], CURVE)
+    short = [r for r in fixed["by_match"] if r["match"] <= 2]
+    assert all(r["mean_nodes"] >= 8 for r in short)  # without sizing short matches fill N

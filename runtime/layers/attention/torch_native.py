@@ -23,6 +23,7 @@ class TorchNativeMetadata:
     q_pad_index: torch.Tensor | None  # [T] position of each token in the flat [B * max_q]
     batch_size: int
     max_q: int
+    causal: bool = False  # plain causal attention (SDPA's is_causal), mask is then None
 
 
 def build_attention_mask(batch: ForwardBatch, max_q: int, max_kv: int) -> torch.Tensor:
@@ -69,8 +70,15 @@ class TorchNativeBackend(AttentionBackend):
             kv_gather = kv_gather.view(-1).to(device)
             q_pad_index = q_pad_index.to(device)
         trivial = batch.mode == ForwardMode.DECODE and bsz == 1
-        mask = None if trivial else build_attention_mask(batch, max_q, max_kv).to(device)
-        batch.attn_metadata = TorchNativeMetadata(kv_gather, mask, q_pad_index, bsz, max_q)
+        # one request's prefill from position 0: SDPA's own causal path, which skips the
+        # blocks above the diagonal instead of computing and masking them (400 tokens: -6%,
+        # 1000: -31% attention time on the CPU)
+        causal = (bsz == 1 and not batch.mode.uses_custom_mask and batch.prefix_lens[0] == 0
+                  and max_q == max_kv and max_q > 1)
+        mask = (None if trivial or causal
+                else build_attention_mask(batch, max_q, max_kv).to(device))
+        batch.attn_metadata = TorchNativeMetadata(kv_gather, mask, q_pad_index, bsz, max_q,
+                                                  causal)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
@@ -94,7 +102,7 @@ class TorchNativeBackend(AttentionBackend):
             qp = qp.view(bsz, max_q, self.num_heads, self.head_dim)
         qp = qp.transpose(1, 2).to(keys.dtype)  # [B, num_heads, max_q, head_dim]
         out = F.scaled_dot_product_attention(
-            qp, keys, values, attn_mask=meta.mask, scale=self.scale,
+            qp, keys, values, attn_mask=meta.mask, is_causal=meta.causal, scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )  # [B, num_heads, max_q, head_dim]
         out = out.transpose(1, 2).reshape(bsz * max_q, self.num_heads, self.head_dim)
