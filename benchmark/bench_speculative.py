@@ -71,6 +71,7 @@ from benchmark.spec_metrics import (
     SpecRunConfig,
     compare_to_baseline,
     fmt_temperatures,
+    kind_table,
     median_paired_speedup,
     parse_spec_configs,
     speedup,
@@ -482,6 +483,9 @@ def main(argv: list[str] | None = None) -> int:
 
     plot_path = plot_speculative(result, args.plot or Path(args.output).with_suffix(".png"))
     print(f"\nJSON: {json_path}\nplot: {plot_path}\n{title}\n")
+    by_kind = kind_table(result)
+    if by_kind:
+        print(f"by prompt kind\n{by_kind}\n")
     print(summary_table(result))
     return 0 if all(r["metrics"]["completed"] for r in runs) else 1
 

@@ -254,6 +254,42 @@ def fmt_temperatures(ts: list[float]) -> str:
     return ",".join(fmt_temperature(t) for t in ts)
 
 
+def kind_table(result: dict[str, Any]) -> str | None:
+    """Tokens/s per prompt kind (e.g. the peer prompts' `code` and `passage`) of every run and HF
+    mode, with the speedup over the same run's baseline; None when no dataset mixes kinds."""
+    def rate(records: list[Any], kind: str) -> float | None:
+        ok = [r for r in records if _get(r, "success") and _get(r, "kind") == kind]
+        t = sum(_get(r, "e2e_s") for r in ok)
+        return sum(_get(r, "completion_tokens") for r in ok) / t if t > 0 else None
+
+    def cell(run: dict[str, Any]) -> tuple:
+        return run["dataset"], run["concurrency"], run.get("temperature") or 0.0
+
+    base = {cell(r): r for r in result["runs"] if r["config"] == result.get("baseline_label")}
+    named = [(cell(r), r["config"], r["records"], base.get(cell(r))) for r in result["runs"]]
+    for dataset, modes in (result.get("hf") or {}).items():
+        named += [((dataset, 1, 0.0), label, modes[name]["records"], None)
+                  for name, label in (("generate", "HF generate"),
+                                      ("prompt_lookup", "HF prompt lookup"))]
+    rows = []
+    for (dataset, conc, temp), config, records, ref in named:
+        kinds = sorted({_get(r, "kind") for r in records})
+        if len(kinds) < 2:
+            continue
+        for kind in kinds:
+            mine = rate(records, kind)
+            vs = speedup(mine, rate(ref["records"], kind)) if ref is not None else None
+            rows.append([dataset, conc, fmt_temperature(temp), config, kind, _num(mine),
+                         _num(vs, "{:.2f}x")])
+    if not rows:
+        return None
+    return format_table(["dataset", "conc", "T", "config", "kind", "out tok/s", "speedup"], rows)
+
+
+def _get(record: Any, name: str) -> Any:
+    return record[name] if isinstance(record, dict) else getattr(record, name)
+
+
 def summary_table(result: dict[str, Any]) -> str:
     """Baseline and candidates side by side, per dataset, concurrency and temperature (T); HF
     rows (greedy, T = 0) last."""

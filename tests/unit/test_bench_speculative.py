@@ -571,3 +571,24 @@ def test_median_paired_speedup_pairs_requests_by_id() -> None:
     cand = [rec("c", 1.0), rec("a", 1.0), rec("b", 3.0), rec("d", 0.5)]
     assert median_paired_speedup(cand, base) == 2.0  # ratios 4, 2, 1; d failed in the baseline
     assert median_paired_speedup([], base) is None
+
+
+def test_kind_table_splits_runs_by_prompt_kind_against_the_same_baseline() -> None:
+    from benchmark.spec_metrics import kind_table
+
+    def recs(times: dict[str, float]) -> list[SpecRecord]:
+        return [SpecRecord(f"{k}{i}", k, 5, 10, success=True, completion_tokens=10, e2e_s=t)
+                for k, t in times.items() for i in range(2)]
+
+    base = recs({"code": 1.0, "passage": 1.0})
+    runs = [{"dataset": "custom", "config": c, "concurrency": 1, "temperature": 0.0,
+             "records": r} for c, r in (("baseline", base),
+                                        ("NGRAM", recs({"code": 0.8, "passage": 0.25})))]
+    hf = {"custom": {m: {"records": base} for m in ("generate", "prompt_lookup")}}
+    table = kind_table({"baseline_label": "baseline", "runs": runs, "hf": hf})
+    rows = [line.split() for line in table.splitlines()[2:]]
+    ngram = {r[-3]: (r[-2], r[-1]) for r in rows if r[3] == "NGRAM"}
+    assert ngram == {"code": ("12.50", "1.25x"), "passage": ("40.00", "4.00x")}
+    assert sum(r[3] == "HF" for r in rows) == 4  # two modes x two kinds
+    one_kind = [{**runs[0], "records": [r for r in base if r.kind == "code"]}]
+    assert kind_table({"baseline_label": "baseline", "runs": one_kind}) is None
