@@ -74,11 +74,12 @@ HELP = {
 # Tree nodes per step (root included) when --speculative-num-draft-tokens is unset. On this CPU
 # a verify pass of 8 nodes costs ~1.15x a decode step and 16 nodes ~1.4x (docs/benchmarks.md).
 DEFAULT_NUM_DRAFT_TOKENS = {"NGRAM": 8}
-# EAGLE (num_steps, topk, num_draft_tokens) when unset, by device type. CPU: 8 nodes verify at
-# ~1.15x a decode step, and every draft step costs a head layer plus an LM-head matmul (EAGLE-1:
-# the target's, ~3 ms at M <= 16 for SmolLM2), so a shallow tree (3 steps) pays off. CUDA:
-# SGLang's Llama default.
-EAGLE_TREE_DEFAULTS = {"cpu": (3, 4, 8), "cuda": (5, 4, 8)}
+# EAGLE (num_steps, topk, num_draft_tokens) when unset, by device type. CPU: every draft step
+# costs a head layer plus an LM-head matmul, and a verify node ~1 ms (~5% of a decode step), so
+# a shallow, narrow tree pays off: with the shipped head (acceptance at depth 3 ~0.05), 2 steps
+# of top-2 and 4 nodes beat 3 steps of top-4 and 8 nodes by 13-15% on train-split ShareGPT
+# prompts (docs/benchmarks.md, "EAGLE-3 tree on the CPU"). CUDA: SGLang's Llama default.
+EAGLE_TREE_DEFAULTS = {"cpu": (2, 2, 4), "cuda": (5, 4, 8)}
 EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3")
 # the EAGLE-3 head trained for the default model (speculative/train, model card in its README)
 DEFAULT_EAGLE3_HEAD = (Path(__file__).resolve().parents[1] / "assets"

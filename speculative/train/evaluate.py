@@ -18,6 +18,12 @@ from tqdm import tqdm
 logger = logging.getLogger(__name__)
 
 
+# The tree every evaluation uses, whatever the device's serving default: accept length grows with
+# the tree, so a fixed one keeps the curve over training comparable across sessions.
+EVAL_TREE = {"speculative_num_steps": 3, "speculative_eagle_topk": 4,
+             "speculative_num_draft_tokens": 8}
+
+
 def evaluate_head(
     head_dir: str | Path, target_model: str = "default", num_prompts: int = 24,
     max_new_tokens: int = 128, temperature: float = 0.0, concurrency: int = 4, seed: int = 0,
@@ -33,7 +39,7 @@ def evaluate_head(
     prompts = [chat_prompt_ids(tokenizer, r.messages) for r in reqs]
     engine = Engine(model_path=target_model, speculative_algorithm=algorithm,
                     speculative_draft_model_path=str(head_dir), max_running_requests=concurrency,
-                    log_level="warning", **(extra_server_args or {}))
+                    log_level="warning", **{**EVAL_TREE, **(extra_server_args or {})})
     t0 = time.monotonic()
     try:
         outs = asyncio.run(_run(engine, prompts, reqs, temperature, seed, concurrency))

@@ -212,10 +212,10 @@ def test_server_args_choose_the_eagle_tree_and_check_it(target, heads):
             "speculative_draft_model_path": str(heads["EAGLE"])}
     args = ServerArgs(**base).resolve()
     assert (args.speculative_num_steps, args.speculative_eagle_topk,
-            args.speculative_num_draft_tokens) == (3, 4, 8)  # the CPU default
+            args.speculative_num_draft_tokens) == (2, 2, 4)  # the CPU default
     cfg = args.spec_config()
     assert (cfg.algorithm, cfg.num_steps, cfg.eagle_topk, cfg.num_draft_tokens) == (
-        "EAGLE", 3, 4, 8)
+        "EAGLE", 2, 2, 4)
     chain = ServerArgs(**base, speculative_num_steps=5, speculative_eagle_topk=1,
                        speculative_num_draft_tokens=16).resolve()
     assert chain.speculative_num_draft_tokens == 6  # k = 1 is a chain of num_steps
