@@ -108,34 +108,43 @@ def test_sampled_spec_runs_and_frees_kv(tiny):  # noqa: F811
 
 
 class ChainOracleDrafter(OracleMixDrafter):
-    """The known continuation as a chain of the whole budget; records every budget it got."""
+    """The known continuation as a chain of the whole budget, or of at most `max_drafts` nodes
+    (a drafter sizing its own trees, like NGRAM by match length: the slots it leaves must go
+    back to the pool); records every budget it got."""
 
-    def __init__(self, cfg, runner, truth) -> None:
+    def __init__(self, cfg, runner, truth, max_drafts: int | None = None) -> None:
         super().__init__(cfg, runner, truth, seed=0)
         self.budgets: dict[str, list[int]] = {}
+        self.max_drafts = max_drafts
 
     def propose(self, reqs: list[SpecReq]) -> list[DraftTree]:
         trees = []
         for r in reqs:
             self.budgets.setdefault(r.rid, []).append(r.budget)
             cont = self._continuation(r.tokens) or []
-            trees.append(DraftTree.chain(r.tokens[-1], cont[: r.budget - 1]))
+            n = r.budget - 1 if self.max_drafts is None else min(r.budget - 1, self.max_drafts)
+            trees.append(DraftTree.chain(r.tokens[-1], cont[:n]))
         return trees
+
+
+def chain_oracle_harness(tiny, ps, max_new_tokens, max_drafts=None, **cfg):  # noqa: F811
+    """(harness, reference outputs, the drafters made) for prompts `ps`, 4-node base trees."""
+    ref = reference(tiny, ps, ignore_eos=True, max_new_tokens=max_new_tokens)
+    truth = {tuple(p): r for p, r in zip(ps, ref)}
+    drafters = []
+
+    def make(c, r):
+        drafters.append(ChainOracleDrafter(c, r, truth, max_drafts))
+        return drafters[-1]
+
+    return spec_harness(tiny, make, num_draft_tokens=4, **cfg), ref, drafters
 
 
 @pytest.mark.parametrize("concurrent", [False, True])
 def test_deep_drafts_after_a_fully_accepted_draft_only_while_the_step_fits(
         tiny, concurrent):  # noqa: F811
     ps = prompts(2, seed=21)
-    ref = reference(tiny, ps, ignore_eos=True, max_new_tokens=40)
-    truth = {tuple(p): r for p, r in zip(ps, ref)}
-    drafters = []
-
-    def make(c, r):
-        drafters.append(ChainOracleDrafter(c, r, truth))
-        return drafters[-1]
-
-    h = spec_harness(tiny, make, num_draft_tokens=4, max_draft_tokens=10)
+    h, ref, drafters = chain_oracle_harness(tiny, ps, 40, max_draft_tokens=10)
     if concurrent:  # two copying requests: 4 + 10 > 10, the step would leave the flat cost
         for i, p in enumerate(ps):
             h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=40)
@@ -156,32 +165,12 @@ def test_deep_drafts_after_a_fully_accepted_draft_only_while_the_step_fits(
     h.sched.check_no_leak()
 
 
-class ShortChainOracleDrafter(ChainOracleDrafter):
-    """Drafts 2 nodes of the known continuation whatever the budget (a drafter sizing its own
-    trees, like NGRAM by match length): the slots it leaves must go back to the pool."""
-
-    def propose(self, reqs: list[SpecReq]) -> list[DraftTree]:
-        trees = []
-        for r in reqs:
-            self.budgets.setdefault(r.rid, []).append(r.budget)
-            cont = self._continuation(r.tokens) or []
-            trees.append(DraftTree.chain(r.tokens[-1], cont[: min(r.budget - 1, 2)]))
-        return trees
-
-
 @pytest.mark.parametrize("concurrent", [False, True])
 def test_deep_for_all_grants_deep_budgets_from_the_first_step_at_batch_one(
         tiny, concurrent):  # noqa: F811
     ps = prompts(2, seed=22)
-    ref = reference(tiny, ps, ignore_eos=True, max_new_tokens=30)
-    truth = {tuple(p): r for p, r in zip(ps, ref)}
-    drafters = []
-
-    def make(c, r):
-        drafters.append(ShortChainOracleDrafter(c, r, truth))
-        return drafters[-1]
-
-    h = spec_harness(tiny, make, num_draft_tokens=4, max_draft_tokens=10, deep_for_all=True)
+    h, ref, drafters = chain_oracle_harness(tiny, ps, 30, max_drafts=2, max_draft_tokens=10,
+                                            deep_for_all=True)
     for i, p in enumerate(ps):
         h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=30)
         if not concurrent:
