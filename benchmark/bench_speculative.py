@@ -74,6 +74,7 @@ from benchmark.spec_metrics import (
     kind_table,
     median_paired_speedup,
     parse_spec_configs,
+    run_cell,
     speedup,
     summarize_run,
     summary_table,
@@ -306,10 +307,6 @@ def bench_hf(
 
 
 # ---- putting runs together -------------------------------------------------------------------
-def _cell(run: dict[str, Any]) -> tuple[str, int, float]:
-    return run["dataset"], run["concurrency"], run["temperature"]
-
-
 def attach_comparisons(
     runs: list[dict[str, Any]], baseline_label: str,
     hf: dict[str, dict[str, Any]] | None = None,
@@ -317,10 +314,10 @@ def attach_comparisons(
     """Speedup against the same-run baseline at the same dataset, concurrency and temperature;
     mismatches (greedy runs only) against its outputs. HF is greedy: vs HF prompt lookup for
     runs at c = 1 and T = 0 only, HF mismatches against the baseline's c = 1, T = 0 run."""
-    base = {_cell(r): r for r in runs if r["config"] == baseline_label}
+    base = {run_cell(r): r for r in runs if r["config"] == baseline_label}
     for run in runs:
         m = run["metrics"]
-        ref = base.get(_cell(run))
+        ref = base.get(run_cell(run))
         if ref is not None and ref is not run:
             m["speedup"] = speedup(m["output_tokens_per_s"], ref["metrics"]["output_tokens_per_s"])
             m["median_request_speedup"] = median_paired_speedup(run["records"], ref["records"])

@@ -254,6 +254,11 @@ def fmt_temperatures(ts: list[float]) -> str:
     return ",".join(fmt_temperature(t) for t in ts)
 
 
+def run_cell(run: dict[str, Any]) -> tuple[str, int, float]:
+    """What a run is compared within: (dataset, concurrency, temperature)."""
+    return run["dataset"], run["concurrency"], run.get("temperature") or 0.0
+
+
 def kind_table(result: dict[str, Any]) -> str | None:
     """Tokens/s per prompt kind (e.g. the peer prompts' `code` and `passage`) of every run and HF
     mode, with the speedup over the same run's baseline; None when no dataset mixes kinds."""
@@ -262,11 +267,9 @@ def kind_table(result: dict[str, Any]) -> str | None:
         t = sum(_get(r, "e2e_s") for r in ok)
         return sum(_get(r, "completion_tokens") for r in ok) / t if t > 0 else None
 
-    def cell(run: dict[str, Any]) -> tuple:
-        return run["dataset"], run["concurrency"], run.get("temperature") or 0.0
-
-    base = {cell(r): r for r in result["runs"] if r["config"] == result.get("baseline_label")}
-    named = [(cell(r), r["config"], r["records"], base.get(cell(r))) for r in result["runs"]]
+    base = {run_cell(r): r for r in result["runs"] if r["config"] == result.get("baseline_label")}
+    named = [(run_cell(r), r["config"], r["records"], base.get(run_cell(r)))
+             for r in result["runs"]]
     for dataset, modes in (result.get("hf") or {}).items():
         named += [((dataset, 1, 0.0), label, modes[name]["records"], None)
                   for name, label in (("generate", "HF generate"),

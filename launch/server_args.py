@@ -65,9 +65,9 @@ HELP = {
     "context matches, instead of sizing each tree by the match length (longer match, larger "
     "tree; a backed-off request drafts again on a long match)",
     "speculative_ngram_max_draft_tokens": "NGRAM: tree nodes (root included) a request may "
-    "draft after a step that accepted a whole default-size draft (copying text), granted while "
-    "the step's total stays within it (default: 2x --speculative-num-draft-tokens; equal to it "
-    "turns deep drafts off)",
+    "draft while the step's total stays within it, i.e. when it decodes alone: on a long "
+    "context match with match sizing, else after a step that accepted a whole default-size "
+    "draft (default: 2x --speculative-num-draft-tokens; equal to it turns deep drafts off)",
 }
 
 

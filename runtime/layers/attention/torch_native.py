@@ -74,7 +74,7 @@ class TorchNativeBackend(AttentionBackend):
         # blocks above the diagonal instead of computing and masking them (400 tokens: -6%,
         # 1000: -31% attention time on the CPU)
         causal = (bsz == 1 and not batch.mode.uses_custom_mask and batch.prefix_lens[0] == 0
-                  and max_q == max_kv and max_q > 1)
+                  and max_q > 1)
         mask = (None if trivial or causal
                 else build_attention_mask(batch, max_q, max_kv).to(device))
         batch.attn_metadata = TorchNativeMetadata(kv_gather, mask, q_pad_index, bsz, max_q,
