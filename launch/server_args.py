@@ -77,8 +77,8 @@ DEFAULT_NUM_DRAFT_TOKENS = {"NGRAM": 8}
 # EAGLE (num_steps, topk, num_draft_tokens) when unset, by device type. CPU: every draft step
 # costs a head layer plus an LM-head matmul, and a verify node ~1 ms (~5% of a decode step), so
 # a shallow, narrow tree pays off: with the shipped head (acceptance at depth 3 ~0.05), 2 steps
-# of top-2 and 4 nodes beat 3 steps of top-4 and 8 nodes by 13-15% on train-split ShareGPT
-# prompts (docs/benchmarks.md, "EAGLE-3 tree on the CPU"). CUDA: SGLang's Llama default.
+# of top-2 and 4 nodes beat 3 steps of top-4 and 8 nodes (1.29x against 1.14x) on train-split
+# ShareGPT prompts (docs/benchmarks.md, "EAGLE-3 tree on the CPU"). CUDA: SGLang's Llama default.
 EAGLE_TREE_DEFAULTS = {"cpu": (2, 2, 4), "cuda": (5, 4, 8)}
 EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3")
 # the EAGLE-3 head trained for the default model (speculative/train, model card in its README)
