@@ -11,7 +11,9 @@ accepted depends only on those tokens. So the baseline records of a `bench_specu
 the real `NgramDrafter`, the worker's backoff (`SpeculativeWorker._budget` / `_adapt`) and the
 scheduler's deep-draft rule (`draft_sizes`) would do: tokens per verify step exactly, and a
 modelled speedup = decode steps / sum of verify costs, each step costing T(n)/T(1) of a decode
-step for an n-node tree (`--cost-curve`) plus `--step-overhead` when it drafted. Tune on the
+step for an n-node tree (`--cost-curve`) plus `--step-overhead` when it drafted. Next to it, a
+copy oracle's tokens per step: the same node count as one chain, placed with hindsight where the
+request's own context continues the answer longest (`replay`). Tune on the
 `train` split; measure the winner on `heldout` with `bench_speculative`.
 
 `--configs` are NGRAM configs written as for `bench_speculative` (`NGRAM[:key=value,...]`, keys
@@ -57,9 +59,32 @@ def resolve(config: str) -> tuple[str, SpecConfig, int]:
     return cfg.label, args.spec_config(), args.speculative_ngram_max_draft_tokens
 
 
+def copy_reach(positions: dict[int, list[int]], history: list[int], truth: list[int],
+               cap: int) -> int:
+    """Longest prefix of `truth` (at most `cap` tokens) that occurs as a run in `history`;
+    `positions` maps each token to where it occurs in `history`."""
+    best = 0
+    for s in positions.get(truth[0], ()):
+        n = 0
+        while n < cap and n < len(truth) and s + n < len(history) and history[s + n] == truth[n]:
+            n += 1
+        if n > best:
+            best = n
+            if best >= cap:
+                break
+    return best
+
+
 def replay(items: list[tuple[list[int], list[int]]], spec: SpecConfig, max_draft_tokens: int,
            curve: tuple[list[float], list[float]], step_overhead: float = 0.03) -> dict:
-    """items: (prompt ids, greedy output ids) served one after another by one server."""
+    """items: (prompt ids, greedy output ids) served one after another by one server.
+
+    Besides the drafter's own counts, every step records a copy oracle's: how many tokens a
+    chain of as many nodes as the drafter used, copied from the best place in the request's own
+    context (prompt and output so far), would have had accepted. It knows the answer, so it is
+    a reference at equal verify cost, not a policy: it shows how much of the output the context
+    holds within reach of each step. (Not a strict bound: a tree can beat one chain, and the
+    trie also holds other requests' text.)"""
     from runtime.sampling.sampling_params import SamplingParams
     from runtime.scheduler.scheduler import draft_sizes
     from speculative.base import SpecReq
@@ -74,13 +99,18 @@ def replay(items: list[tuple[list[int], list[int]]], spec: SpecConfig, max_draft
     steps = tokens = 0
     cost = base_cost = 0.0
     per_request = []
-    # drafting steps by the longest context match m (MATCH_BUCKETS - 1 = "that many or more")
-    by_match = [[0, 0, 0, 0] for _ in range(MATCH_BUCKETS)]  # steps, nodes, accepted, any
+    # drafting steps by the longest context match m (MATCH_BUCKETS - 1 = "that many or more"):
+    # steps, nodes, accepted, any accepted, copy oracle's accepted
+    by_match = [[0, 0, 0, 0, 0] for _ in range(MATCH_BUCKETS)]
+    oracle_tokens = 0
     for i, (prompt, out) in enumerate(items):
         rid = f"r{i}"
         drafter.observe(rid, prompt, len(prompt))
         history = prompt + out[:1]  # the first token comes from the prefill
         drafter.observe(rid, history, 1)
+        positions: dict[int, list[int]] = {}
+        for j, t in enumerate(history):
+            positions.setdefault(t, []).append(j)
         pos, last_accepted, req_cost = 1, 0, 0.0
         while pos < len(out):
             fresh = draft_sizes([last_accepted], base, max_draft_tokens,
@@ -104,19 +134,24 @@ def replay(items: list[tuple[list[int], list[int]]], spec: SpecConfig, max_draft
             res = verify_greedy(tree, torch.tensor(argmax))
             gained = min(len(res.accepted_tokens) + 1, len(truth))
             drafted = tree.num_nodes - 1
+            reach = copy_reach(positions, history, truth, drafted) if drafted else 0
+            oracle_tokens += min(reach + 1, len(truth))
             if drafted:
                 row = by_match[min(drafter.cache.last_match_len, MATCH_BUCKETS - 1)]
                 row[0] += 1
                 row[1] += tree.num_nodes
                 row[2] += len(res.accepted_tokens)
                 row[3] += bool(res.accepted_tokens)
+                row[4] += reach
             worker._adapt(rid, drafted, len(res.accepted_tokens))
             last_accepted = len(res.accepted_tokens)
             c = float(np.interp(tree.num_nodes, *curve)) + (step_overhead if drafted else 0.0)
             req_cost += c
             steps += 1
             tokens += gained
-            history = history + truth[:gained]
+            for t in truth[:gained]:
+                positions.setdefault(t, []).append(len(history))
+                history.append(t)
             drafter.observe(rid, history, gained)
             pos += gained
         worker.release(rid)
@@ -125,11 +160,13 @@ def replay(items: list[tuple[list[int], list[int]]], spec: SpecConfig, max_draft
         per_request.append((len(out) - 1) / req_cost if req_cost else 1.0)
     return {"verify_steps": steps,
             "tokens_per_step": tokens / max(steps, 1),
+            "oracle_tokens_per_step": oracle_tokens / max(steps, 1),
             "modelled_speedup": base_cost / cost if cost else 1.0,
             "median_request_speedup": float(np.median(per_request)) if per_request else 1.0,
             "by_match": [{"match": m, "steps": n, "mean_nodes": nodes / n,
-                          "mean_accepted": acc / n, "p_any_accepted": anyacc / n}
-                         for m, (n, nodes, acc, anyacc) in enumerate(by_match) if n]}
+                          "mean_accepted": acc / n, "p_any_accepted": anyacc / n,
+                          "oracle_mean_accepted": orc / n}
+                         for m, (n, nodes, acc, anyacc, orc) in enumerate(by_match) if n]}
 
 
 def _bucket(m: int) -> str:
@@ -194,15 +231,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.by_match:
         print(format_table(
             ["dataset", "config", "m", "steps", "nodes (mean)", "accepted (mean)",
-             "P(any accepted)"],
+             "P(any accepted)", "copy oracle (mean)"],
             [[r["dataset"], r["config"], _bucket(b["match"]), b["steps"],
               f"{b['mean_nodes']:.1f}", f"{b['mean_accepted']:.2f}",
-              f"{b['p_any_accepted']:.2f}"] for r in rows for b in r["by_match"]]))
+              f"{b['p_any_accepted']:.2f}", f"{b['oracle_mean_accepted']:.2f}"]
+             for r in rows for b in r["by_match"]]))
         print()
     print(format_table(
-        ["dataset", "config", "verify steps", "tokens/step", "modelled speedup",
-         "median request"],
+        ["dataset", "config", "verify steps", "tokens/step", "copy oracle tokens/step",
+         "modelled speedup", "median request"],
         [[r["dataset"], r["config"], r["verify_steps"], f"{r['tokens_per_step']:.2f}",
+          f"{r['oracle_tokens_per_step']:.2f}",
           f"{r['modelled_speedup']:.3f}x", f"{r['median_request_speedup']:.3f}x"]
          for r in rows]))
     return 0

@@ -67,3 +67,31 @@ def test_by_match_statistics_cover_the_drafting_steps_and_follow_the_sizing_rule
     fixed = replay(items, *resolve("NGRAM:ngram_disable_match_sizing=true")[1:], CURVE)
     short = [r for r in fixed["by_match"] if r["match"] <= 2]
     assert all(r["mean_nodes"] >= 8 for r in short)  # without sizing short matches fill N
+
+
+def test_copy_reach_finds_the_longest_run_in_the_context():
+    from benchmark.replay_ngram import copy_reach
+
+    history = [5, 1, 2, 3, 9, 1, 2, 3, 4, 7]
+    positions: dict[int, list[int]] = {}
+    for j, t in enumerate(history):
+        positions.setdefault(t, []).append(j)
+    assert copy_reach(positions, history, [1, 2, 3, 4, 8], cap=10) == 4  # the second run
+    assert copy_reach(positions, history, [1, 2, 3, 4, 8], cap=2) == 2  # capped
+    assert copy_reach(positions, history, [6, 1], cap=10) == 0  # first token never seen
+    assert copy_reach(positions, history, [4, 7], cap=10) == 2  # runs to the end of history
+
+
+def test_copy_oracle_is_reported_per_step_and_per_match_length():
+    items = copy_items(4)
+    label, spec, deep_nodes = resolve("NGRAM")
+    res = replay(items, spec, deep_nodes, CURVE)
+    # random passages: the trie's drafts are chains from the prompt, so a chain placed with
+    # hindsight at the best spot accepts at least as much, at the same node count
+    assert res["oracle_tokens_per_step"] >= res["tokens_per_step"] > 3
+    assert all(r["oracle_mean_accepted"] >= r["mean_accepted"] for r in res["by_match"])
+    rng = random.Random(5)
+    noise = [([rng.randrange(100, 30000) for _ in range(40)],
+              [rng.randrange(100, 30000) for _ in range(60)]) for _ in range(2)]
+    res = replay(noise, spec, deep_nodes, CURVE)
+    assert res["oracle_tokens_per_step"] < 1.1  # nothing in the context to copy
