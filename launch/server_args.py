@@ -64,6 +64,9 @@ HELP = {
     "speculative_ngram_disable_match_sizing": "NGRAM: draft the whole budget whenever the "
     "context matches, instead of sizing each tree by the match length (longer match, larger "
     "tree; a backed-off request drafts again on a long match)",
+    "speculative_ngram_disable_own_context": "NGRAM: on a 1- or 2-token context match, draft "
+    "from the trie alone, instead of from the request's own prompt and output first (the trie "
+    "fills what is left)",
     "speculative_ngram_max_draft_tokens": "NGRAM: tree nodes (root included) a request may "
     "draft while the step's total stays within it, i.e. when it decodes alone: on a long "
     "context match with match sizing, else after a step that accepted a whole default-size "
@@ -126,6 +129,7 @@ class ServerArgs:
     speculative_ngram_external_corpus_path: str | None = None
     speculative_ngram_max_draft_tokens: int | None = None
     speculative_ngram_disable_match_sizing: bool = False
+    speculative_ngram_disable_own_context: bool = False
 
     def spec_config(self):
         """The speculative configuration (None without speculation); call on resolved args."""
@@ -150,6 +154,7 @@ class ServerArgs:
             ngram_match_type=self.speculative_ngram_match_type,
             ngram_external_corpus_path=self.speculative_ngram_external_corpus_path,
             ngram_match_sizing=not self.speculative_ngram_disable_match_sizing,
+            ngram_own_context=not self.speculative_ngram_disable_own_context,
             accept_threshold_single=self.speculative_accept_threshold_single,
             accept_threshold_acc=self.speculative_accept_threshold_acc,
             adaptive=not self.speculative_disable_adaptive,

@@ -40,6 +40,8 @@ class SpecConfig:
     ngram_match_type: str = "BFS"
     ngram_external_corpus_path: str | None = None
     ngram_match_sizing: bool = True  # tree size grows with the context match length
+    # short matches draft from the request's own prompt and output first (ngram_context.py)
+    ngram_own_context: bool = True
     # EAGLE / EAGLE3 (speculative/eagle.py): head checkpoint, tree depth S and branching k
     draft_model_path: str | None = None
     num_steps: int = 3
