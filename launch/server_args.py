@@ -39,7 +39,10 @@ HELP = {
     "(default: 8 for NGRAM; EAGLE: see --speculative-num-steps)",
     "speculative_draft_model_path": "EAGLE/EAGLE3: the draft head's checkpoint directory",
     "speculative_num_steps": "EAGLE/EAGLE3: draft tree depth S (unset: chosen for the device "
-    "with --speculative-eagle-topk and --speculative-num-draft-tokens; cpu 3/4/8, cuda 5/4/8)",
+    "with --speculative-eagle-topk and --speculative-num-draft-tokens; cpu 2/2/4, cuda 5/4/8)",
+    "speculative_draft_matmul_dtype": "EAGLE/EAGLE3 on the CPU: the draft head's matmuls in "
+    "float32 or bfloat16 (auto: bfloat16 where the CPU has bf16 dot-product instructions). "
+    "Drafts only: verification stays with the float32 target, so output is unchanged",
     "speculative_eagle_topk": "EAGLE/EAGLE3: children per expanded node and nodes expanded per "
     "step (k = 1 drafts a chain and forces num-draft-tokens = num-steps + 1)",
     "speculative_eagle_target_only": "EAGLE/EAGLE3 sampling: draft top-k trees and verify with "
@@ -116,6 +119,7 @@ class ServerArgs:
     speculative_num_steps: int | None = None
     speculative_eagle_topk: int | None = None
     speculative_eagle_target_only: bool = False
+    speculative_draft_matmul_dtype: str = "auto"
     speculative_token_map: str | None = None
     speculative_accept_threshold_single: float = 1.0
     speculative_accept_threshold_acc: float = 1.0
@@ -144,6 +148,7 @@ class ServerArgs:
             num_draft_tokens=self.speculative_num_draft_tokens,
             draft_model_path=self.speculative_draft_model_path,
             eagle_target_only=self.speculative_eagle_target_only,
+            draft_matmul_dtype=self.speculative_draft_matmul_dtype,
             token_map=self.speculative_token_map,
             **tree,
             ngram_capacity=self.speculative_ngram_capacity,
@@ -170,6 +175,7 @@ class ServerArgs:
             "attention_backend": ("auto", "torch_native"),
             "schedule_policy": ("fcfs", "lpm"),
             "log_level": ("debug", "info", "warning", "error"),
+            "speculative_draft_matmul_dtype": ("auto", "float32", "bfloat16"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

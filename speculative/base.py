@@ -51,6 +51,9 @@ class SpecConfig:
     # sampling: verify top-k trees with q ignored (SGLang's target-only) instead of drafting
     # children from q without replacement and verifying with q
     eagle_target_only: bool = False
+    # CPU: the head's matmuls in "float32" / "bfloat16" / "auto" (bf16 where the CPU has bf16
+    # dot products); drafts only, so lossless either way
+    draft_matmul_dtype: str = "auto"
     # LOSSY when below 1.0 (SGLang's --speculative-accept-threshold-single / -acc)
     accept_threshold_single: float = 1.0
     accept_threshold_acc: float = 1.0

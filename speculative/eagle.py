@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from runtime.layers.linear import cpu_has_native_bf16
 from runtime.mem_cache.kv_pool import KVPool
 from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.models.llama import ModelOutput
@@ -57,6 +58,17 @@ from speculative.tree import DraftTree
 from speculative.verify import QMode
 
 logger = logging.getLogger(__name__)
+def draft_matmul_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The dtype of a head's CPU matmuls for --speculative-draft-matmul-dtype: "auto" is
+    bfloat16 where the CPU multiplies bf16 natively (there it halves the weight bytes a draft
+    step streams), float32 elsewhere. Off the CPU nothing is prepacked, so it does not apply."""
+    if name == "float32" or device.type != "cpu":
+        return torch.float32
+    if name == "bfloat16" or cpu_has_native_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
 TOKEN_MAP_EAGLE3_ERROR = ("--speculative-token-map applies to EAGLE-1/2 heads; EAGLE-3 heads carry "
                           "their own draft vocabulary (d2t)")
 
@@ -111,7 +123,10 @@ class EagleDrafter(Drafter):
             self.to_target = self.head.hot_ids
             logger.info("EAGLE drafts over %d of %d tokens (%s)", hot.numel(), self.vocab_size,
                         cfg.token_map)
-        self.head.pack_weights()
+        self.matmul_dtype = draft_matmul_dtype(cfg.draft_matmul_dtype, self.head.kv_pool.device)
+        if self.head.pack_weights(self.matmul_dtype):
+            logger.info("EAGLE head linears prepacked, multiplying in %s",
+                        str(self.matmul_dtype).removeprefix("torch."))
         self.backend = self.head.create_backend()
         self.capture_layers = tuple(self.head.capture_layers)
         self.needs_final_hidden = self.head.needs_final_hidden

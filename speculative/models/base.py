@@ -104,9 +104,10 @@ class DraftHead(nn.Module):
         scale = lc.head_dim**-0.5
         return create_attention_backend(name, self.kv_pool, lc.num_attention_heads, scale)
 
-    def pack_weights(self) -> int:
-        """Prepack the head's linears for the CPU fast path (do it after any save)."""
-        return sum(m.pack() for m in self.modules() if isinstance(m, Linear))
+    def pack_weights(self, compute_dtype: torch.dtype = torch.float32) -> int:
+        """Prepack the head's linears for the CPU fast path (do it after any save), multiplying
+        in `compute_dtype` (bfloat16 is fine here: a head only drafts)."""
+        return sum(m.pack(compute_dtype) for m in self.modules() if isinstance(m, Linear))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         weight = self.embed_weight if self.embed_weight is not None else self.target.embed_tokens

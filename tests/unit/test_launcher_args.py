@@ -15,6 +15,8 @@ from launch.server_args import ServerArgs, build_parser, parse_args
       "--speculative-ngram-max-draft-tokens", "4"], "must be >= --speculative-num-draft-tokens"),
     (["--speculative-algorithm", "EAGLE3", "--speculative-ngram-max-draft-tokens", "16"],
      "applies to --speculative-algorithm NGRAM"),
+    (["--speculative-algorithm", "EAGLE3", "--speculative-draft-matmul-dtype", "float16"],
+     "--speculative-draft-matmul-dtype must be one of"),
 ])
 def test_bad_flags_exit_2_with_one_clear_line(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -72,3 +74,28 @@ def test_ngram_match_sizing_is_on_by_default_and_one_flag_turns_it_off():
                       "--speculative-ngram-disable-match-sizing"]).resolve()
     assert not off.spec_config().ngram_match_sizing
     assert not SchedulerConfig.from_server_args(off).deep_for_all
+
+
+def test_ngram_own_context_is_on_by_default_and_one_flag_turns_it_off():
+    assert ServerArgs(speculative_algorithm="NGRAM").resolve().spec_config().ngram_own_context
+    off = parse_args(["--speculative-algorithm", "NGRAM",
+                      "--speculative-ngram-disable-own-context"]).resolve()
+    assert not off.spec_config().ngram_own_context
+
+
+def test_draft_matmul_dtype_resolves_per_device_and_cpu(monkeypatch):
+    import torch
+
+    import speculative.eagle as eagle
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert eagle.draft_matmul_dtype("float32", cpu) == torch.float32
+    assert eagle.draft_matmul_dtype("bfloat16", cpu) == torch.bfloat16
+    assert eagle.draft_matmul_dtype("bfloat16", cuda) == torch.float32  # nothing is prepacked
+    for native, want in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(eagle, "cpu_has_native_bf16", lambda native=native: native)
+        assert eagle.draft_matmul_dtype("auto", cpu) == want
+    assert ServerArgs().speculative_draft_matmul_dtype == "auto"
+    args = parse_args(["--speculative-algorithm", "EAGLE3", "--speculative-draft-matmul-dtype",
+                       "float32"]).resolve()
+    assert args.spec_config().draft_matmul_dtype == "float32"
