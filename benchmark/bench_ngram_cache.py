@@ -8,7 +8,9 @@ fresh cache gets the context via `insert` (the prompt), then every step times
 `extend(key, tail, new)` (what the worker does after verify) and the next step's draft
 separately. Draft modes: `tree` = `draft(tail)` -> DraftTree, as speculative/ngram.py calls it;
 `keyed` = `draft(tail, key=key)` (suffix nodes reused from the extend); `lists` =
-`draft_lists(tail)` (plain lists, no tensors). `keyed` and `lists` run at `--aux-context`.
+`draft_lists(tail)` (plain lists, no tensors); `drafter` = the whole `NgramDrafter` as the
+model runner drives it (`observe` then `propose`, with the own-context drafts of short matches,
+`speculative/ngram_context.py`). `keyed`, `lists` and `drafter` run at `--aux-context`.
 `--evict-capacity` adds rows with a small capacity, so every step also evicts.
 `hit %` = steps whose tree has the true next token as a child of the root. `step p99 cpu` is the
 p99 of the thread's CPU time for extend + draft: on a shared machine the wall-clock tail also
@@ -25,6 +27,9 @@ import statistics
 import time
 
 from benchmark.common import format_table, machine_info, write_json
+from runtime.sampling.sampling_params import SamplingParams
+from speculative.base import SpecConfig, SpecReq
+from speculative.ngram import NgramDrafter
 from speculative.ngram_cache import NgramCache, NgramConfig
 
 
@@ -57,24 +62,43 @@ def summary(xs: list[float]) -> dict[str, float]:
 def run_case(
     cfg: NgramConfig, stream: list[int], ctx_len: int, new_per_step: int, steps: int, mode: str
 ) -> dict:
-    cache = NgramCache(cfg)
+    drafter = None
+    if mode == "drafter":
+        drafter = NgramDrafter(SpecConfig(
+            "NGRAM", num_draft_tokens=cfg.num_draft_tokens, ngram_capacity=cfg.capacity,
+            ngram_max_trie_depth=cfg.max_trie_depth, ngram_match_type=cfg.match_type,
+            ngram_match_sizing=cfg.size_by_match), runner=None)
+        cache = drafter.cache
+    else:
+        cache = NgramCache(cfg)
     depth = cfg.max_trie_depth
     t0 = time.perf_counter()
-    cache.insert(stream[:ctx_len])
+    if drafter is not None:
+        drafter.observe("req", stream[:ctx_len], ctx_len)
+    else:
+        cache.insert(stream[:ctx_len])
     insert_s = time.perf_counter() - t0
+    greedy = SamplingParams(temperature=0.0)
     ext_us, draft_us, cpu_us, nodes, hits = [], [], [], [], 0
     pos = ctx_len
     clock, cpu_clock = time.perf_counter_ns, time.thread_time_ns
     for _ in range(steps):
         new = stream[pos : pos + new_per_step]
         tail = stream[pos - depth : pos]
+        history = stream[: pos + new_per_step] if drafter is not None else None
         c0 = cpu_clock()
         t0 = clock()
-        cache.extend("req", tail, new)
+        if drafter is not None:
+            drafter.observe("req", history, new_per_step)
+        else:
+            cache.extend("req", tail, new)
         t1 = clock()
         pos += new_per_step
         tail = stream[pos - depth : pos]
-        if mode == "tree":
+        if mode == "drafter":
+            req = SpecReq("req", history, cfg.num_draft_tokens, greedy)
+            tree = drafter.propose([req])[0]
+        elif mode == "tree":
             tree = cache.draft(tail)
         elif mode == "keyed":
             tree = cache.draft(tail, key="req")
@@ -134,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
         cases += [(base, n, k, "tree") for n in args.context_lens for k in args.new_per_step]
         if args.aux_context:
             cases += [(base, args.aux_context, k, mode)
-                      for mode in ("keyed", "lists") for k in args.new_per_step]
+                      for mode in ("keyed", "lists", "drafter") for k in args.new_per_step]
         if args.aux_context and args.evict_capacity:
             small = NgramConfig(match_type=mt, num_draft_tokens=args.num_draft_tokens,
                                 capacity=args.evict_capacity)

@@ -58,6 +58,8 @@ from speculative.tree import DraftTree
 from speculative.verify import QMode
 
 logger = logging.getLogger(__name__)
+
+
 def draft_matmul_dtype(name: str, device: torch.device) -> torch.dtype:
     """The dtype of a head's CPU matmuls for --speculative-draft-matmul-dtype: "auto" is
     bfloat16 where the CPU multiplies bf16 natively (there it halves the weight bytes a draft
