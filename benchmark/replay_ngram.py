@@ -36,6 +36,7 @@ from benchmark.datasets import chat_prompt_ids, load_bench_tokenizer, sample_req
 from benchmark.spec_metrics import parse_spec_config
 from launch.server_args import ServerArgs
 from speculative.base import SpecConfig
+from speculative.ngram_context import ContextIndex
 
 # T(n)/T(1) of an n-node TARGET_VERIFY forward against a decode step, default model, CPU, 2
 # threads, timed inside the serving loop (decode 24.0 ms, 8 nodes 30.4 ms, 16 nodes 37.2 ms on
@@ -59,19 +60,17 @@ def resolve(config: str) -> tuple[str, SpecConfig, int]:
     return cfg.label, args.spec_config(), args.speculative_ngram_max_draft_tokens
 
 
-def copy_reach(positions: dict[int, list[int]], history: list[int], truth: list[int],
-               cap: int) -> int:
+def copy_reach(index: ContextIndex, history: list[int], truth: list[int], cap: int) -> int:
     """Longest prefix of `truth` (at most `cap` tokens) that occurs as a run in `history`;
-    `positions` maps each token to where it occurs in `history`."""
+    `index` is `history`'s occurrence index."""
     best = 0
-    for s in positions.get(truth[0], ()):
+    j = index.last.get(truth[0], -1)
+    while j >= 0 and best < cap:
         n = 0
-        while n < cap and n < len(truth) and s + n < len(history) and history[s + n] == truth[n]:
+        while n < cap and n < len(truth) and j + n < len(history) and history[j + n] == truth[n]:
             n += 1
-        if n > best:
-            best = n
-            if best >= cap:
-                break
+        best = max(best, n)
+        j = index.prev[j]
     return best
 
 
@@ -108,9 +107,8 @@ def replay(items: list[tuple[list[int], list[int]]], spec: SpecConfig, max_draft
         drafter.observe(rid, prompt, len(prompt))
         history = prompt + out[:1]  # the first token comes from the prefill
         drafter.observe(rid, history, 1)
-        positions: dict[int, list[int]] = {}
-        for j, t in enumerate(history):
-            positions.setdefault(t, []).append(j)
+        index = ContextIndex()
+        index.catch_up(history)
         pos, last_accepted, req_cost = 1, 0, 0.0
         while pos < len(out):
             fresh = draft_sizes([last_accepted], base, max_draft_tokens,
@@ -134,7 +132,7 @@ def replay(items: list[tuple[list[int], list[int]]], spec: SpecConfig, max_draft
             res = verify_greedy(tree, torch.tensor(argmax))
             gained = min(len(res.accepted_tokens) + 1, len(truth))
             drafted = tree.num_nodes - 1
-            reach = copy_reach(positions, history, truth, drafted) if drafted else 0
+            reach = copy_reach(index, history, truth, drafted) if drafted else 0
             oracle_tokens += min(reach + 1, len(truth))
             if drafted:
                 row = by_match[min(drafter.cache.last_match_len, MATCH_BUCKETS - 1)]
@@ -149,9 +147,8 @@ def replay(items: list[tuple[list[int], list[int]]], spec: SpecConfig, max_draft
             req_cost += c
             steps += 1
             tokens += gained
-            for t in truth[:gained]:
-                positions.setdefault(t, []).append(len(history))
-                history.append(t)
+            history.extend(truth[:gained])
+            index.catch_up(history)
             drafter.observe(rid, history, gained)
             pos += gained
         worker.release(rid)

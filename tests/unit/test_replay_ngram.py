@@ -71,11 +71,11 @@ def test_by_match_statistics_cover_the_drafting_steps_and_follow_the_sizing_rule
 
 def test_copy_reach_finds_the_longest_run_in_the_context():
     from benchmark.replay_ngram import copy_reach
+    from speculative.ngram_context import ContextIndex
 
     history = [5, 1, 2, 3, 9, 1, 2, 3, 4, 7]
-    positions: dict[int, list[int]] = {}
-    for j, t in enumerate(history):
-        positions.setdefault(t, []).append(j)
+    positions = ContextIndex()
+    positions.catch_up(history)
     assert copy_reach(positions, history, [1, 2, 3, 4, 8], cap=10) == 4  # the second run
     assert copy_reach(positions, history, [1, 2, 3, 4, 8], cap=2) == 2  # capped
     assert copy_reach(positions, history, [6, 1], cap=10) == 0  # first token never seen
