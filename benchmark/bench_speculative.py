@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import math
 import os
@@ -65,6 +66,7 @@ from benchmark.datasets import (
 )
 from benchmark.spec_metrics import (
     BASELINE,
+    SELF_REPEAT_N,
     ConfigError,
     SpecCounters,
     SpecRecord,
@@ -74,6 +76,7 @@ from benchmark.spec_metrics import (
     kind_table,
     median_paired_speedup,
     parse_spec_configs,
+    repetition_table,
     run_cell,
     speedup,
     summarize_run,
@@ -375,7 +378,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "memory at a time) instead of all at once, taking turns request by request "
                    "(4c requests at a time at concurrency c)")
     p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--report", nargs="+", metavar="JSON", default=None,
+                   help="print the tables of earlier runs from their JSON and exit")
     args = p.parse_args(argv)
+    if args.report:
+        return args
     try:
         args.concurrency = sorted({int(x) for x in args.concurrency.split(",") if x.strip()})
     except ValueError:
@@ -433,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
                         datefmt="%H:%M:%S")
     args = parse_args(argv)
+    if args.report:
+        return report(args.report)
     from runtime.model_loader.default_model import resolve_model_path
 
     model_dir = str(resolve_model_path(args.model_path))
@@ -479,12 +488,38 @@ def main(argv: list[str] | None = None) -> int:
     from benchmark.plots import plot_speculative
 
     plot_path = plot_speculative(result, args.plot or Path(args.output).with_suffix(".png"))
-    print(f"\nJSON: {json_path}\nplot: {plot_path}\n{title}\n")
+    print(f"\nJSON: {json_path}\nplot: {plot_path}")
+    print_tables(result)
+    return 0 if all(r["metrics"]["completed"] for r in runs) else 1
+
+
+def print_tables(result: dict[str, Any]) -> None:
+    """The title, the per-kind and self-repetition breakdowns, and the summary table last."""
+    print(f"{result.get('title', '')}\n")
     by_kind = kind_table(result)
     if by_kind:
         print(f"by prompt kind\n{by_kind}\n")
+    by_repeat = repetition_table(result)
+    if by_repeat:
+        print(f"by self-repetition of the baseline's output ({SELF_REPEAT_N}-grams)\n"
+              f"{by_repeat}\n")
     print(summary_table(result))
-    return 0 if all(r["metrics"]["completed"] for r in runs) else 1
+
+
+def report(paths: list[str]) -> int:
+    """Re-print the tables of saved runs (`--report results/x.json ...`)."""
+    for i, path in enumerate(paths):
+        try:
+            with open(path) as f:
+                result = json.load(f)
+            if not isinstance(result, dict) or "runs" not in result:
+                raise ValueError("not a bench_speculative JSON")
+        except (OSError, ValueError) as exc:
+            logger.error("%s: %s", path, exc)
+            return 2
+        print(("\n" if i else "") + f"== {path}")
+        print_tables(result)
+    return 0
 
 
 if __name__ == "__main__":

@@ -289,6 +289,70 @@ def kind_table(result: dict[str, Any]) -> str | None:
     return format_table(["dataset", "conc", "T", "config", "kind", "out tok/s", "speedup"], rows)
 
 
+# A token "repeats the output" when the SELF_REPEAT_N tokens ending at it already occurred, in
+# that order, earlier in the same output: the model looping on its own text (small models do
+# under greedy decoding), as opposed to copying its prompt.
+SELF_REPEAT_N = 16
+SELF_REPEAT_SPLIT = 0.10  # requests whose output repeats itself at least this much are "looping"
+
+
+def self_repeat_share(tokens: list[int], n: int = SELF_REPEAT_N) -> float:
+    """Share of `tokens` at which the n-gram ending there occurred earlier in `tokens`."""
+    if len(tokens) <= n:
+        return 0.0
+    seen: set[tuple[int, ...]] = set()
+    hits = 0
+    for i in range(n, len(tokens) + 1):
+        gram = tuple(tokens[i - n : i])
+        hits += gram in seen
+        seen.add(gram)
+    return hits / len(tokens)
+
+
+def repetition_table(result: dict[str, Any]) -> str | None:
+    """Speedup of every candidate run split by how much the baseline's output repeats itself.
+
+    Long greedy answers of a small model can fall into loops, which n-gram drafting accepts
+    wholesale; this shows how much of a speedup comes from them. Rows: all requests, those whose
+    baseline output repeats itself < SELF_REPEAT_SPLIT, and the rest; each with its share of the
+    baseline's tokens that repeat the output. None when there is no baseline to pair with.
+    """
+    label = result.get("baseline_label")
+    base = {run_cell(r): r for r in result["runs"] if r["config"] == label}
+    rows = []
+    for run in result["runs"]:
+        ref = base.get(run_cell(run))
+        if run["config"] == label or ref is None:
+            continue
+        mine = {_get(r, "id"): r for r in run["records"] if _get(r, "success")}
+        pairs = [(b, mine[_get(b, "id")]) for b in ref["records"]
+                 if _get(b, "success") and _get(b, "id") in mine]
+        if not pairs:
+            continue
+        shares = {_get(b, "id"): self_repeat_share(list(_get(b, "output_ids") or []))
+                  for b, _ in pairs}
+        groups = [("all", pairs),
+                  (f"repeats < {SELF_REPEAT_SPLIT:.0%}",
+                   [p for p in pairs if shares[_get(p[0], "id")] < SELF_REPEAT_SPLIT]),
+                  (f"repeats >= {SELF_REPEAT_SPLIT:.0%}",
+                   [p for p in pairs if shares[_get(p[0], "id")] >= SELF_REPEAT_SPLIT])]
+        dataset, conc, temp = run_cell(run)
+        for name, group in groups:
+            if not group:
+                continue
+            tokens = sum(_get(b, "completion_tokens") for b, _ in group)
+            repeated = sum(shares[_get(b, "id")] * _get(b, "completion_tokens") for b, _ in group)
+            t_base = sum(_get(b, "e2e_s") for b, _ in group)
+            t_mine = sum(_get(c, "e2e_s") for _, c in group)
+            rows.append([dataset, conc, fmt_temperature(temp), run["config"], name, len(group),
+                         tokens, f"{repeated / tokens:.1%}" if tokens else "-",
+                         _num(speedup(t_base, t_mine), "{:.2f}x")])
+    if not rows:
+        return None
+    return format_table(["dataset", "conc", "T", "config", "requests", "n", "tokens",
+                         "output repeats itself", "speedup"], rows)
+
+
 def _get(record: Any, name: str) -> Any:
     return record[name] if isinstance(record, dict) else getattr(record, name)
 

@@ -592,3 +592,58 @@ def test_kind_table_splits_runs_by_prompt_kind_against_the_same_baseline() -> No
     assert sum(r[3] == "HF" for r in rows) == 4  # two modes x two kinds
     one_kind = [{**runs[0], "records": [r for r in base if r.kind == "code"]}]
     assert kind_table({"baseline_label": "baseline", "runs": one_kind}) is None
+
+
+def test_self_repeat_share_counts_tokens_that_close_an_earlier_ngram() -> None:
+    from benchmark.spec_metrics import self_repeat_share
+
+    assert self_repeat_share([]) == 0.0
+    assert self_repeat_share(list(range(100))) == 0.0  # no n-gram twice
+    loop = list(range(20)) * 3  # a 20-token cycle, three times; brute-force count:
+    want = sum(tuple(loop[i - 16 : i]) in {tuple(loop[j - 16 : j]) for j in range(16, i)}
+               for i in range(16, 61)) / 60
+    assert self_repeat_share(loop) == pytest.approx(want)
+    assert 0.3 < self_repeat_share(loop) < 0.6
+    assert self_repeat_share([1, 2, 1, 2, 1, 2], n=2) == pytest.approx(3 / 6)
+
+
+def test_repetition_table_splits_speedup_by_looping_baseline_outputs() -> None:
+    from benchmark.spec_metrics import repetition_table
+
+    looping, plain = list(range(20)) * 5, list(range(100))
+
+    def rec(rid: str, out: list[int], t: float) -> SpecRecord:
+        return SpecRecord(rid, "rewrite", 5, 100, success=True, completion_tokens=len(out),
+                          e2e_s=t, output_ids=out)
+
+    base = [rec("a", plain, 2.0), rec("b", looping, 2.0)]
+    ngram = [rec("a", plain, 1.0), rec("b", looping, 0.5)]
+    runs = [{"dataset": "rewrite", "config": c, "concurrency": 1, "temperature": 0.0,
+             "records": r} for c, r in (("baseline", base), ("NGRAM", ngram))]
+    table = repetition_table({"baseline_label": "baseline", "runs": runs})
+    rows = {" ".join(p[4:-4]): p[-4:] for p in map(str.split, table.splitlines()[2:])}
+    assert rows["all"] == ["2", "200", rows["all"][2], "2.67x"]  # 4 s / 1.5 s
+    assert rows["repeats < 10%"] == ["1", "100", "0.0%", "2.00x"]
+    assert rows["repeats >= 10%"][:2] == ["1", "100"]
+    assert rows["repeats >= 10%"][3] == "4.00x"
+    assert float(rows["repeats >= 10%"][2].rstrip("%")) > 50
+    assert repetition_table({"baseline_label": "baseline", "runs": runs[:1]}) is None
+
+
+def test_report_reprints_saved_runs(tmp_path, capsys) -> None:
+    import json
+
+    rec = {"id": "a", "kind": "rewrite", "success": True, "completion_tokens": 10, "e2e_s": 1.0,
+           "output_ids": list(range(10))}
+    metrics = {"output_tokens_per_s": 10.0, "median_request_tokens_per_s": 10.0,
+               "completed": 1}
+    runs = [{"dataset": "rewrite", "config": c, "concurrency": 1, "temperature": 0.0,
+             "records": [rec], "metrics": metrics} for c in ("baseline", "NGRAM")]
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"title": "t", "baseline_label": "baseline", "runs": runs}))
+    assert bench_speculative.main(["--report", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "self-repetition" in out and out.rstrip().splitlines()[-1].split()[3] == "NGRAM"
+    bad = tmp_path / "bad.json"
+    bad.write_text("[]")
+    assert bench_speculative.main(["--report", str(bad)]) == 2
