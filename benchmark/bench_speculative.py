@@ -35,8 +35,12 @@
   configured as); speedup needs `--baseline-url` (a server without speculation). The servers'
   radix caches are flushed before each run, their n-gram caches cannot be: with several
   concurrency levels or temperatures, later runs draft from earlier outputs.
+- Self-repetition: long greedy answers of a small model can loop on their own text, which
+  n-gram drafting accepts wholesale. A table splits each speedup into requests whose baseline
+  output repeats itself (share of tokens closing a 16-gram already in that output) under 10%
+  and the rest, so a speedup that comes from loops shows as one.
 Writes full JSON (per-request records included, `--output`) and a PNG (`--plot`); prints a
-table last.
+table last. `--report results/x.json ...` re-prints the tables of saved runs.
 """
 
 from __future__ import annotations
