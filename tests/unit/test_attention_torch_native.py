@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from runtime.layers.attention import TorchNativeBackend
+from runtime.layers.attention.torch_native import slot_run
 from runtime.mem_cache import KVPool, TokenSlotAllocator
 from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 
@@ -35,7 +36,7 @@ def dense_attention(q, keys, values, allowed, scale):
     return torch.einsum("hs,shd->hd", scores.softmax(-1), v)
 
 
-def make_case(mode, bsz, seed, num_heads=4, num_kv_heads=2, head_dim=16):
+def make_case(mode, bsz, seed, num_heads=4, num_kv_heads=2, head_dim=16, contiguous=False):
     gen = torch.Generator().manual_seed(seed)
     pool = KVPool(512, 1, num_kv_heads, head_dim, torch.float32, "cpu")
     alloc = TokenSlotAllocator(512)
@@ -49,7 +50,7 @@ def make_case(mode, bsz, seed, num_heads=4, num_kv_heads=2, head_dim=16):
     for p, e in zip(prefix_lens, extend_lens):
         # non-contiguous slots: allocate, free some, allocate again
         s = alloc.alloc(p + e)
-        slots.append(s[torch.randperm(p + e, generator=gen)])
+        slots.append(s if contiguous else s[torch.randperm(p + e, generator=gen)])
         pool.k[0][slots[-1][:p]] = torch.randn(p, num_kv_heads, head_dim, generator=gen)
         pool.v[0][slots[-1][:p]] = torch.randn(p, num_kv_heads, head_dim, generator=gen)
         if mode.uses_custom_mask:
@@ -130,3 +131,40 @@ def test_new_kv_lands_in_out_cache_loc():
     backend.forward(q, k, v, 0, batch)
     torch.testing.assert_close(pool.k[0][batch.out_cache_loc], k)
     torch.testing.assert_close(pool.v[0][batch.out_cache_loc], v)
+
+
+def test_slot_run():
+    assert slot_run(torch.tensor([5, 6, 7, 8])) == (5, 4)
+    assert slot_run(torch.tensor([9])) == (9, 1)
+    assert slot_run(torch.tensor([], dtype=torch.int64)) is None
+    assert slot_run(torch.tensor([5, 7, 6, 8])) is None  # same ends, not one run
+    assert slot_run(torch.tensor([5, 6, 8])) is None
+    assert slot_run(torch.tensor([8, 7, 6])) is None
+
+
+@pytest.mark.parametrize(
+    "mode", [ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY]
+)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_one_run_of_slots_reads_a_view_equal_to_the_gather(mode, seed):
+    """Batch 1 with its slots in one ascending run reads the pool as a view: same output, bit
+    for bit, as the gathered path, and equal to the dense reference."""
+    pool, batch, q, k, v, masks = make_case(mode, 1, seed, contiguous=True)
+    backend = TorchNativeBackend(pool, 4, 0.25)
+    backend.init_forward_metadata(batch)
+    assert batch.attn_metadata.kv_run == (int(batch.kv_indices[0]), batch.kv_indices.numel())
+    viewed = backend.forward(q, k, v, 0, batch)
+    batch.attn_metadata.kv_run = None
+    gathered = backend.forward(q, k, v, 0, batch)
+    assert torch.equal(viewed, gathered)
+    p, e = batch.prefix_lens[0], batch.extend_lens[0]
+    keys, vals = pool.k[0][batch.kv_indices], pool.v[0][batch.kv_indices]
+    for i in range(e):
+        allowed = torch.zeros(p + e, dtype=torch.bool)
+        allowed[:p] = True
+        if mode.uses_custom_mask:
+            allowed[p:] = masks[0][i]
+        else:
+            allowed[p : p + i + 1] = True
+        ref = dense_attention(q[i], keys, vals, allowed, 0.25)
+        torch.testing.assert_close(viewed[i].double(), ref, atol=1e-5, rtol=1e-5)
