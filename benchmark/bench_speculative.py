@@ -75,6 +75,7 @@ from benchmark.spec_metrics import (
     SpecCounters,
     SpecRecord,
     SpecRunConfig,
+    baseline_runs,
     compare_to_baseline,
     fmt_temperatures,
     kind_table,
@@ -321,7 +322,7 @@ def attach_comparisons(
     """Speedup against the same-run baseline at the same dataset, concurrency and temperature;
     mismatches (greedy runs only) against its outputs. HF is greedy: vs HF prompt lookup for
     runs at c = 1 and T = 0 only, HF mismatches against the baseline's c = 1, T = 0 run."""
-    base = {run_cell(r): r for r in runs if r["config"] == baseline_label}
+    base = baseline_runs(runs, baseline_label)
     for run in runs:
         m = run["metrics"]
         ref = base.get(run_cell(run))

@@ -259,6 +259,11 @@ def run_cell(run: dict[str, Any]) -> tuple[str, int, float]:
     return run["dataset"], run["concurrency"], run.get("temperature") or 0.0
 
 
+def baseline_runs(runs: list[dict[str, Any]], label: str | None) -> dict[tuple, dict[str, Any]]:
+    """The baseline run of every (dataset, concurrency, temperature) cell."""
+    return {run_cell(r): r for r in runs if r["config"] == label}
+
+
 def kind_table(result: dict[str, Any]) -> str | None:
     """Tokens/s per prompt kind (e.g. the peer prompts' `code` and `passage`) of every run and HF
     mode, with the speedup over the same run's baseline; None when no dataset mixes kinds."""
@@ -267,7 +272,7 @@ def kind_table(result: dict[str, Any]) -> str | None:
         t = sum(_get(r, "e2e_s") for r in ok)
         return sum(_get(r, "completion_tokens") for r in ok) / t if t > 0 else None
 
-    base = {run_cell(r): r for r in result["runs"] if r["config"] == result.get("baseline_label")}
+    base = baseline_runs(result["runs"], result.get("baseline_label"))
     named = [(run_cell(r), r["config"], r["records"], base.get(run_cell(r)))
              for r in result["runs"]]
     for dataset, modes in (result.get("hf") or {}).items():
@@ -318,7 +323,7 @@ def repetition_table(result: dict[str, Any]) -> str | None:
     baseline's tokens that repeat the output. None when there is no baseline to pair with.
     """
     label = result.get("baseline_label")
-    base = {run_cell(r): r for r in result["runs"] if r["config"] == label}
+    base = baseline_runs(result["runs"], label)
     rows = []
     for run in result["runs"]:
         ref = base.get(run_cell(run))
