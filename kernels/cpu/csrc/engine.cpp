@@ -1,0 +1,668 @@
+// The CPU engine: a Llama-family decoder stack run in one call per forward on a persistent
+// thread pool, with the per-ISA kernels of kernels.h. Built with the baseline flags; picks the
+// widest kernel table the CPU supports at run time (SPECSERVE_CPU_ISA can force a narrower one).
+//
+// One forward = embed -> per layer [rmsnorm -> qkv -> rope + KV write -> attention -> o (+= x)
+// -> rmsnorm -> gate_up (silu * up) -> down (+= x)] -> final norm -> LM head rows. Every step
+// splits its work over output columns, heads or rows, never over a reduction, so each output
+// row is the same float computation whatever the batch: a verify row equals a decode row bit
+// for bit (tests/unit/test_cpu_engine.py).
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <chrono>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels.h"
+#include "pool.h"
+
+namespace specserve {
+namespace {
+
+bool cpu_has(const char* f) {
+  __builtin_cpu_init();
+  if (!std::strcmp(f, "avx512")) {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c") &&
+           __builtin_cpu_supports("fma");
+  }
+  if (!std::strcmp(f, "avx2")) {
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+  }
+  return true;
+}
+
+// The widest supported table, or the one SPECSERVE_CPU_ISA names (if the CPU supports it).
+const IsaKernels* pick_isa(const std::string& want) {
+  const char* env = std::getenv("SPECSERVE_CPU_ISA");
+  std::string w = !want.empty() ? want : (env ? env : "auto");
+  if ((w == "auto" || w == "avx512") && cpu_has("avx512")) return avx512_kernels();
+  if ((w == "auto" || w == "avx512" || w == "avx2") && cpu_has("avx2")) return avx2_kernels();
+  if (w != "auto" && w != "avx512" && w != "avx2" && w != "generic") {
+    throw std::invalid_argument("SPECSERVE_CPU_ISA must be auto, avx512, avx2 or generic, got " + w);
+  }
+  return generic_kernels();
+}
+
+ThreadPool& pool(int nthreads) {
+  static std::unique_ptr<ThreadPool> p;
+  if (!p || p->size() != nthreads) p = std::make_unique<ThreadPool>(nthreads);
+  return *p;
+}
+
+template <class F>
+void parallel(int nthreads, F& f) {
+  pool(nthreads).run([](void* ctx, int tid, int n) { (*static_cast<F*>(ctx))(tid, n); }, &f);
+}
+
+}  // namespace
+
+// ---- packed weights -----------------------------------------------------------------------
+
+struct PackedLinear {
+  int fmt = F32;
+  int K = 0;
+  int N = 0;      // output columns (EPI_SILU_MUL users: 2 x intermediate packed rows)
+  int tiles = 0;  // packed row tiles of 16
+  torch::Tensor data;  // uint8 tiles (kernels.h layouts)
+  torch::Tensor bias;  // float32 [tiles * 16] in packed row order, or undefined
+
+  PackedLinear() = default;
+  PackedLinear(int fmt_, int K_, int N_, torch::Tensor data_, c10::optional<torch::Tensor> bias_)
+      : fmt(fmt_), K(K_), N(N_), data(std::move(data_)) {
+    TORCH_CHECK(fmt >= F32 && fmt <= Q4_1, "unknown weight format ", fmt);
+    TORCH_CHECK(data.dtype() == torch::kUInt8 && data.is_contiguous() && data.device().is_cpu(),
+                "packed weights must be a contiguous CPU uint8 tensor");
+    TORCH_CHECK(!is_block_format(fmt) || K % QK == 0, "block formats need K % 32 == 0, got ", K);
+    tiles = (N + NR - 1) / NR;
+    const int64_t per_tile = is_block_format(fmt) ? (int64_t)(K / QK) * tile_block_bytes(fmt)
+                                                  : (int64_t)K * NR * float_elem_bytes(fmt);
+    TORCH_CHECK(data.numel() == per_tile * tiles, "packed size ", data.numel(), " != ",
+                per_tile * tiles, " for N=", N, " K=", K, " fmt=", fmt);
+    if (bias_.has_value() && bias_->defined()) {
+      bias = bias_->contiguous().to(torch::kFloat32);
+      TORCH_CHECK(bias.numel() == (int64_t)tiles * NR, "bias must be padded to the tiles");
+    }
+  }
+  const uint8_t* ptr() const { return data.data_ptr<uint8_t>(); }
+  const float* bias_ptr() const { return bias.defined() ? bias.data_ptr<float>() : nullptr; }
+
+  // Row r of the (dequantized) weight matrix into out[K]: the embedding lookup of a tied or
+  // packed embedding. Same float steps as gguf's dequantize (d * q, d * q + m, d * (q - 8)).
+  void row(int64_t r, float* out) const {
+    const int tile = (int)(r / NR), j = (int)(r % NR);
+    if (is_block_format(fmt)) {
+      const int nb = K / QK, tbb = tile_block_bytes(fmt);
+      for (int b = 0; b < nb; ++b) {
+        const uint8_t* tb = ptr() + block_offset(tile, b, nb, tiles, tbb);
+        const uint8_t* sc = tb + (fmt == Q8_0 ? 512 : 256);
+        const float d = half_to_float(load_u16(sc + 2 * j));
+        for (int k = 0; k < QK; ++k) {
+          float v;
+          if (fmt == Q8_0) {
+            v = d * (float)(int8_t)tb[64 * (k / 4) + 4 * j + k % 4];
+          } else {
+            const uint8_t byte = tb[64 * ((k % 16) / 4) + 4 * j + k % 4];
+            const int q = k < 16 ? byte & 0x0f : byte >> 4;
+            if (fmt == Q4_0) v = d * (float)(q - 8);
+            else v = d * (float)q + half_to_float(load_u16(sc + 32 + 2 * j));
+          }
+          out[b * QK + k] = v;
+        }
+      }
+      return;
+    }
+    const int eb = float_elem_bytes(fmt);
+    const uint8_t* tw = ptr() + (int64_t)tile * K * NR * eb;
+    for (int k = 0; k < K; ++k) {
+      const uint8_t* p = tw + ((int64_t)k * NR + j) * eb;
+      if (fmt == F32) std::memcpy(out + k, p, 4);
+      else if (fmt == BF16) out[k] = bf16_to_float(load_u16(p));
+      else out[k] = half_to_float(load_u16(p));
+    }
+  }
+};
+
+// Activation buffers of block-format matmuls, grown on demand (never shrunk).
+struct ActBuffers {
+  std::vector<int8_t> q;
+  std::vector<float> scale, fsum;
+  std::vector<int32_t> sums;
+  void reserve(int64_t rows, int K, int levels) {
+    const int64_t nb = K / QK;
+    if ((int64_t)q.size() < rows * levels * K) q.resize(rows * levels * K);
+    if ((int64_t)scale.size() < rows * nb) scale.resize(rows * nb), fsum.resize(rows * nb);
+    if ((int64_t)sums.size() < rows * levels * nb) sums.resize(rows * levels * nb);
+  }
+  ActQ view(int K, int levels) const {
+    ActQ a;
+    a.levels = levels;
+    a.K = K;
+    a.q = q.data();
+    a.scale = scale.data();
+    a.sums = sums.data();
+    a.fsum = fsum.data();
+    return a;
+  }
+};
+
+// One matmul step inside a parallel region: quantize rows [own rows] (block formats), barrier,
+// multiply this thread's tiles. Callers put a barrier after it before reading y.
+struct MatmulStep {
+  const IsaKernels* isa;
+  ThreadPool* pool;
+  ActBuffers* act;
+  int levels;
+
+  void operator()(const PackedLinear& w, int M, const float* x, int64_t ldx, float* y,
+                  int64_t ldy, int epilogue, int tid, int n) const {
+    GemmArgs a;
+    a.fmt = w.fmt;
+    a.K = w.K;
+    a.N = epilogue == EPI_SILU_MUL ? w.N / 2 : w.N;
+    a.M = M;
+    a.tiles = w.tiles;
+    a.w = w.ptr();
+    a.bias = w.bias_ptr();
+    a.x = x;
+    a.ldx = ldx;
+    a.y = y;
+    a.ldy = ldy;
+    a.epilogue = epilogue;
+    if (is_block_format(w.fmt)) {
+      int r0, r1;
+      split_range(M, tid, n, &r0, &r1);
+      isa->quantize(x, ldx, r0, r1, w.K, levels, act->q.data(), act->scale.data(),
+                    act->sums.data(), act->fsum.data());
+      a.act = act->view(w.K, levels);
+      pool->barrier(tid);
+    }
+    // split in whole pairs: a thread's tiles start even, so it reads each pair as one stream
+    int t0, t1;
+    if (epilogue == EPI_SILU_MUL) {
+      split_range(w.tiles / 2, tid, n, &t0, &t1);
+    } else {
+      split_range((w.tiles + 1) / 2, tid, n, &t0, &t1);
+      t0 *= 2;
+      t1 = std::min(2 * t1, w.tiles);
+    }
+    if (t1 > t0) isa->gemm(a, t0, t1);
+  }
+};
+
+// ---- the model ----------------------------------------------------------------------------
+
+struct Layer {
+  PackedLinear qkv, o, gate_up, down;
+  torch::Tensor in_norm, post_norm, q_norm, k_norm;  // q/k norms: Qwen3 only
+};
+
+class CpuModel {
+ public:
+  CpuModel(int hidden, int num_heads, int num_kv_heads, int head_dim, int intermediate,
+           int vocab, double eps, int levels, int nthreads, const std::string& isa)
+      : H_(hidden), Hq_(num_heads), KVH_(num_kv_heads), D_(head_dim), I_(intermediate),
+        V_(vocab), eps_((float)eps), levels_(levels), nthreads_(nthreads), isa_(pick_isa(isa)) {
+    TORCH_CHECK(levels >= 1 && levels <= 3, "activation digits must be 1, 2 or 3");
+    TORCH_CHECK(num_heads % num_kv_heads == 0, "heads must be a multiple of KV heads");
+    TORCH_CHECK(head_dim % 2 == 0, "head_dim must be even (rotary)");
+  }
+
+  std::string isa_name() const { return isa_->name; }
+
+  // Per-phase wall time of thread 0 (each phase ends at a barrier, so waits count where they
+  // occur); off by default, for profiling (benchmark/profile_cpu_engine.py).
+  void set_profile(bool on) {
+    profile_ = on;
+    prof_.assign(kPhases, 0.0);
+    prof_calls_ = 0;
+  }
+  std::map<std::string, double> profile() const {
+    static const char* names[kPhases] = {"embed", "attn_norm", "qkv", "rope_kv", "attention",
+                                         "o_proj", "mlp_norm", "gate_up", "down", "final_norm",
+                                         "lm_head"};
+    std::map<std::string, double> out;
+    for (int i = 0; i < kPhases; ++i) out[names[i]] = prof_calls_ ? prof_[i] / prof_calls_ : 0;
+    return out;
+  }
+  int num_threads() const { return nthreads_; }
+  void set_num_threads(int n) { nthreads_ = n < 1 ? 1 : n; }
+
+  void add_layer(PackedLinear qkv, PackedLinear o, PackedLinear gate_up, PackedLinear down,
+                 torch::Tensor in_norm, torch::Tensor post_norm,
+                 c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm) {
+    TORCH_CHECK(qkv.K == H_ && qkv.N == (Hq_ + 2 * KVH_) * D_, "qkv shape");
+    TORCH_CHECK(o.K == Hq_ * D_ && o.N == H_, "o_proj shape");
+    TORCH_CHECK(gate_up.K == H_ && gate_up.N == 2 * I_ && gate_up.tiles % 2 == 0 &&
+                I_ % NR == 0, "gate_up shape (interleaved gate/up tiles)");
+    TORCH_CHECK(down.K == I_ && down.N == H_, "down_proj shape");
+    Layer l{std::move(qkv), std::move(o), std::move(gate_up), std::move(down),
+            f32(in_norm), f32(post_norm), {}, {}};
+    if (q_norm.has_value()) l.q_norm = f32(*q_norm);
+    if (k_norm.has_value()) l.k_norm = f32(*k_norm);
+    layers_.push_back(std::move(l));
+  }
+  void set_head(PackedLinear embed, PackedLinear lm_head, torch::Tensor final_norm) {
+    TORCH_CHECK(embed.K == H_ && embed.N == V_ && lm_head.K == H_ && lm_head.N == V_, "vocab");
+    embed_ = std::move(embed);
+    lm_head_ = std::move(lm_head);
+    final_norm_ = f32(final_norm);
+  }
+  void set_rope(torch::Tensor cos, torch::Tensor sin) {
+    TORCH_CHECK(cos.size(1) == D_ / 2 && sin.sizes() == cos.sizes(), "rope tables [pos, D/2]");
+    cos_ = f32(cos);
+    sin_ = f32(sin);
+  }
+  void set_kv(std::vector<torch::Tensor> k, std::vector<torch::Tensor> v) {
+    TORCH_CHECK(k.size() == layers_.size() && v.size() == layers_.size(), "one KV per layer");
+    for (auto& t : k) TORCH_CHECK(t.dtype() == torch::kFloat32 && t.is_contiguous(), "fp32 KV");
+    for (auto& t : v) TORCH_CHECK(t.dtype() == torch::kFloat32 && t.is_contiguous(), "fp32 KV");
+    k_ = std::move(k);
+    v_ = std::move(v);
+  }
+
+  // Returns [logits [R, V], final_hidden [T, H] or empty, captured hidden [T, H] per layer].
+  std::vector<torch::Tensor> forward(torch::Tensor input_ids, torch::Tensor positions,
+                                     torch::Tensor out_loc, torch::Tensor tok_req,
+                                     torch::Tensor tok_local, torch::Tensor kv_indptr,
+                                     torch::Tensor kv_indices, torch::Tensor prefix_len,
+                                     torch::Tensor extend_len, torch::Tensor masks,
+                                     torch::Tensor mask_indptr, torch::Tensor logits_rows,
+                                     std::vector<int64_t> capture, bool final_hidden);
+
+  torch::Tensor linear(const PackedLinear& w, torch::Tensor x) {
+    x = f32(x);
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == w.K, "x must be [M, K]");
+    const int M = (int)x.size(0);
+    auto y = torch::empty({M, w.N}, torch::kFloat32);
+    act_.reserve(M, w.K, levels_);
+    MatmulStep mm{isa_, &pool(nthreads_), &act_, levels_};
+    const float* xp = x.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    auto body = [&](int tid, int n) { mm(w, M, xp, w.K, yp, w.N, EPI_STORE, tid, n); };
+    if (M > 0) parallel(nthreads_, body);
+    return y;
+  }
+  torch::Tensor lm_head(torch::Tensor x) { return linear(lm_head_, x); }
+  torch::Tensor embed(torch::Tensor ids) {
+    ids = ids.contiguous().to(torch::kInt64);
+    auto out = torch::empty({ids.numel(), H_}, torch::kFloat32);
+    const int64_t* ip = ids.data_ptr<int64_t>();
+    for (int64_t t = 0; t < ids.numel(); ++t) {
+      TORCH_CHECK(ip[t] >= 0 && ip[t] < V_, "token id out of range: ", ip[t]);
+      embed_.row(ip[t], out.data_ptr<float>() + t * H_);
+    }
+    return out;
+  }
+  torch::Tensor final_norm(torch::Tensor x) {
+    x = f32(x);
+    auto y = torch::empty_like(x);
+    isa_->rmsnorm(x.data_ptr<float>(), H_, final_norm_.data_ptr<float>(), eps_, H_,
+                  y.data_ptr<float>(), H_, 0, (int)x.size(0));
+    return y;
+  }
+
+ private:
+  static torch::Tensor f32(torch::Tensor t) { return t.contiguous().to(torch::kFloat32); }
+
+  int H_, Hq_, KVH_, D_, I_, V_;
+  float eps_;
+  int levels_, nthreads_;
+  const IsaKernels* isa_;
+  std::vector<Layer> layers_;
+  PackedLinear embed_, lm_head_;
+  torch::Tensor final_norm_, cos_, sin_;
+  std::vector<torch::Tensor> k_, v_;
+  // scratch, grown on demand
+  std::vector<float> x_, xn_, qkv_, attn_, h_, fin_;
+  ActBuffers act_;
+  std::vector<std::vector<int64_t>> slots_;
+  std::vector<std::vector<float>> scores_;
+  static constexpr int kPhases = 11;
+  bool profile_ = false;
+  std::vector<double> prof_ = std::vector<double>(kPhases, 0.0);
+  int64_t prof_calls_ = 0;
+};
+
+namespace {
+
+void rope_inplace(float* x, const float* cos, const float* sin, int D) {
+  // rotate-half pairs (i, i + D/2), as runtime/layers/rotary.py
+  const int h = D / 2;
+  for (int i = 0; i < h; ++i) {
+    const float x1 = x[i], x2 = x[i + h];
+    x[i] = x1 * cos[i] - x2 * sin[i];
+    x[i + h] = x2 * cos[i] + x1 * sin[i];
+  }
+}
+
+template <class T>
+const T* ptr_of(const torch::Tensor& t) { return t.numel() ? t.data_ptr<T>() : nullptr; }
+
+}  // namespace
+
+std::vector<torch::Tensor> CpuModel::forward(
+    torch::Tensor input_ids, torch::Tensor positions, torch::Tensor out_loc, torch::Tensor tok_req,
+    torch::Tensor tok_local, torch::Tensor kv_indptr, torch::Tensor kv_indices,
+    torch::Tensor prefix_len, torch::Tensor extend_len, torch::Tensor masks,
+    torch::Tensor mask_indptr, torch::Tensor logits_rows, std::vector<int64_t> capture,
+    bool final_hidden) {
+  TORCH_CHECK(!layers_.empty() && k_.size() == layers_.size() && cos_.defined(),
+              "model not fully set up (layers, head, rope, KV)");
+  const int T = (int)input_ids.numel();
+  const int R = (int)logits_rows.numel();
+  const int B = (int)prefix_len.numel();
+  const int nl = (int)layers_.size();
+  const int Nqkv = (Hq_ + 2 * KVH_) * D_, Nq = Hq_ * D_;
+  const int64_t* ids = input_ids.data_ptr<int64_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* loc = out_loc.data_ptr<int64_t>();
+  const int64_t* rows = ptr_of<int64_t>(logits_rows);
+  const int64_t max_pos = cos_.size(0);
+  for (int t = 0; t < T; ++t) {
+    TORCH_CHECK(ids[t] >= 0 && ids[t] < V_, "token id out of range: ", ids[t]);
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position out of range: ", pos[t]);
+  }
+  // the longest key list one query row can see
+  int64_t max_keys = 0;
+  const int64_t* ip = kv_indptr.data_ptr<int64_t>();
+  for (int b = 0; b < B; ++b) max_keys = std::max(max_keys, ip[b + 1] - ip[b]);
+
+  x_.resize((size_t)T * H_);
+  xn_.resize((size_t)T * std::max(H_, Nq));
+  qkv_.resize((size_t)T * Nqkv);
+  attn_.resize((size_t)T * Nq);
+  h_.resize((size_t)T * I_);
+  const int F = final_hidden ? T : R;
+  fin_.resize((size_t)std::max(F, 1) * H_);
+  act_.reserve(std::max(T, 1), std::max(std::max(H_, Nq), I_), levels_);
+  slots_.resize(nthreads_);
+  scores_.resize(nthreads_);
+  for (int i = 0; i < nthreads_; ++i) {
+    if ((int64_t)slots_[i].size() < max_keys) slots_[i].resize(max_keys);
+    if ((int64_t)scores_[i].size() < max_keys + 16) scores_[i].resize(max_keys + 16);
+  }
+  auto logits = torch::empty({R, V_}, torch::kFloat32);
+  torch::Tensor fh = final_hidden ? torch::empty({T, H_}, torch::kFloat32) : torch::Tensor();
+  std::vector<torch::Tensor> caps;
+  std::vector<float*> cap_at(nl + 1, nullptr);
+  for (int64_t c : capture) {
+    TORCH_CHECK(c >= 0 && c <= nl, "capture layer out of range: ", c);
+    caps.push_back(torch::empty({T, H_}, torch::kFloat32));
+    cap_at[c] = caps.back().data_ptr<float>();
+  }
+
+  AttnArgs aa;
+  aa.num_heads = Hq_;
+  aa.num_kv_heads = KVH_;
+  aa.head_dim = D_;
+  aa.scale = 1.f / std::sqrt((float)D_);
+  aa.q = qkv_.data();
+  aa.ldq = Nqkv;
+  aa.out = attn_.data();
+  aa.ldo = Nq;
+  aa.tok_req = tok_req.data_ptr<int32_t>();
+  aa.tok_local = tok_local.data_ptr<int32_t>();
+  aa.kv_indptr = ip;
+  aa.kv_indices = kv_indices.data_ptr<int64_t>();
+  aa.prefix_len = prefix_len.data_ptr<int32_t>();
+  aa.extend_len = extend_len.data_ptr<int32_t>();
+  aa.masks = ptr_of<uint8_t>(masks);
+  aa.mask_indptr = ptr_of<int64_t>(mask_indptr);
+
+  ThreadPool& tp = pool(nthreads_);
+  MatmulStep mm{isa_, &tp, &act_, levels_};
+  float* x = x_.data();
+  float* xn = xn_.data();
+  float* qkv = qkv_.data();
+  float* h = h_.data();
+  float* fin = fin_.data();
+  const float* cosp = cos_.data_ptr<float>();
+  const float* sinp = sin_.data_ptr<float>();
+  const int half = D_ / 2;
+
+  const bool prof = profile_;
+  auto body = [&](int tid, int n) {
+    auto last = std::chrono::steady_clock::now();
+    auto mark = [&](int phase) {  // thread 0, after a barrier: the phase's wall time
+      if (!prof || tid != 0) return;
+      const auto now = std::chrono::steady_clock::now();
+      prof_[phase] += std::chrono::duration<double>(now - last).count();
+      last = now;
+    };
+    int r0, r1;
+    split_range(T, tid, n, &r0, &r1);
+    for (int t = r0; t < r1; ++t) embed_.row(ids[t], x + (int64_t)t * H_);
+    AttnScratch scratch{slots_[tid].data(), scores_[tid].data()};
+    tp.barrier(tid);
+    mark(0);
+    for (int li = 0; li < nl; ++li) {
+      const Layer& L = layers_[li];
+      if (cap_at[li]) std::memcpy(cap_at[li] + (int64_t)r0 * H_, x + (int64_t)r0 * H_,
+                                  sizeof(float) * (r1 - r0) * H_);
+      isa_->rmsnorm(x, H_, L.in_norm.data_ptr<float>(), eps_, H_, xn, H_, r0, r1);
+      tp.barrier(tid);
+      mark(1);
+      mm(L.qkv, T, xn, H_, qkv, Nqkv, EPI_STORE, tid, n);
+      tp.barrier(tid);
+      mark(2);
+      // q/k norm (Qwen3), rotary, and this layer's K/V into the cache: items (token, head)
+      int i0, i1;
+      split_range(T * (Hq_ + KVH_), tid, n, &i0, &i1);
+      float* kc = k_[li].data_ptr<float>();
+      float* vc = v_[li].data_ptr<float>();
+      for (int it = i0; it < i1; ++it) {
+        const int t = it / (Hq_ + KVH_), hh = it % (Hq_ + KVH_);
+        float* row = qkv + (int64_t)t * Nqkv;
+        const float* c = cosp + pos[t] * half;
+        const float* s = sinp + pos[t] * half;
+        if (hh < Hq_) {
+          float* qh = row + hh * D_;
+          if (L.q_norm.defined()) isa_->rmsnorm(qh, D_, L.q_norm.data_ptr<float>(), eps_, D_, qh,
+                                                D_, 0, 1);
+          rope_inplace(qh, c, s, D_);
+        } else {
+          const int g = hh - Hq_;
+          float* kh = row + Nq + g * D_;
+          if (L.k_norm.defined()) isa_->rmsnorm(kh, D_, L.k_norm.data_ptr<float>(), eps_, D_, kh,
+                                                D_, 0, 1);
+          rope_inplace(kh, c, s, D_);
+          const float* vh = row + Nq + KVH_ * D_ + g * D_;
+          std::memcpy(kc + (loc[t] * KVH_ + g) * D_, kh, sizeof(float) * D_);
+          std::memcpy(vc + (loc[t] * KVH_ + g) * D_, vh, sizeof(float) * D_);
+        }
+      }
+      tp.barrier(tid);
+      mark(3);
+      AttnArgs la = aa;
+      la.k_cache = kc;
+      la.v_cache = vc;
+      split_range(T * Hq_, tid, n, &i0, &i1);
+      if (i1 > i0) isa_->attention(la, i0, i1, scratch);
+      tp.barrier(tid);
+      mark(4);
+      mm(L.o, T, attn_.data(), Nq, x, H_, EPI_ADD, tid, n);
+      tp.barrier(tid);
+      mark(5);
+      isa_->rmsnorm(x, H_, L.post_norm.data_ptr<float>(), eps_, H_, xn, H_, r0, r1);
+      tp.barrier(tid);
+      mark(6);
+      mm(L.gate_up, T, xn, H_, h, I_, EPI_SILU_MUL, tid, n);
+      tp.barrier(tid);
+      mark(7);
+      mm(L.down, T, h, I_, x, H_, EPI_ADD, tid, n);
+      tp.barrier(tid);
+      mark(8);
+    }
+    if (cap_at[nl]) std::memcpy(cap_at[nl] + (int64_t)r0 * H_, x + (int64_t)r0 * H_,
+                                sizeof(float) * (r1 - r0) * H_);
+    // final norm: every row when the caller wants final hidden states, else the logits rows
+    int f0, f1;
+    split_range(F, tid, n, &f0, &f1);
+    for (int f = f0; f < f1; ++f) {
+      const int64_t src = final_hidden ? f : rows[f];
+      isa_->rmsnorm(x + src * H_, H_, final_norm_.data_ptr<float>(), eps_, H_,
+                    fin + (int64_t)f * H_, H_, 0, 1);
+    }
+    tp.barrier(tid);
+    mark(9);
+    if (R == 0) return;
+    if (final_hidden) {
+      // logits rows are a subset: gather them after the norm (rows of fin)
+      split_range(R, tid, n, &f0, &f1);
+      for (int r = f0; r < f1; ++r) {
+        std::memcpy(xn + (int64_t)r * H_, fin + rows[r] * H_, sizeof(float) * H_);
+      }
+      tp.barrier(tid);
+      mm(lm_head_, R, xn, H_, logits.data_ptr<float>(), V_, EPI_STORE, tid, n);
+    } else {
+      mm(lm_head_, R, fin, H_, logits.data_ptr<float>(), V_, EPI_STORE, tid, n);
+    }
+    if (prof) tp.barrier(tid);  // (profiling only) so the LM head's time is all of it
+    mark(10);
+  };
+  for (int r = 0; r < R; ++r) TORCH_CHECK(rows[r] >= 0 && rows[r] < T, "logits row out of range");
+  if (R > T) xn_.resize((size_t)R * H_), xn = xn_.data();
+  act_.reserve(std::max(T, R), std::max(std::max(H_, Nq), I_), levels_);
+  if (T > 0) parallel(nthreads_, body);
+  if (prof) ++prof_calls_;
+  if (final_hidden) std::memcpy(fh.data_ptr<float>(), fin, sizeof(float) * T * H_);
+  std::vector<torch::Tensor> out{logits, final_hidden ? fh : torch::Tensor()};
+  for (auto& c : caps) out.push_back(c);
+  return out;
+}
+
+// ---- standalone ops (tests, and modules outside the fused stack) --------------------------
+
+torch::Tensor linear_op(const PackedLinear& w, torch::Tensor x, int levels, int nthreads,
+                        const std::string& isa, int epilogue, c10::optional<torch::Tensor> y_in) {
+  x = x.contiguous().to(torch::kFloat32);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.K, "x must be [M, K]");
+  const int M = (int)x.size(0);
+  const int ncols = epilogue == EPI_SILU_MUL ? w.N / 2 : w.N;
+  torch::Tensor y = y_in.has_value() ? *y_in : torch::zeros({M, ncols}, torch::kFloat32);
+  TORCH_CHECK(y.is_contiguous() && y.dtype() == torch::kFloat32 && y.size(0) == M &&
+              y.size(1) == ncols, "y must be a contiguous float32 [M, N]");
+  const IsaKernels* k = pick_isa(isa);
+  ActBuffers act;
+  act.reserve(std::max(M, 1), w.K, levels);
+  MatmulStep mm{k, &pool(nthreads), &act, levels};
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  auto body = [&](int tid, int n) { mm(w, M, xp, w.K, yp, ncols, epilogue, tid, n); };
+  if (M > 0) parallel(nthreads, body);
+  return y;
+}
+
+torch::Tensor attention_op(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           int num_heads, torch::Tensor tok_req, torch::Tensor tok_local,
+                           torch::Tensor kv_indptr, torch::Tensor kv_indices,
+                           torch::Tensor prefix_len, torch::Tensor extend_len, torch::Tensor masks,
+                           torch::Tensor mask_indptr, double scale, int nthreads,
+                           const std::string& isa) {
+  q = q.contiguous().to(torch::kFloat32);
+  const int T = (int)q.size(0);
+  const int KVH = (int)k_cache.size(1), D = (int)k_cache.size(2);
+  TORCH_CHECK(q.size(1) == (int64_t)num_heads * D, "q must be [T, heads * head_dim]");
+  auto out = torch::empty({T, (int64_t)num_heads * D}, torch::kFloat32);
+  AttnArgs a;
+  a.num_heads = num_heads;
+  a.num_kv_heads = KVH;
+  a.head_dim = D;
+  a.scale = (float)scale;
+  a.q = q.data_ptr<float>();
+  a.ldq = (int64_t)num_heads * D;
+  a.out = out.data_ptr<float>();
+  a.ldo = a.ldq;
+  a.k_cache = k_cache.data_ptr<float>();
+  a.v_cache = v_cache.data_ptr<float>();
+  a.tok_req = tok_req.data_ptr<int32_t>();
+  a.tok_local = tok_local.data_ptr<int32_t>();
+  a.kv_indptr = kv_indptr.data_ptr<int64_t>();
+  a.kv_indices = kv_indices.data_ptr<int64_t>();
+  a.prefix_len = prefix_len.data_ptr<int32_t>();
+  a.extend_len = extend_len.data_ptr<int32_t>();
+  a.masks = ptr_of<uint8_t>(masks);
+  a.mask_indptr = ptr_of<int64_t>(mask_indptr);
+  int64_t max_keys = 0;
+  for (int64_t b = 0; b + 1 < kv_indptr.numel(); ++b) {
+    max_keys = std::max(max_keys, a.kv_indptr[b + 1] - a.kv_indptr[b]);
+  }
+  const IsaKernels* k = pick_isa(isa);
+  std::vector<std::vector<int64_t>> slots(nthreads, std::vector<int64_t>(max_keys + 1));
+  std::vector<std::vector<float>> scores(nthreads, std::vector<float>(max_keys + 17));
+  auto body = [&](int tid, int n) {
+    int i0, i1;
+    split_range(T * num_heads, tid, n, &i0, &i1);
+    AttnScratch s{slots[tid].data(), scores[tid].data()};
+    if (i1 > i0) k->attention(a, i0, i1, s);
+  };
+  if (T > 0) parallel(nthreads, body);
+  return out;
+}
+
+torch::Tensor rmsnorm_op(torch::Tensor x, torch::Tensor w, double eps, const std::string& isa) {
+  x = x.contiguous().to(torch::kFloat32);
+  w = w.contiguous().to(torch::kFloat32);
+  auto y = torch::empty_like(x);
+  const int D = (int)x.size(-1);
+  pick_isa(isa)->rmsnorm(x.data_ptr<float>(), D, w.data_ptr<float>(), (float)eps, D,
+                         y.data_ptr<float>(), D, 0, (int)(x.numel() / D));
+  return y;
+}
+
+std::string isa_name(const std::string& isa) { return pick_isa(isa)->name; }
+
+}  // namespace specserve
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace specserve;
+  namespace py = pybind11;
+  py::class_<PackedLinear>(m, "PackedLinear")
+      .def(py::init<int, int, int, torch::Tensor, c10::optional<torch::Tensor>>(), py::arg("fmt"),
+           py::arg("K"), py::arg("N"), py::arg("data"), py::arg("bias") = py::none())
+      .def_readonly("fmt", &PackedLinear::fmt)
+      .def_readonly("K", &PackedLinear::K)
+      .def_readonly("N", &PackedLinear::N)
+      .def_readonly("tiles", &PackedLinear::tiles)
+      .def_readonly("data", &PackedLinear::data)
+      .def("dense", [](const PackedLinear& w) {
+        auto out = torch::empty({w.N, w.K}, torch::kFloat32);
+        float* p = out.data_ptr<float>();
+        for (int64_t r = 0; r < w.N; ++r) w.row(r, p + r * w.K);
+        return out;
+      })
+      .def("row", [](const PackedLinear& w, int64_t r) {
+        TORCH_CHECK(r >= 0 && r < w.N, "row out of range");
+        auto out = torch::empty({w.K}, torch::kFloat32);
+        w.row(r, out.data_ptr<float>());
+        return out;
+      });
+  py::class_<CpuModel>(m, "CpuModel")
+      .def(py::init<int, int, int, int, int, int, double, int, int, const std::string&>())
+      .def("add_layer", &CpuModel::add_layer)
+      .def("set_head", &CpuModel::set_head)
+      .def("set_rope", &CpuModel::set_rope)
+      .def("set_kv", &CpuModel::set_kv)
+      .def("forward", &CpuModel::forward, py::call_guard<py::gil_scoped_release>())
+      .def("linear", &CpuModel::linear, py::call_guard<py::gil_scoped_release>())
+      .def("lm_head", &CpuModel::lm_head, py::call_guard<py::gil_scoped_release>())
+      .def("embed", &CpuModel::embed)
+      .def("final_norm", &CpuModel::final_norm)
+      .def_property_readonly("isa", &CpuModel::isa_name)
+      .def("set_profile", &CpuModel::set_profile)
+      .def("profile", &CpuModel::profile)
+      .def_property("num_threads", &CpuModel::num_threads, &CpuModel::set_num_threads);
+  m.def("linear", &linear_op, py::arg("w"), py::arg("x"), py::arg("levels") = 3,
+        py::arg("nthreads") = 1, py::arg("isa") = "", py::arg("epilogue") = 0,
+        py::arg("y") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("attention", &attention_op, py::call_guard<py::gil_scoped_release>());
+  m.def("rmsnorm", &rmsnorm_op, py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("isa") = "");
+  m.def("isa_name", &isa_name, py::arg("isa") = "");
+}

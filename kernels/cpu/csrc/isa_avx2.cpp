@@ -1,0 +1,347 @@
+// AVX2 + FMA + F16C kernels, for CPUs without AVX-512. Same tile layouts as isa_avx512.cpp: a
+// 16-row tile is processed as two halves of 8 rows (one 8-lane vector each).
+//
+// Integer dot products use vpmaddubsw (u8 x s8 -> pairs summed into int16) and vpmaddwd (int16
+// pairs -> int32). Q4 weights are 0..15 and digits within +-127, so a pair sum stays within
+// +-3810 and eight of them within int16: no saturation. Q8_0 weights are signed, so they take
+// the sign trick (|w| x a*sign(w), at most 2 * 128 * 127 per pair) and widen group by group.
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "kernels.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,bmi,bmi2")
+
+namespace specserve {
+namespace {
+
+inline int32_t load_i32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+inline float hsum256(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+inline float hmax256(__m256 v) {
+  const __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+inline __m256 exp256(__m256 x) {
+  // as exp512 in isa_avx512.cpp; 2^n built in the exponent bits (n in [-126, 127] after clamp)
+  const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.33654f), _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.37626f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r),
+                                   _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                       _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+inline __m256 silu256(__m256 g) {
+  const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), g));
+  return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+}
+
+// ---- block formats: half-tile `half` (rows 8 * half .. + 7) ----------------------------------
+
+template <int FMT, int L, int MR>
+inline void half_block(const GemmArgs& a, int tile, int half, int m0, __m256 acc[MR]) {
+  const int nb = a.K / QK, K = a.K;
+  constexpr int TBB = FMT == Q8_0 ? 544 : FMT == Q4_0 ? 288 : 320;
+  constexpr int32_t OFF = FMT == Q4_0 ? 8 : 0;  // Q8_0 uses the sign trick here: no offset
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i lo4 = _mm256_set1_epi8(0x0f);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int b = 0; b < nb; ++b) {
+    const uint8_t* tb = a.w + block_offset(tile, b, nb, a.tiles, TBB);
+    __m256i wq[8];
+    if (FMT == Q8_0) {
+      for (int g = 0; g < 8; ++g) {
+        wq[g] = _mm256_loadu_si256((const __m256i*)(tb + 64 * g + 32 * half));
+      }
+    } else {
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(tb + 64 * c + 32 * half));
+        wq[c] = _mm256_and_si256(v, lo4);
+        wq[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+      }
+    }
+    const uint8_t* sc = tb + (FMT == Q8_0 ? 512 : 256) + 16 * half;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)sc));
+    __m256 mins = _mm256_setzero_ps();
+    if (FMT == Q4_1) mins = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sc + 32)));
+    for (int r = 0; r < MR; ++r) {
+      const int64_t m = m0 + r;
+      const int8_t* ab = a.act.q + m * L * K + b * QK;
+      const int32_t* sums = a.act.sums + m * L * nb + b;
+      // digits combined exactly in int32 (Horner, see isa_avx512.cpp); Q8_0: first digit apart
+      __m256i hi = _mm256_setzero_si256(), lo = _mm256_setzero_si256();
+      for (int l = 0; l < L; ++l) {
+        const int8_t* al = ab + (int64_t)l * K;
+        __m256i s;
+        if (FMT == Q8_0) {
+          s = _mm256_setzero_si256();
+          for (int g = 0; g < 8; ++g) {
+            const __m256i av = _mm256_set1_epi32(load_i32(al + 4 * g));
+            const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(wq[g], wq[g]),
+                                                   _mm256_sign_epi8(av, wq[g]));
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
+          }
+          if (l == 0) hi = s;
+          else lo = _mm256_add_epi32(_mm256_slli_epi32(lo, 7), s);
+        } else {
+          __m256i s16 = _mm256_maddubs_epi16(wq[0], _mm256_set1_epi32(load_i32(al)));
+          for (int g = 1; g < 8; ++g) {
+            s16 = _mm256_add_epi16(
+                s16, _mm256_maddubs_epi16(wq[g], _mm256_set1_epi32(load_i32(al + 4 * g))));
+          }
+          hi = _mm256_add_epi32(_mm256_slli_epi32(hi, 7), _mm256_madd_epi16(s16, ones));
+        }
+      }
+      __m256 f;
+      if (FMT == Q8_0) {
+        f = _mm256_cvtepi32_ps(hi);
+        if (L > 1) {
+          f = _mm256_fmadd_ps(f, _mm256_set1_ps((float)(1 << (7 * (L - 1)))),
+                              _mm256_cvtepi32_ps(lo));
+        }
+      } else {
+        if (OFF) {
+          int32_t sa = 0;
+          for (int l = 0; l < L; ++l) sa = sa * 128 + sums[l * nb];
+          hi = _mm256_sub_epi32(hi, _mm256_set1_epi32(OFF * sa));
+        }
+        f = _mm256_cvtepi32_ps(hi);
+      }
+      const __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(a.act.scale[m * nb + b]));
+      acc[r] = _mm256_fmadd_ps(ds, f, acc[r]);
+      if (FMT == Q4_1) acc[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(a.act.fsum[m * nb + b]), acc[r]);
+    }
+  }
+}
+
+template <int FMT>
+inline __m256 load_w8(const uint8_t* p) {
+  if (FMT == F32) return _mm256_loadu_ps((const float*)p);
+  const __m128i h = _mm_loadu_si128((const __m128i*)p);
+  if (FMT == F16) return _mm256_cvtph_ps(h);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+template <int FMT, int MR>
+inline void half_float(const GemmArgs& a, int tile, int half, int m0, __m256 acc[MR]) {
+  constexpr int EB = FMT == F32 ? 4 : 2;
+  const uint8_t* tw = a.w + (int64_t)tile * a.K * NR * EB + 8 * half * EB;
+  __m256 e[MR], o[MR];
+  for (int r = 0; r < MR; ++r) e[r] = o[r] = _mm256_setzero_ps();
+  const float* x = a.x + (int64_t)m0 * a.ldx;
+  int k = 0;
+  for (; k + 1 < a.K; k += 2) {
+    const __m256 w0 = load_w8<FMT>(tw + (int64_t)k * NR * EB);
+    const __m256 w1 = load_w8<FMT>(tw + (int64_t)(k + 1) * NR * EB);
+    for (int r = 0; r < MR; ++r) {
+      e[r] = _mm256_fmadd_ps(w0, _mm256_set1_ps(x[r * a.ldx + k]), e[r]);
+      o[r] = _mm256_fmadd_ps(w1, _mm256_set1_ps(x[r * a.ldx + k + 1]), o[r]);
+    }
+  }
+  if (k < a.K) {
+    const __m256 w0 = load_w8<FMT>(tw + (int64_t)k * NR * EB);
+    for (int r = 0; r < MR; ++r) e[r] = _mm256_fmadd_ps(w0, _mm256_set1_ps(x[r * a.ldx + k]), e[r]);
+  }
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_add_ps(e[r], o[r]);
+}
+
+template <int FMT, int L, int MR>
+inline void half_acc(const GemmArgs& a, int tile, int half, int m0, __m256 acc[MR]) {
+  if constexpr (FMT == Q8_0 || FMT == Q4_0 || FMT == Q4_1) {
+    half_block<FMT, L, MR>(a, tile, half, m0, acc);
+  } else {
+    half_float<FMT, MR>(a, tile, half, m0, acc);
+  }
+  if (a.bias) {
+    const __m256 bias = _mm256_loadu_ps(a.bias + tile * NR + 8 * half);
+    for (int r = 0; r < MR; ++r) acc[r] = _mm256_add_ps(acc[r], bias);
+  }
+}
+
+inline void store8(float* y, int valid, __m256 v, bool add) {
+  if (valid >= 8) {
+    if (add) v = _mm256_add_ps(_mm256_loadu_ps(y), v);
+    _mm256_storeu_ps(y, v);
+    return;
+  }
+  alignas(32) float tmp[8];
+  _mm256_store_ps(tmp, v);
+  for (int j = 0; j < valid; ++j) y[j] = add ? y[j] + tmp[j] : tmp[j];
+}
+
+template <int FMT, int L, int MR>
+inline void tile_rows(const GemmArgs& a, int t, int m0) {
+  for (int half = 0; half < 2; ++half) {
+    const int col = t * NR + 8 * half;
+    const int valid = a.N - col;
+    if (valid <= 0) return;
+    __m256 acc[MR];
+    if (a.epilogue == EPI_SILU_MUL) {
+      __m256 up[MR];
+      half_acc<FMT, L, MR>(a, 2 * t, half, m0, acc);
+      half_acc<FMT, L, MR>(a, 2 * t + 1, half, m0, up);
+      for (int r = 0; r < MR; ++r) {
+        store8(a.y + (int64_t)(m0 + r) * a.ldy + col, valid, _mm256_mul_ps(silu256(acc[r]), up[r]),
+               false);
+      }
+      continue;
+    }
+    half_acc<FMT, L, MR>(a, t, half, m0, acc);
+    for (int r = 0; r < MR; ++r) {
+      store8(a.y + (int64_t)(m0 + r) * a.ldy + col, valid, acc[r], a.epilogue == EPI_ADD);
+    }
+  }
+}
+
+template <int FMT, int L>
+void gemm_fmt(const GemmArgs& a, int t0, int t1) {
+  for (int t = t0; t < t1; ++t) {
+    int m = 0;
+    for (; m + 4 <= a.M; m += 4) tile_rows<FMT, L, 4>(a, t, m);
+    switch (a.M - m) {
+      case 3: tile_rows<FMT, L, 3>(a, t, m); break;
+      case 2: tile_rows<FMT, L, 2>(a, t, m); break;
+      case 1: tile_rows<FMT, L, 1>(a, t, m); break;
+      default: break;
+    }
+  }
+}
+
+template <int FMT>
+void gemm_levels(const GemmArgs& a, int t0, int t1) {
+  switch (a.act.levels) {
+    case 1: gemm_fmt<FMT, 1>(a, t0, t1); break;
+    case 2: gemm_fmt<FMT, 2>(a, t0, t1); break;
+    default: gemm_fmt<FMT, 3>(a, t0, t1); break;
+  }
+}
+
+void gemm(const GemmArgs& a, int t0, int t1) {
+  switch (a.fmt) {
+    case Q8_0: gemm_levels<Q8_0>(a, t0, t1); break;
+    case Q4_0: gemm_levels<Q4_0>(a, t0, t1); break;
+    case Q4_1: gemm_levels<Q4_1>(a, t0, t1); break;
+    case F32: gemm_fmt<F32, 1>(a, t0, t1); break;
+    case BF16: gemm_fmt<BF16, 1>(a, t0, t1); break;
+    default: gemm_fmt<F16, 1>(a, t0, t1); break;
+  }
+}
+
+void rmsnorm(const float* x, int64_t ldx, const float* w, float eps, int D, float* y, int64_t ldy,
+             int r0, int r1) {
+  if (D % 8) return generic_kernels()->rmsnorm(x, ldx, w, eps, D, y, ldy, r0, r1);
+  for (int r = r0; r < r1; ++r) {
+    const float* xr = x + (int64_t)r * ldx;
+    __m256 ss = _mm256_setzero_ps();
+    for (int i = 0; i < D; i += 8) {
+      const __m256 v = _mm256_loadu_ps(xr + i);
+      ss = _mm256_fmadd_ps(v, v, ss);
+    }
+    const __m256 vinv = _mm256_set1_ps(1.f / std::sqrt(hsum256(ss) / (float)D + eps));
+    float* yr = y + (int64_t)r * ldy;
+    for (int i = 0; i < D; i += 8) {
+      const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(xr + i), vinv);
+      _mm256_storeu_ps(yr + i, _mm256_mul_ps(v, _mm256_loadu_ps(w + i)));
+    }
+  }
+}
+
+template <int NV>  // head_dim = 8 * NV
+void attention_d(const AttnArgs& a, int i0, int i1, AttnScratch& s) {
+  const int D = 8 * NV, H = a.num_heads, group = a.num_heads / a.num_kv_heads;
+  const int64_t kv_stride = (int64_t)a.num_kv_heads * D;
+  for (int item = i0; item < i1; ++item) {
+    const int t = item / H, h = item % H, g = h / group;
+    const int req = a.tok_req[t], local = a.tok_local[t];
+    const int64_t* kv = a.kv_indices + a.kv_indptr[req];
+    const int P = a.prefix_len[req], n = a.extend_len[req];
+    int L = 0;
+    for (int j = 0; j < P; ++j) s.slots[L++] = kv[j];
+    if (a.masks) {
+      const uint8_t* row = a.masks + a.mask_indptr[req] + (int64_t)local * n;
+      for (int j = 0; j < n; ++j) if (row[j]) s.slots[L++] = kv[P + j];
+    } else {
+      for (int j = 0; j <= local; ++j) s.slots[L++] = kv[P + j];
+    }
+    const float* qp = a.q + (int64_t)t * a.ldq + h * D;
+    const float* kc = a.k_cache + (int64_t)g * D;
+    const float* vc = a.v_cache + (int64_t)g * D;
+    const int Lp = (L + 7) & ~7;
+    for (int j = 0; j < L; ++j) {
+      const float* kp = kc + s.slots[j] * kv_stride;
+      __m256 p = _mm256_mul_ps(_mm256_loadu_ps(qp), _mm256_loadu_ps(kp));
+      for (int v = 1; v < NV; ++v) {
+        p = _mm256_fmadd_ps(_mm256_loadu_ps(qp + 8 * v), _mm256_loadu_ps(kp + 8 * v), p);
+      }
+      s.scores[j] = hsum256(p) * a.scale;
+    }
+    for (int j = L; j < Lp; ++j) s.scores[j] = -INFINITY;
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    for (int j = 0; j < Lp; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s.scores + j));
+    const __m256 mx = _mm256_set1_ps(hmax256(vmax));
+    __m256 vsum = _mm256_setzero_ps();
+    for (int j = 0; j < Lp; j += 8) {
+      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s.scores + j), mx));
+      _mm256_storeu_ps(s.scores + j, e);
+      vsum = _mm256_add_ps(vsum, e);
+    }
+    __m256 o[NV];
+    for (int v = 0; v < NV; ++v) o[v] = _mm256_setzero_ps();
+    for (int j = 0; j < L; ++j) {
+      const float* vp = vc + s.slots[j] * kv_stride;
+      const __m256 e = _mm256_set1_ps(s.scores[j]);
+      for (int v = 0; v < NV; ++v) o[v] = _mm256_fmadd_ps(e, _mm256_loadu_ps(vp + 8 * v), o[v]);
+    }
+    const __m256 inv = _mm256_set1_ps(1.f / hsum256(vsum));
+    float* op = a.out + (int64_t)t * a.ldo + h * D;
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(op + 8 * v, _mm256_mul_ps(o[v], inv));
+  }
+}
+
+void attention(const AttnArgs& a, int i0, int i1, AttnScratch& s) {
+  switch (a.head_dim) {
+    case 64: return attention_d<8>(a, i0, i1, s);
+    case 128: return attention_d<16>(a, i0, i1, s);
+    case 32: return attention_d<4>(a, i0, i1, s);
+    case 96: return attention_d<12>(a, i0, i1, s);
+    default: return generic_kernels()->attention(a, i0, i1, s);
+  }
+}
+
+}  // namespace
+}  // namespace specserve
+
+#pragma GCC pop_options
+
+namespace specserve {
+const IsaKernels* avx2_kernels() {
+  static const IsaKernels table = {"avx2", gemm, generic_kernels()->quantize, rmsnorm, attention};
+  return &table;
+}
+}  // namespace specserve

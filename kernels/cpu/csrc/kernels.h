@@ -1,0 +1,157 @@
+// Plain-C++ interface between the engine (engine.cpp, built with the baseline flags) and the
+// per-ISA kernel files (isa_avx512.cpp, isa_avx2.cpp, isa_generic.cpp). The ISA files include no
+// torch headers and define nothing with external linkage but their `*_kernels()` table, so code
+// compiled for AVX-512 can never be merged into code that runs on an AVX2 machine.
+//
+// Batch invariance is the contract of every kernel here: an output row is computed by the same
+// sequence of float operations whatever M is, whichever rows share the call and however the work
+// is split over threads (work is split over N, heads or rows, never over a reduction).
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+namespace specserve {
+
+// Weight formats of a packed linear (values shared with kernels/cpu/formats.py).
+enum WeightFormat : int32_t { F32 = 0, BF16 = 1, F16 = 2, Q8_0 = 3, Q4_0 = 4, Q4_1 = 5 };
+
+constexpr int NR = 16;  // output rows per tile
+constexpr int QK = 32;  // weights per quantization block
+
+// Bytes of one tile-block (16 rows x 32 weights) of a block format, 0 for float formats.
+inline int tile_block_bytes(int fmt) {
+  switch (fmt) {
+    case Q8_0: return 512 + 32;       // int8 weights, 16 fp16 scales
+    case Q4_0: return 256 + 32;       // nibbles, 16 fp16 scales
+    case Q4_1: return 256 + 32 + 32;  // nibbles, 16 fp16 scales, 16 fp16 mins
+    default: return 0;
+  }
+}
+inline bool is_block_format(int fmt) { return fmt == Q8_0 || fmt == Q4_0 || fmt == Q4_1; }
+
+// Block formats store tiles in pairs with their blocks interleaved: pair p = tiles 2p, 2p+1 is
+// [block 0 of 2p][block 0 of 2p+1][block 1 of 2p]..., so a kernel multiplying a pair reads one
+// sequential stream (measured 1.36x the bandwidth of two streams at one row); an odd last tile
+// follows alone. Byte offset of (tile, block b) in a matrix of `tiles` tiles and nb blocks:
+inline int64_t block_offset(int tile, int b, int nb, int tiles, int tbb) {
+  const int pairs = tiles / 2;
+  if (tile < 2 * pairs) return (((int64_t)(tile / 2) * nb + b) * 2 + (tile & 1)) * tbb;
+  return ((int64_t)pairs * nb * 2 + b) * tbb;
+}
+inline int float_elem_bytes(int fmt) { return fmt == F32 ? 4 : 2; }
+
+// Activations of a block-format matmul: each row split into blocks of 32, each block scaled by a
+// power of two d = 2^e (>= amax / 127) and written as `levels` int8 digits:
+// x / d ~= a_0 + a_1 / 128 + a_2 / 128^2 (a_0 in [-127, 127], later digits in [-64, 64]).
+// One level is llama.cpp's int8 activations; three carry ~22 bits, near float32.
+struct ActQ {
+  int levels = 1;
+  int K = 0;
+  const int8_t* q = nullptr;      // [M][levels][K]
+  const float* scale = nullptr;   // [M][K/32]: d / 128^(levels-1)
+  const int32_t* sums = nullptr;  // [M][levels][K/32]: sum of each level's digits per block
+  const float* fsum = nullptr;    // [M][K/32]: sum of the block's quantized values (Q4_1 mins)
+};
+
+enum Epilogue : int32_t {
+  EPI_STORE = 0,     // y = x W^T (+ bias)
+  EPI_ADD = 1,       // y += x W^T (+ bias): the residual add, fused
+  EPI_SILU_MUL = 2,  // tiles come in (gate, up) pairs: y = silu(gate) * up, N counts pairs' rows
+};
+
+struct GemmArgs {
+  int fmt = F32;
+  int K = 0;
+  int N = 0;  // valid output columns (EPI_SILU_MUL: columns of y, half the packed rows)
+  int M = 0;
+  int tiles = 0;  // packed tiles (block formats address them through block_offset)
+  const uint8_t* w = nullptr;  // packed tiles
+  const float* bias = nullptr;  // [packed rows] or null
+  ActQ act;                     // block formats
+  const float* x = nullptr;     // float formats: [M][ldx]
+  int64_t ldx = 0;
+  float* y = nullptr;  // [M][ldy]
+  int64_t ldy = 0;
+  int epilogue = EPI_STORE;
+};
+
+// Which keys each query row sees, and where the keys live.
+struct AttnArgs {
+  int num_heads = 0, num_kv_heads = 0, head_dim = 0;
+  float scale = 1.f;
+  const float* q = nullptr;  // [T][ldq], heads contiguous
+  int64_t ldq = 0;
+  float* out = nullptr;  // [T][ldo]
+  int64_t ldo = 0;
+  const float* k_cache = nullptr;  // [slots][num_kv_heads][head_dim]
+  const float* v_cache = nullptr;
+  const int32_t* tok_req = nullptr;    // [T] request of each query row
+  const int32_t* tok_local = nullptr;  // [T] index of the row among its request's new tokens
+  const int64_t* kv_indptr = nullptr;  // [B+1] into kv_indices
+  const int64_t* kv_indices = nullptr;  // per request: prefix slots, then its new tokens' slots
+  const int32_t* prefix_len = nullptr;  // [B]
+  const int32_t* extend_len = nullptr;  // [B]
+  const uint8_t* masks = nullptr;       // per request [n][n] custom mask, or null: causal
+  const int64_t* mask_indptr = nullptr;  // [B+1]
+};
+
+// Per-thread scratch for attention: key slots and scores of one query row.
+struct AttnScratch {
+  int64_t* slots = nullptr;
+  float* scores = nullptr;  // padded to a multiple of 16 past the visible keys
+};
+
+struct IsaKernels {
+  const char* name;
+  // tiles [t0, t1) of the packed matrix, t0 even (EPI_SILU_MUL: tile pairs)
+  void (*gemm)(const GemmArgs&, int t0, int t1);
+  // rows [r0, r1) of x[M][ldx] (K columns) into the ActQ buffers (writable aliases of `out`)
+  void (*quantize)(const float* x, int64_t ldx, int r0, int r1, int K, int levels, int8_t* q,
+                   float* scale, int32_t* sums, float* fsum);
+  // y = rmsnorm(x) * w for rows [r0, r1)
+  void (*rmsnorm)(const float* x, int64_t ldx, const float* w, float eps, int D, float* y,
+                  int64_t ldy, int r0, int r1);
+  // query (row, head) items [i0, i1) with item = row * num_heads + head
+  void (*attention)(const AttnArgs&, int i0, int i1, AttnScratch&);
+};
+
+// fp16 / bf16 -> float32, exact (scalar; the SIMD files convert with F16C / shifts)
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal half: normalise
+      int e = -1;
+      do { mant <<= 1; ++e; } while (!(mant & 0x400));
+      bits = sign | (uint32_t)(127 - 15 - e) << 23 | (mant & 0x3ff) << 13;
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | mant << 13;
+  } else {
+    bits = sign | (exp + 127 - 15) << 23 | mant << 13;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+const IsaKernels* avx512_kernels();  // null when not compiled in
+const IsaKernels* avx2_kernels();
+const IsaKernels* generic_kernels();
+
+}  // namespace specserve

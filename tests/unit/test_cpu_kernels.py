@@ -1,0 +1,277 @@
+"""The CPU engine's kernels (kernels/cpu): each equals a float64 reference within a stated
+tolerance, and each is batch-invariant: a row's output is bit-identical for every M in 1..64,
+alone or in any batch, on 1, 2 or 3 threads, on every instruction set this CPU runs."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from kernels import cpu
+from kernels.cpu.packing import (
+    Fmt,
+    finish,
+    float_bits,
+    gguf_rows,
+    interleave_tiles,
+    pack_blocks,
+    pack_float,
+    quantize,
+    tile_major,
+)
+
+OK, WHY = cpu.available()
+pytestmark = pytest.mark.skipif(not OK, reason=f"CPU extension unavailable: {WHY}")
+BLOCK_FORMATS = (Fmt.Q8_0, Fmt.Q4_0, Fmt.Q4_1)
+FLOAT_FORMATS = (Fmt.F32, Fmt.BF16, Fmt.F16)
+EPI_STORE, EPI_ADD, EPI_SILU_MUL = 0, 1, 2
+
+
+def ext():
+    return cpu.load()
+
+
+def isas() -> list[str]:
+    """Instruction sets this CPU runs (the wider ones drop out where unsupported)."""
+    return [i for i in ("avx512", "avx2", "generic") if ext().isa_name(i) == i]
+
+
+def make_linear(fmt: Fmt, n: int, k: int, seed: int = 0):
+    """(packed linear, dequantized float64 weight [n, k])."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * 0.1).astype(np.float32)
+    if fmt.is_block:
+        b = quantize(fmt, w)
+        data, dense = pack_blocks(b), b.dequantize()
+    else:
+        bits = float_bits(fmt, w)
+        data = pack_float(fmt, bits)
+        dense = (bits.astype(np.float32) if fmt != Fmt.BF16 else
+                 (bits.astype(np.uint32) << 16).view(np.float32))
+    lin = ext().PackedLinear(int(fmt), k, n, torch.from_numpy(data))
+    return lin, torch.from_numpy(dense).double()
+
+
+def quantized_activations(x: torch.Tensor, digits: int) -> torch.Tensor:
+    """The value the kernels multiply: each 32-block scaled by a power of two 2^e > amax / 127,
+    then rounded to `digits` base-128 digits (kernels.h). float64 [M, K]."""
+    m, k = x.shape
+    blocks = x.double().reshape(m, k // 32, 32)
+    amax = blocks.abs().amax(dim=2, keepdim=True)
+    _, e = torch.frexp((amax / 127).float())
+    d = torch.ldexp(torch.ones_like(amax), e.double())
+    d = torch.where(amax >= 2.0**-100, d, torch.ones_like(d))
+    v = torch.where(amax >= 2.0**-100, blocks / d, torch.zeros_like(blocks))
+    q = torch.zeros_like(v)
+    scale = 1.0
+    for level in range(digits):
+        digit = torch.round(v)
+        if level == 0:
+            digit = digit.clamp(-127, 127)
+        q += digit * scale
+        v = (v - digit) * 128
+        scale /= 128
+    return (q * d).reshape(m, k)
+
+
+# ---- packing ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_gguf_blocks_unpack_and_pack_to_the_values_gguf_dequantizes(fmt):
+    rng = np.random.default_rng(1)
+    w = (rng.standard_normal((40, 96)) * 0.2).astype(np.float32)
+    qtype = gguf.GGMLQuantizationType[fmt.name]
+    raw = gguf.quants.quantize(w, qtype)
+    expected = gguf.quants.dequantize(raw, qtype).reshape(w.shape)
+    blocks = gguf_rows(fmt, raw)
+    assert np.array_equal(blocks.dequantize(), expected)
+    lin = ext().PackedLinear(int(fmt), 96, 40, torch.from_numpy(pack_blocks(blocks)))
+    rows = torch.stack([lin.row(r) for r in range(40)]).numpy()
+    assert np.array_equal(rows, expected)  # embedding lookups read the same values
+
+
+@pytest.mark.parametrize("fmt", FLOAT_FORMATS)
+def test_float_formats_pack_exactly(fmt):
+    lin, dense = make_linear(fmt, 21, 40)
+    rows = torch.stack([lin.row(r) for r in range(21)]).double()
+    assert torch.equal(rows, dense)
+
+
+def test_packed_size_is_checked():
+    with pytest.raises(RuntimeError, match="packed size"):
+        ext().PackedLinear(int(Fmt.Q4_1), 64, 32, torch.zeros(10, dtype=torch.uint8))
+
+
+# ---- matmul -------------------------------------------------------------------------------
+
+# stated tolerances, relative to the largest |output|: against the exact product of the
+# quantized activations (the kernel's own math) and against the float32 activations (what the
+# digit count costs)
+KERNEL_TOL = 2e-6
+DIGIT_TOL = {1: 3e-2, 2: 3e-4, 3: 3e-6}
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "generic"])
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS + FLOAT_FORMATS)
+@pytest.mark.parametrize("digits", [1, 2, 3])
+def test_linear_equals_float64_reference(isa, fmt, digits):
+    if isa not in isas():
+        pytest.skip(f"this CPU has no {isa}")
+    if not fmt.is_block and digits != 3:
+        pytest.skip("float formats multiply float32 activations; digits do not apply")
+    n, k = 37, 128 if fmt.is_block else 72  # 3 tiles (one unpaired), a partial last one
+    lin, w = make_linear(fmt, n, k, seed=digits)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(2))
+    y = ext().linear(lin, x, levels=digits, nthreads=2, isa=isa).double()
+    xq = quantized_activations(x, digits) if fmt.is_block else x.double()
+    ref = xq @ w.T
+    scale = ref.abs().max()
+    assert (y - ref).abs().max() <= KERNEL_TOL * scale
+    exact = x.double() @ w.T
+    assert (y - exact).abs().max() <= DIGIT_TOL[digits] * scale
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "generic"])
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS + FLOAT_FORMATS)
+def test_rows_are_bit_identical_for_every_m_and_thread_count(isa, fmt):
+    if isa not in isas():
+        pytest.skip(f"this CPU has no {isa}")
+    k = 96 if fmt.is_block else 40
+    lin, _ = make_linear(fmt, 48, k)
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(3))
+    for digits in ([1, 3] if fmt.is_block else [3]):
+        full = ext().linear(lin, x, levels=digits, nthreads=2, isa=isa)
+        for m in range(1, 65):
+            assert torch.equal(ext().linear(lin, x[:m], levels=digits, nthreads=2, isa=isa),
+                               full[:m]), f"M={m}"
+        for i in (0, 7, 31, 63):  # each row alone, on 1 and 3 threads
+            for threads in (1, 3):
+                alone = ext().linear(lin, x[i : i + 1], levels=digits, nthreads=threads, isa=isa)
+                assert torch.equal(alone[0], full[i])
+
+
+def test_a_row_does_not_depend_on_its_neighbours():
+    lin, _ = make_linear(Fmt.Q4_1, 64, 64)
+    row = torch.randn(1, 64)
+    for seed in range(3):
+        others = torch.randn(15, 64, generator=torch.Generator().manual_seed(seed)) * 10 ** seed
+        batch = torch.cat([others[:seed * 5], row, others[seed * 5:]])
+        y = ext().linear(lin, batch, levels=3, nthreads=2)
+        assert torch.equal(y[seed * 5], ext().linear(lin, row, levels=3, nthreads=1)[0])
+
+
+@pytest.mark.parametrize("fmt", [Fmt.Q4_1, Fmt.F32])
+def test_residual_and_silu_mul_epilogues(fmt):
+    n, k = 32, 64
+    gate, wg = make_linear(fmt, n, k, seed=1)
+    up, wu = make_linear(fmt, n, k, seed=2)
+    def tiles(seed):
+        rng = np.random.default_rng(seed)
+        w = (rng.standard_normal((n, k)) * 0.1).astype(np.float32)
+        return tile_major(fmt, quantize(fmt, w) if fmt.is_block else float_bits(fmt, w))
+
+    fused = ext().PackedLinear(int(fmt), k, 2 * n, torch.from_numpy(
+        finish(fmt, interleave_tiles(tiles(1), tiles(2)))))
+    x = torch.randn(5, k)
+    h = ext().linear(fused, x, levels=3, nthreads=2, epilogue=EPI_SILU_MUL).double()
+    xd = quantized_activations(x, 3) if fmt.is_block else x.double()
+    g, u = xd @ wg.T, xd @ wu.T
+    ref = torch.nn.functional.silu(g) * u
+    assert (h - ref).abs().max() <= 1e-5 * ref.abs().max()
+    base = torch.randn(5, n)
+    y = ext().linear(gate, x, levels=3, nthreads=2, epilogue=EPI_ADD, y=base.clone())
+    plain = ext().linear(gate, x, levels=3, nthreads=2)
+    assert torch.equal(y, base + plain)  # y += xW^T: the same float add, fused
+
+
+def test_rmsnorm_matches_torch_and_is_row_invariant():
+    x = torch.randn(7, 64) * 3
+    w = torch.randn(64)
+    y = ext().rmsnorm(x, w, 1e-5)
+    ref = torch.nn.functional.rms_norm(x.double(), (64,), w.double(), 1e-5)
+    assert torch.allclose(y.double(), ref, rtol=1e-6, atol=1e-6)
+    for i in range(7):
+        assert torch.equal(ext().rmsnorm(x[i : i + 1], w, 1e-5)[0], y[i])
+
+
+# ---- attention -----------------------------------------------------------------------------
+
+def random_tree(n: int, rng: np.random.Generator) -> torch.Tensor:
+    """[n, n] ancestor-or-self mask of a random tree, nodes in topological order."""
+    mask = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        mask[i] |= mask[int(rng.integers(0, i))]
+    return mask
+
+
+def attention_call(q, kc, vc, heads, reqs, masks=None, isa="", threads=2):
+    """reqs: list of (kv slot list, prefix_len, extend_len); one query row per new token."""
+    kv_indices = torch.cat([torch.tensor(s, dtype=torch.int64) for s, _, _ in reqs])
+    kv_indptr = torch.tensor(np.cumsum([0] + [len(s) for s, _, _ in reqs]), dtype=torch.int64)
+    tok_req = torch.cat([torch.full((e,), b, dtype=torch.int32) for b, (_, _, e) in
+                         enumerate(reqs)])
+    tok_local = torch.cat([torch.arange(e, dtype=torch.int32) for _, _, e in reqs])
+    pre = torch.tensor([p for _, p, _ in reqs], dtype=torch.int32)
+    ext_len = torch.tensor([e for _, _, e in reqs], dtype=torch.int32)
+    if masks is None:
+        flat, indptr = torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.int64)
+    else:
+        flat = torch.cat([m.reshape(-1) for m in masks]).to(torch.uint8)
+        indptr = torch.tensor(np.cumsum([0] + [m.numel() for m in masks]), dtype=torch.int64)
+    return ext().attention(q, kc, vc, heads, tok_req, tok_local, kv_indptr, kv_indices, pre,
+                           ext_len, flat, indptr, 0.25, threads, isa)
+
+
+def dense_attention(q, kc, vc, heads, slots_per_row):
+    """float64 reference: each query row over exactly its visible slots."""
+    kvh, d = kc.shape[1], kc.shape[2]
+    out = torch.zeros(q.shape[0], heads * d, dtype=torch.float64)
+    for t, slots in enumerate(slots_per_row):
+        idx = torch.tensor(slots)
+        for h in range(heads):
+            g = h // (heads // kvh)
+            k, v = kc[idx, g].double(), vc[idx, g].double()
+            p = torch.softmax(q[t, h * d:(h + 1) * d].double() @ k.T * 0.25, dim=0)
+            out[t, h * d:(h + 1) * d] = p @ v
+    return out
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "generic"])
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_tree_attention_rows_equal_decode_rows_bit_for_bit(isa, head_dim):
+    if isa not in isas():
+        pytest.skip(f"this CPU has no {isa}")
+    rng = np.random.default_rng(head_dim)
+    heads, kvh, slots = 6, 2, 400
+    kc = torch.randn(slots, kvh, head_dim)
+    vc = torch.randn(slots, kvh, head_dim)
+    free = iter(rng.permutation(np.arange(1, slots)).tolist())
+    reqs, masks, visible = [], [], []
+    for prefix, n in ((37, 9), (5, 1), (120, 16)):  # batch of trees, different prefixes
+        s = [next(free) for _ in range(prefix + n)]
+        m = random_tree(n, rng)
+        reqs.append((s, prefix, n))
+        masks.append(m)
+        for i in range(n):
+            visible.append(s[:prefix] + [s[prefix + j] for j in range(n) if m[i, j]])
+    q = torch.randn(sum(n for _, _, n in reqs), heads * head_dim)
+    out = attention_call(q, kc, vc, heads, reqs, masks, isa=isa)
+    assert torch.allclose(out.double(), dense_attention(q, kc, vc, heads, visible), atol=1e-5)
+    for t, vis in enumerate(visible):
+        # the same token as a decode step: its visible keys as prefix + itself, in order
+        dec = attention_call(q[t : t + 1], kc, vc, heads, [(vis, len(vis) - 1, 1)], isa=isa,
+                             threads=1)
+        assert torch.equal(dec[0], out[t]), f"row {t}"
+
+
+def test_causal_extend_rows_equal_decode_rows():
+    heads, kvh, d = 4, 2, 64
+    kc, vc = torch.randn(100, kvh, d), torch.randn(100, kvh, d)
+    slots = list(range(3, 60))
+    q = torch.randn(17, heads * d)
+    ext_rows = attention_call(q, kc, vc, heads, [(slots[:40 + 17], 40, 17)])
+    for i in range(17):
+        dec = attention_call(q[i : i + 1], kc, vc, heads, [(slots[:41 + i], 40 + i, 1)])
+        assert torch.equal(dec[0], ext_rows[i])
