@@ -22,6 +22,8 @@ install: $(STAMP)
 
 model: install
 	$(PY) -m runtime.model_loader.default_model
+	# the CPU engine's kernels, compiled here once (a warning, not a failure, if they cannot be)
+	$(PY) -m kernels.cpu.build
 
 serve: model
 	$(PY) -m launch_server $(SERVE_ARGS)

@@ -27,6 +27,8 @@ setup(
         "uvloop; platform_system != 'Windows'",
         "prometheus-client",
         "httpx",
+        # the CPU engine's C++ extension is compiled on first use (kernels/cpu) with ninja + g++
+        "ninja",
     ],
     extras_require={
         "gpu": ["flashinfer-python", "sgl-kernel"],

@@ -12,15 +12,26 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from kernels.cpu import ACTIVATION_DIGITS, DEFAULT_ACTIVATION_DIGITS
+
 HELP = {
     "model_path": "HF model directory (Llama/Mistral/Qwen2/Qwen3), a .gguf file, or 'default' "
     "(the embedded SmolLM2-135M-Instruct)",
     "host": "address to bind; 127.0.0.1 keeps the server local",
     "port": "HTTP port",
     "api_key": "require 'Authorization: Bearer <key>' on every endpoint but /health",
-    "dtype": "weights/KV dtype: auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16",
+    "dtype": "torch engine weights/KV dtype: auto (fp32 on CPU, bf16 on CUDA), float32, "
+    "bfloat16, float16 (the CPU engine keeps its weights packed and computes in float32)",
+    "weight_format": "auto: on the CPU, the C++ engine (kernels/cpu) with the checkpoint's own "
+    "format (a GGUF's Q4_1/Q8_0 blocks, an HF checkpoint's float dtype), batch-invariant so "
+    "speculative output equals plain output bit for bit; elsewhere the torch engine. torch: "
+    "the torch reference engine. f32|bf16|f16|q8_0|q4_0|q4_1: the CPU engine with every "
+    "linear converted to that format (q* formats quantize: lossy)",
+    "activation_digits": "CPU engine, block formats: int8 digits per activation (3: ~22 bits, "
+    "logits within ~1e-4 of float32; 2: ~15 bits; 1: int8 activations like llama.cpp, "
+    "fastest verify, least accurate)",
     "device": "auto, cpu or cuda",
-    "attention_backend": "auto or torch_native",
+    "attention_backend": "auto (cpu with the CPU engine, else torch_native), torch_native or cpu",
     "max_running_requests": "most requests decoding at once",
     "max_total_tokens": "KV cache capacity in tokens (default: sized from context length)",
     "context_length": "longest prompt + output per request (default: the model's)",
@@ -99,6 +110,8 @@ class ServerArgs:
     port: int = 30000
     api_key: str | None = None
     dtype: str = "auto"
+    weight_format: str = "auto"
+    activation_digits: int = DEFAULT_ACTIVATION_DIGITS
     device: str = "auto"
     attention_backend: str = "auto"
     max_running_requests: int = 32
@@ -168,11 +181,14 @@ class ServerArgs:
     def resolve(self) -> ServerArgs:
         """Return a copy with "auto"/None values made concrete and every value checked."""
         from runtime.model_loader.default_model import resolve_model_path
+        from runtime.model_runner.model_runner import WEIGHT_FORMATS
 
         choices = {
             "dtype": ("auto", "float32", "bfloat16", "float16"),
             "device": ("auto", "cpu", "cuda"),
-            "attention_backend": ("auto", "torch_native"),
+            "attention_backend": ("auto", "torch_native", "cpu"),
+            "weight_format": WEIGHT_FORMATS,
+            "activation_digits": ACTIVATION_DIGITS,
             "schedule_policy": ("fcfs", "lpm"),
             "log_level": ("debug", "info", "warning", "error"),
             "speculative_draft_matmul_dtype": ("auto", "float32", "bfloat16"),

@@ -1,7 +1,9 @@
 """Convert a Llama-architecture GGUF file into a Hugging Face style model directory.
 
 Output: config.json, generation_config.json, model.safetensors (dequantized, fp32 by default),
-tokenizer.json and tokenizer_config.json (with the chat template), and a completion marker.
+gguf_blocks.safetensors (the quantized tensors' own blocks, for the CPU engine, see
+`kernels/cpu/weights.py`), tokenizer.json and tokenizer_config.json (with the chat template), and
+a completion marker.
 Everything is written into a temporary sibling directory that is renamed into place at the end,
 so an interrupted conversion never leaves a directory that looks finished.
 """
@@ -27,7 +29,11 @@ from runtime.model_loader.tokenizer import build_gguf_tokenizer
 
 # Written last into a converted directory; its presence proves the conversion completed.
 COMPLETE_MARKER = ".specserve-converted.json"
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: gguf_blocks.safetensors
+# Block formats whose raw GGUF blocks are kept beside the dequantized weights: the CPU engine
+# multiplies them as they are (`--weight-format auto`), so it runs the file's own weights.
+KEPT_BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+BLOCKS_FILE = "gguf_blocks.safetensors"
 
 # llama.cpp tensor name (after "blk.{i}.") -> Hugging Face name (after "model.layers.{i}.")
 _LAYER_TENSORS = {
@@ -174,6 +180,8 @@ def _convert_into(src: Path, tmp: Path, dtype: torch.dtype, progress: bool) -> N
 
     tok = build_gguf_tokenizer(meta)
     state: dict[str, torch.Tensor] = {}
+    blocks: dict[str, torch.Tensor] = {}  # raw blocks [out_features, bytes per row], uint8
+    block_types: dict[str, str] = {}
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     for tensor in tqdm(reader.tensors, desc=f"converting {src.name}", unit="tensor",
                        disable=not progress):
@@ -182,11 +190,19 @@ def _convert_into(src: Path, tmp: Path, dtype: torch.dtype, progress: bool) -> N
         shape = tuple(int(d) for d in reversed(tensor.shape))
         array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
         weight = torch.from_numpy(array.copy()).to(dtype)  # [out_features, in_features]
+        raw = None
+        if tensor.tensor_type.name in KEPT_BLOCK_TYPES:
+            raw = torch.from_numpy(tensor.data.reshape(shape[0], -1).copy())  # rows of blocks
         if hf_name.endswith("q_proj.weight"):
             weight = unpermute_qk(weight, heads)
+            raw = None if raw is None else unpermute_qk(raw, heads)  # the same row order
         elif hf_name.endswith("k_proj.weight"):
             weight = unpermute_qk(weight, kv_heads)
+            raw = None if raw is None else unpermute_qk(raw, kv_heads)
         state[hf_name] = weight.contiguous()
+        if raw is not None:
+            blocks[hf_name] = raw.contiguous()
+            block_types[hf_name] = tensor.tensor_type.name
     _check_complete(state, config, src)
 
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
@@ -196,6 +212,9 @@ def _convert_into(src: Path, tmp: Path, dtype: torch.dtype, progress: bool) -> N
     generation = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_ids,
                   "pad_token_id": tok.pad_token_id}
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    if blocks:
+        save_file(blocks, str(tmp / BLOCKS_FILE),
+                  metadata={"format": "gguf-blocks", "types": json.dumps(block_types)})
     tok.tokenizer.save(str(tmp / "tokenizer.json"))
     tok.tokenizer_config["model_max_length"] = config["max_position_embeddings"]
     _write_json(tmp / "tokenizer_config.json", tok.tokenizer_config)

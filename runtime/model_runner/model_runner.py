@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.cpu import DEFAULT_ACTIVATION_DIGITS
+from kernels.cpu.packing import FORMAT_NAMES
 from runtime.layers.attention import create_attention_backend
 from runtime.mem_cache.kv_pool import KVPool
 from runtime.model_loader.config import ModelConfig
@@ -22,6 +24,8 @@ from runtime.models.llama import LlamaForCausalLM, ModelOutput
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# auto | torch (the reference engine) | a CPU-engine format (kernels/cpu/packing.py)
+WEIGHT_FORMATS = ("auto", "torch", *FORMAT_NAMES)
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,10 @@ class RunnerConfig:
     context_length: int | None = None
     # CPU fp32: prepack linear weights for oneDNN (faster small-M matmuls, see layers/linear.py)
     pack_weights: bool = True
+    weight_format: str = "auto"  # WEIGHT_FORMATS, see resolve_engine
+    # CPU engine, block formats: int8 digits per activation (1: int8 like llama.cpp, 3: ~22 bits)
+    activation_digits: int = DEFAULT_ACTIVATION_DIGITS
+    num_threads: int | None = None  # CPU engine threads (default: torch's)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -53,6 +61,37 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def resolve_engine(weight_format: str, device: torch.device, dtype: str = "auto") -> str:
+    """"cpu" (the C++ engine, kernels/cpu) or "torch" (the reference engine) for a weight format.
+
+    auto picks the CPU engine on the CPU when its extension builds here, else torch (logged); a
+    half-precision `--dtype` asks for the torch engine (the CPU engine computes in float32). An
+    explicit packed format without the extension is an error, never a silent fallback."""
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"--weight-format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
+    if weight_format == "torch":
+        return "torch"
+    if dtype not in ("auto", "float32"):
+        if weight_format != "auto":
+            raise ValueError(f"--dtype {dtype} is for the torch engine; the CPU engine "
+                             f"(--weight-format {weight_format}) computes in float32")
+        return "torch"
+    if device.type != "cpu":
+        if weight_format != "auto":
+            raise ValueError(f"--weight-format {weight_format} is for the CPU engine; on "
+                             f"{device.type} use auto or torch")
+        return "torch"
+    from kernels import cpu
+
+    ok, why = cpu.available()
+    if ok:
+        return "cpu"
+    if weight_format != "auto":
+        raise ValueError(f"--weight-format {weight_format} needs the CPU extension: {why}")
+    logger.warning("CPU engine unavailable (%s); running the torch reference engine", why)
+    return "torch"
+
+
 class ModelRunner:
     def __init__(self, cfg: RunnerConfig) -> None:
         t0 = time.perf_counter()
@@ -63,25 +102,55 @@ class ModelRunner:
         self.context_length = min(
             cfg.context_length or mc.max_position_embeddings, mc.max_position_embeddings
         )
-        model = LlamaForCausalLM(mc, self.device, self.dtype)
-        model.to(device=self.device, dtype=self.dtype)
-        model.load_weights(iter_safetensors_weights(cfg.model_dir))
-        model.eval()
-        packed = model.pack_weights() if cfg.pack_weights else 0
-        self.model = model
+        self.engine = resolve_engine(cfg.weight_format, self.device, cfg.dtype)
         capacity = cfg.max_total_tokens or max(4 * self.context_length, 8192)
+        if self.engine == "cpu":
+            self.dtype = torch.float32  # activations and KV; weights keep their packed format
         self.kv_pool = KVPool(
             capacity, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
             self.dtype, self.device,
         )
+        if self.engine == "cpu":
+            if cfg.attention_backend not in ("auto", "cpu"):
+                raise ValueError(f"the CPU engine has its own attention; --attention-backend "
+                                 f"{cfg.attention_backend} needs --weight-format torch")
+            self.model = self._cpu_model(cfg)
+            self.weight_formats = dict(self.model.packed.formats)
+            backend = "cpu"
+            detail = (f"{self.model.isa} kernels, weights {self.model.packed.formats} "
+                      f"({self.model.packed.nbytes / 2**20:.0f} MiB), activation digits "
+                      f"{cfg.activation_digits}")
+        else:
+            model = LlamaForCausalLM(mc, self.device, self.dtype)
+            model.to(device=self.device, dtype=self.dtype)
+            model.load_weights(iter_safetensors_weights(cfg.model_dir))
+            model.eval()
+            packed = model.pack_weights() if cfg.pack_weights else 0
+            self.model = model
+            self.weight_formats = {str(self.dtype).removeprefix("torch."): packed}
+            backend = cfg.attention_backend
+            detail = f"torch reference engine, {packed} linears prepacked"
         self.attn_backend = create_attention_backend(
-            cfg.attention_backend, self.kv_pool, mc.num_attention_heads, mc.head_dim**-0.5
+            backend, self.kv_pool, mc.num_attention_heads, mc.head_dim**-0.5
         )
         logger.info(
-            "model %s (%s, %d layers) on %s/%s, %d KV slots, %d linears prepacked, %.1fs to load",
+            "model %s (%s, %d layers) on %s/%s, %d KV slots, %s, %.1fs to load",
             mc.model_dir, mc.architecture, mc.num_hidden_layers, self.device,
-            str(self.dtype).removeprefix("torch."), capacity, packed, time.perf_counter() - t0,
+            str(self.dtype).removeprefix("torch."), capacity, detail, time.perf_counter() - t0,
         )
+
+    def _cpu_model(self, cfg: RunnerConfig):
+        from kernels.cpu.weights import load_packed_model
+        from runtime.layers.rotary import RotaryEmbedding
+        from runtime.models.cpu_llama import CpuLlamaForCausalLM
+
+        mc = self.model_config
+        packed = load_packed_model(mc, cfg.weight_format)
+        rotary = RotaryEmbedding(mc.head_dim, max(mc.max_position_embeddings, 1), mc.rope_theta,
+                                 mc.rope_scaling, self.device, torch.float32)
+        threads = cfg.num_threads or torch.get_num_threads()
+        return CpuLlamaForCausalLM(mc, packed, self.kv_pool, rotary, cfg.activation_digits,
+                                   threads)
 
     @property
     def kv_capacity(self) -> int:

@@ -184,7 +184,9 @@ def run_model_runner_process(server_args, ipc_dir: str, parent_pid: int) -> None
         runner = ModelRunner(RunnerConfig(
             server_args.model_path, server_args.device, server_args.dtype,
             server_args.attention_backend, server_args.max_total_tokens,
-            server_args.context_length,
+            server_args.context_length, weight_format=server_args.weight_format,
+            activation_digits=server_args.activation_digits,
+            num_threads=server_args.num_threads,
         ))
         spec = _create_spec(server_args, runner)  # a draft head that does not fit fails here
     except Exception as exc:  # noqa: BLE001 - reported to the scheduler, then we exit
@@ -197,6 +199,7 @@ def run_model_runner_process(server_args, ipc_dir: str, parent_pid: int) -> None
         "vocab_size": mc.vocab_size, "eos_token_ids": mc.eos_token_ids,
         "device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
         "architecture": mc.architecture, "num_layers": mc.num_hidden_layers,
+        "engine": runner.engine, "weight_formats": runner.weight_formats,
         "threads": torch.get_num_threads(), "runner_pid": os.getpid(),
     }))
     while True:

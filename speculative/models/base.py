@@ -65,16 +65,27 @@ class DraftHeadConfig:
 @dataclass(frozen=True)
 class TargetRefs:
     """What a head borrows from its target, by reference: never copied, never registered as the
-    head's parameters (so `head.state_dict()` and `head.to()` leave the target alone)."""
+    head's parameters (so `head.state_dict()` and `head.to()` leave the target alone). The
+    embedding is borrowed as a lookup: the CPU engine keeps it quantized, and a dense copy is
+    made (`dense_embed`) only for a head whose checkpoint carries its own embedding."""
 
-    embed_tokens: torch.Tensor  # [vocab, H]
+    embed: Callable[[torch.Tensor], torch.Tensor]  # ids [T] -> [T, H]
+    dense_embed: Callable[[], torch.Tensor]  # [vocab, H]
     compute_logits: Callable[[torch.Tensor], torch.Tensor]  # [n, H] → [n, vocab] float32
     final_norm: Callable[[torch.Tensor], torch.Tensor]  # [n, H] → [n, H]
+    device: torch.device
+    dtype: torch.dtype
 
     @classmethod
-    def from_model(cls, target: nn.Module) -> TargetRefs:
-        """From a `LlamaForCausalLM` (its `embed_tokens`, `compute_logits`, `norm`)."""
-        return cls(target.embed_tokens.detach(), target.compute_logits, target.norm)
+    def from_model(cls, target) -> TargetRefs:
+        """From a `LlamaForCausalLM` or a `CpuLlamaForCausalLM` (`embed`, `embed_tokens`,
+        `compute_logits`, `norm`)."""
+        if isinstance(target, nn.Module):
+            device, dtype = target.embed_tokens.device, target.embed_tokens.dtype
+        else:
+            device, dtype = target.device, target.dtype
+        return cls(target.embed, lambda: target.embed_tokens.detach(), target.compute_logits,
+                   target.norm, device, dtype)
 
 
 class DraftHead(nn.Module):
@@ -110,8 +121,9 @@ class DraftHead(nn.Module):
         return sum(m.pack(compute_dtype) for m in self.modules() if isinstance(m, Linear))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_weight if self.embed_weight is not None else self.target.embed_tokens
-        return F.embedding(input_ids, weight)  # [T, H]
+        if self.embed_weight is None:
+            return self.target.embed(input_ids)  # [T, H]
+        return F.embedding(input_ids, self.embed_weight)  # [T, H]
 
     def _prepare(
         self, batch: ForwardBatch, backend: AttentionBackend

@@ -57,7 +57,7 @@ def load_draft_head(
     kind = detect_format(weights, raw, path)
     cfg = _head_config(kind, raw, weights, target_config, path, norm_before_lm_head)
     refs = TargetRefs.from_model(target_model)
-    device, dtype = refs.embed_tokens.device, refs.embed_tokens.dtype
+    device, dtype = refs.device, refs.dtype
     capacity = kv_capacity or max(4 * target_config.max_position_embeddings, 8192)
     head = (EagleHead if kind == "eagle" else Eagle3Head)(cfg, refs, capacity, device, dtype)
     head.to(device=device, dtype=dtype)
@@ -280,7 +280,7 @@ def _load_layout(head: DraftHead, weights: dict[str, torch.Tensor], path: Path) 
 def _load_embedding(head: DraftHead, embed: torch.Tensor | None, path: Path) -> None:
     if embed is None:
         return
-    shared = head.target.embed_tokens  # [vocab, H]
+    shared = head.target.dense_embed()  # [vocab, H]
     if tuple(embed.shape) != tuple(shared.shape):
         raise ModelLoadError(
             f"{path}: embed_tokens.weight has shape {tuple(embed.shape)}; the target's "

@@ -115,11 +115,20 @@ def llama_cpp_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(weight.shape)
 
 
-def write_tiny_gguf(path: str | Path, seed: int = 0, tie_word_embeddings: bool = False,
-                    num_layers: int = 2) -> dict[str, torch.Tensor]:
-    """Write a random tiny Llama GGUF (F32 tensors, byte-level BPE tokenizer, ChatML template).
+def _llama_cpp_unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    head_dim = weight.shape[0] // num_heads
+    return weight.reshape(num_heads, head_dim // 2, 2, -1).transpose(1, 2).reshape(weight.shape)
 
-    Returns the HF-layout weights it encodes (before llama.cpp's q/k permutation), by HF name.
+
+def write_tiny_gguf(path: str | Path, seed: int = 0, tie_word_embeddings: bool = False,
+                    num_layers: int = 2, linear_type: str = "F32",
+                    embed_type: str = "F32") -> dict[str, torch.Tensor]:
+    """Write a random tiny Llama GGUF (byte-level BPE tokenizer, ChatML template). Linear weights
+    are stored as `linear_type`, the embedding (and untied output) as `embed_type`: F32, or a
+    block format (Q8_0, Q4_0, Q4_1) quantized by gguf's own quantizer, as llama.cpp files are.
+
+    Returns the HF-layout weights it encodes (before llama.cpp's q/k permutation), by HF name;
+    for quantized tensors, their dequantized values (what a loader must reproduce).
     """
     hidden, inter, heads, kv_heads = 64, 128, 4, 2
     head_dim = hidden // heads
@@ -158,7 +167,20 @@ def write_tiny_gguf(path: str | Path, seed: int = 0, tie_word_embeddings: bool =
     writer.add_vocab_size(TINY_VOCAB_SIZE)
     _add_gguf_tokenizer(writer)
     for name, tensor in hf.items():
-        writer.add_tensor(_gguf_name(name), _llama_cpp_layout(name, tensor, heads, kv_heads))
+        array = _llama_cpp_layout(name, tensor, heads, kv_heads)
+        kind = embed_type if "embed" in name or name == "lm_head.weight" else linear_type
+        if array.ndim == 2 and kind != "F32":
+            qtype = gguf.GGMLQuantizationType[kind]
+            raw = gguf.quants.quantize(array, qtype)
+            writer.add_tensor(_gguf_name(name), raw, raw_shape=raw.shape, raw_dtype=qtype)
+            deq = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(array.shape).copy())
+            if name.endswith("q_proj.weight"):  # back to HF row order
+                deq = _llama_cpp_unpermute(deq, heads)
+            elif name.endswith("k_proj.weight"):
+                deq = _llama_cpp_unpermute(deq, kv_heads)
+            hf[name] = deq
+        else:
+            writer.add_tensor(_gguf_name(name), array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,9 +1,10 @@
 from __future__ import annotations
 
 from runtime.layers.attention.base import AttentionBackend
+from runtime.layers.attention.cpu import CpuAttentionBackend
 from runtime.layers.attention.torch_native import TorchNativeBackend
 
-ATTENTION_BACKENDS = {"torch_native": TorchNativeBackend}
+ATTENTION_BACKENDS = {"torch_native": TorchNativeBackend, "cpu": CpuAttentionBackend}
 
 
 def create_attention_backend(name: str, kv_pool, num_heads: int, scale: float) -> AttentionBackend:
@@ -17,5 +18,6 @@ def create_attention_backend(name: str, kv_pool, num_heads: int, scale: float) -
 
 
 __all__ = [
-    "ATTENTION_BACKENDS", "AttentionBackend", "TorchNativeBackend", "create_attention_backend",
+    "ATTENTION_BACKENDS", "AttentionBackend", "CpuAttentionBackend", "TorchNativeBackend",
+    "create_attention_backend",
 ]

@@ -1,0 +1,240 @@
+"""A model directory's linears packed for the CPU engine, in the chosen weight format.
+
+`--weight-format auto` keeps what the checkpoint holds: a converted GGUF's own blocks (Q4_1 /
+Q8_0 for the default model, read from `gguf_blocks.safetensors`, i.e. numerically the same
+weights as its dequantized `model.safetensors`), or the float dtype of a Hugging Face checkpoint
+(bf16 stays bf16). An explicit format converts every linear and the embedding: from float
+weights, or from dequantized blocks (lossy when it quantizes; `f32` from blocks is exact).
+
+q/k/v and gate/up are fused per layer (gate and up tiles interleaved for the fused SiLU epilogue).
+A fused group whose parts differ in format (some GGUF files mix them) is stored as f32, exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from kernels.cpu.packing import (
+    FORMAT_NAMES,
+    QK,
+    Blocks,
+    Fmt,
+    finish,
+    float_bits,
+    gguf_rows,
+    interleave_bias,
+    interleave_tiles,
+    pad_bias,
+    quantize,
+    tile_major,
+)
+from runtime.model_loader.config import ModelConfig
+from runtime.model_loader.hf_dir import weight_files
+
+logger = logging.getLogger(__name__)
+
+BLOCKS_FILE = "gguf_blocks.safetensors"  # written by runtime/model_loader/gguf_convert.py
+WEIGHT_FORMATS = ("auto", *FORMAT_NAMES)
+_FLOAT_OF_DTYPE = {torch.float32: Fmt.F32, torch.bfloat16: Fmt.BF16, torch.float16: Fmt.F16}
+
+
+@dataclass
+class Packed:
+    """One packed linear: what `ext.PackedLinear(fmt, K, N, data, bias)` takes."""
+
+    fmt: Fmt
+    k: int
+    n: int
+    data: torch.Tensor  # uint8
+    bias: torch.Tensor | None = None
+
+    def to_ext(self, ext):
+        return ext.PackedLinear(int(self.fmt), self.k, self.n, self.data, self.bias)
+
+
+@dataclass
+class PackedModel:
+    layers: list[dict[str, Packed]]  # qkv, o, gate_up, down
+    norms: list[dict[str, torch.Tensor]]  # in_norm, post_norm (+ q_norm, k_norm)
+    embed: Packed
+    lm_head: Packed  # the same object as embed when tied
+    final_norm: torch.Tensor
+    formats: dict[str, int] = field(default_factory=dict)  # format name -> linears
+
+    @property
+    def nbytes(self) -> int:
+        seen, total = set(), 0
+        for p in [self.embed, self.lm_head] + [p for layer in self.layers for p in layer.values()]:
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.data.numel()
+        return total
+
+
+class _Source:
+    """Tensors of a model directory by HF name: raw GGUF blocks where kept, else float."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.files = {}
+        for f in weight_files(model_dir):
+            if f.suffix != ".safetensors":
+                raise ValueError(f"{f}: the CPU engine reads safetensors checkpoints only")
+            with safe_open(str(f), framework="pt") as r:
+                for name in r.keys():
+                    self.files[name] = f
+        self.block_types: dict[str, str] = {}
+        self.blocks_path = model_dir / BLOCKS_FILE
+        if self.blocks_path.is_file():
+            with safe_open(str(self.blocks_path), framework="pt") as r:
+                self.block_types = json.loads(r.metadata()["types"])
+
+    def has(self, name: str) -> bool:
+        return name in self.files or ("model." + name) in self.files
+
+    def float(self, name: str) -> torch.Tensor:
+        key = name if name in self.files else "model." + name
+        with safe_open(str(self.files[key]), framework="pt") as r:
+            return r.get_tensor(key)
+
+    def blocks(self, name: str) -> Blocks | None:
+        key = name if name in self.block_types else "model." + name
+        if key not in self.block_types:
+            return None
+        with safe_open(str(self.blocks_path), framework="pt") as r:
+            raw = r.get_tensor(key).numpy()
+        return gguf_rows(Fmt.parse(self.block_types[key]), raw)
+
+
+@dataclass
+class _Weight:
+    """A weight in its source form (blocks or float) and the format it will be packed in."""
+
+    fmt: Fmt
+    blocks: Blocks | None = None
+    dense: np.ndarray | None = None  # float32 [N, K]
+    native: np.ndarray | None = None  # the checkpoint's own bf16 / f16 storage, when float
+    native_fmt: Fmt | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.blocks.shape if self.blocks is not None else self.dense.shape
+
+    def as_blocks(self) -> Blocks:
+        if self.blocks is not None and self.blocks.fmt == self.fmt:
+            return self.blocks
+        return quantize(self.fmt, self.as_float32())
+
+    def as_float32(self) -> np.ndarray:
+        if self.blocks is not None:
+            return self.blocks.dequantize()
+        return self.dense
+
+    def storage(self) -> np.ndarray:
+        if self.fmt == Fmt.F32:
+            return self.as_float32()
+        if self.native is not None and self.native_fmt == self.fmt:
+            return self.native
+        return float_bits(self.fmt, self.as_float32())
+
+
+def _load(src: _Source, name: str, fmt_name: str) -> _Weight:
+    blocks = src.blocks(name)
+    if blocks is not None:
+        fmt = blocks.fmt if fmt_name == "auto" else Fmt.parse(fmt_name)
+        return _Weight(fmt, blocks=blocks)
+    t = src.float(name)
+    fmt = _FLOAT_OF_DTYPE.get(t.dtype, Fmt.F32) if fmt_name == "auto" else Fmt.parse(fmt_name)
+    native = None
+    if t.dtype == torch.bfloat16:
+        native = t.view(torch.int16).numpy().view(np.uint16)
+    elif t.dtype == torch.float16:
+        native = t.numpy()
+    return _Weight(fmt, dense=t.float().numpy(), native=native,
+                   native_fmt=_FLOAT_OF_DTYPE.get(t.dtype))
+
+
+def _tile_major(parts: list[_Weight]) -> tuple[Fmt, np.ndarray]:
+    """The parts (sharing K) concatenated along N, tile-major, in one format: theirs, or f32
+    (exact) when they differ or a block format does not fit K."""
+    fmts = {p.fmt for p in parts}
+    k = parts[0].shape[1]
+    fmt = parts[0].fmt if len(fmts) == 1 else Fmt.F32
+    if fmt.is_block and k % QK:
+        fmt = Fmt.F32  # block formats need K % 32 == 0
+    for p in parts[:-1]:
+        assert p.shape[0] % 16 == 0, "fused parts must be whole tiles"
+    tiles = []
+    for p in parts:
+        p = dataclasses.replace(p, fmt=fmt)
+        tiles.append(tile_major(fmt, p.as_blocks() if fmt.is_block else p.storage()))
+    return fmt, np.concatenate(tiles)
+
+
+def _pack(parts: list[_Weight], bias: np.ndarray | None = None) -> Packed:
+    """Pack weights that share K, concatenated along N (each part's N a multiple of 16)."""
+    fmt, tiles = _tile_major(parts)
+    n = sum(p.shape[0] for p in parts)
+    b = None if bias is None else torch.from_numpy(pad_bias(bias))
+    return Packed(fmt, parts[0].shape[1], n, torch.from_numpy(finish(fmt, tiles)), b)
+
+
+def load_packed_model(cfg: ModelConfig, weight_format: str = "auto",
+                      progress: bool = True) -> PackedModel:
+    """Read and pack every weight of `cfg.model_dir` (see the module docstring)."""
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"--weight-format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
+    src = _Source(Path(cfg.model_dir))
+    formats: dict[str, int] = {}
+
+    def note(p: Packed) -> Packed:
+        formats[p.fmt.name.lower()] = formats.get(p.fmt.name.lower(), 0) + 1
+        return p
+
+    layers, norms = [], []
+    for i in tqdm(range(cfg.num_hidden_layers), desc="packing weights for the CPU engine",
+                  unit="layer", disable=not progress):
+        pre = f"layers.{i}."
+        attn, mlp = pre + "self_attn.", pre + "mlp."
+        qkv = [_load(src, attn + f"{p}_proj.weight", weight_format) for p in "qkv"]
+        bias = None
+        if cfg.attention_bias:
+            bias = np.concatenate([src.float(attn + f"{p}_proj.bias").float().numpy()
+                                   for p in "qkv"])
+        gate = _load(src, mlp + "gate_proj.weight", weight_format)
+        up = _load(src, mlp + "up_proj.weight", weight_format)
+        if gate.fmt != up.fmt:  # mixed formats: both exactly as f32
+            gate, up = dataclasses.replace(gate, fmt=Fmt.F32), dataclasses.replace(up, fmt=Fmt.F32)
+        (fmt_g, tg), (_, tu) = _tile_major([gate]), _tile_major([up])
+        gate_up = Packed(fmt_g, gate.shape[1], 2 * cfg.intermediate_size,
+                         torch.from_numpy(finish(fmt_g, interleave_tiles(tg, tu))))
+        gb, ub = (mlp + "gate_proj.bias", mlp + "up_proj.bias")
+        if src.has(gb):
+            gate_up.bias = torch.from_numpy(interleave_bias(src.float(gb).float().numpy(),
+                                                            src.float(ub).float().numpy()))
+        layers.append({
+            "qkv": note(_pack(qkv, bias)),
+            "o": note(_pack([_load(src, attn + "o_proj.weight", weight_format)])),
+            "gate_up": note(gate_up),
+            "down": note(_pack([_load(src, mlp + "down_proj.weight", weight_format)])),
+        })
+        n = {"in_norm": src.float(pre + "input_layernorm.weight").float(),
+             "post_norm": src.float(pre + "post_attention_layernorm.weight").float()}
+        if cfg.qk_norm:
+            n["q_norm"] = src.float(attn + "q_norm.weight").float()
+            n["k_norm"] = src.float(attn + "k_norm.weight").float()
+        norms.append(n)
+    embed = note(_pack([_load(src, "embed_tokens.weight", weight_format)]))
+    if cfg.tie_word_embeddings or not src.has("lm_head.weight"):
+        lm_head = embed
+    else:
+        lm_head = note(_pack([_load(src, "lm_head.weight", weight_format)]))
+    return PackedModel(layers, norms, embed, lm_head, src.float("norm.weight").float(), formats)

@@ -1,0 +1,121 @@
+"""The Llama-family decoder on the CPU engine: the whole stack in one extension call.
+
+Same interface as `LlamaForCausalLM` (`forward(batch, backend, return_final_hidden)`, `embed`,
+`compute_logits`, `norm`, `embed_tokens`, `lm_head.weight`), so the model runner, the drafters
+and the trainer use either. Weights stay in their packed format (Q4_1 / Q8_0 blocks for the
+default model); `embed_tokens` and `lm_head.weight` are dequantized on first access only, for the
+few callers that need dense matrices (token maps, the head trainer).
+
+Every step inside is batch-invariant (kernels/cpu/csrc/kernels.h), so a token's logits do not
+depend on which other tokens share its forward: verify rows equal decode rows bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kernels import cpu
+from kernels.cpu.weights import PackedModel
+from runtime.layers.attention.cpu import CpuAttnMetadata
+from runtime.layers.rotary import RotaryEmbedding
+from runtime.mem_cache.kv_pool import KVPool
+from runtime.model_loader.config import ModelConfig
+from runtime.model_runner.forward_batch import ForwardBatch
+from runtime.models.llama import ModelOutput
+
+
+class _FinalNorm:
+    """The final RMSNorm as a callable with a `.weight`, like `runtime.layers.norm.RMSNorm`."""
+
+    def __init__(self, core, weight: torch.Tensor) -> None:
+        self._core = core
+        self.weight = weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._core.final_norm(x)
+
+
+class _DenseLMHead:
+    """The LM head as a dense `runtime.layers.linear.Linear` looks to its readers (`weight`
+    dequantized on first access, no bias, not prepacked), e.g. a token map's hot rows."""
+
+    packed = None
+    bias = None
+
+    def __init__(self, model: CpuLlamaForCausalLM) -> None:
+        self._model = model
+        self.in_features = model.config.hidden_size
+        self.out_features = model.config.vocab_size
+
+    @functools.cached_property
+    def weight(self) -> torch.Tensor:
+        return self._model._dense(self._model._lm_head)
+
+
+class CpuLlamaForCausalLM:
+    device = torch.device("cpu")
+    dtype = torch.float32  # of activations, hidden states and logits
+
+    def __init__(self, cfg: ModelConfig, packed: PackedModel, kv_pool: KVPool,
+                 rotary: RotaryEmbedding, activation_digits: int, num_threads: int) -> None:
+        assert kv_pool.dtype == torch.float32 and kv_pool.device.type == "cpu", "fp32 CPU KV"
+        ext = cpu.load()
+        self.config = cfg
+        self.packed = packed
+        self.activation_digits = activation_digits
+        self.core = ext.CpuModel(
+            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            cfg.intermediate_size, cfg.vocab_size, cfg.rms_norm_eps, activation_digits,
+            num_threads, "",
+        )
+        for layer, norm in zip(packed.layers, packed.norms):
+            self.core.add_layer(
+                layer["qkv"].to_ext(ext), layer["o"].to_ext(ext), layer["gate_up"].to_ext(ext),
+                layer["down"].to_ext(ext), norm["in_norm"], norm["post_norm"],
+                norm.get("q_norm"), norm.get("k_norm"),
+            )
+        self._embed = packed.embed.to_ext(ext)
+        tied = packed.lm_head is packed.embed
+        self._lm_head = self._embed if tied else packed.lm_head.to_ext(ext)
+        self.core.set_head(self._embed, self._lm_head, packed.final_norm)
+        self.core.set_rope(rotary.cos, rotary.sin)
+        self.core.set_kv(kv_pool.k, kv_pool.v)
+        self.norm = _FinalNorm(self.core, packed.final_norm)
+        self.lm_head = _DenseLMHead(self)
+
+    @property
+    def isa(self) -> str:
+        return self.core.isa
+
+    def __call__(self, batch: ForwardBatch, backend=None, return_final_hidden: bool = False
+                 ) -> ModelOutput:
+        return self.forward(batch, backend, return_final_hidden)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, backend=None, return_final_hidden: bool = False
+                ) -> ModelOutput:
+        meta: CpuAttnMetadata = batch.attn_metadata
+        capture = sorted(set(batch.capture_layers))
+        out = self.core.forward(
+            batch.input_ids, batch.positions, batch.out_cache_loc, meta.tok_req, meta.tok_local,
+            meta.kv_indptr, batch.kv_indices, meta.prefix_len, meta.extend_len, meta.masks,
+            meta.mask_indptr, batch.logits_indices, capture, return_final_hidden,
+        )
+        captured = dict(zip(capture, out[2:]))
+        return ModelOutput(out[0], captured, out[1] if return_final_hidden else None)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.core.embed(input_ids.reshape(-1)).view(*input_ids.shape, -1)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, H] (already normed) -> logits [n, vocab] float32."""
+        return self.core.lm_head(hidden)
+
+    def _dense(self, packed) -> torch.Tensor:
+        return packed.dense()  # [N, K] float32, dequantized
+    @functools.cached_property
+    def embed_tokens(self) -> torch.Tensor:
+        """[vocab, H] float32, dequantized on first access (not kept otherwise)."""
+        return self._dense(self._embed)

@@ -1,0 +1,177 @@
+"""The CPU engine end to end (runtime/models/cpu_llama.py over kernels/cpu): the same logits as
+the torch reference engine on the same weights (a quantized GGUF's blocks against their
+dequantized float32 copy; every architecture's HF checkpoint), and a token's logits bit-identical
+whether it is prefilled, decoded, verified inside a draft tree, or batched with other requests."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kernels import cpu
+from runtime.model_loader.gguf_convert import convert_gguf
+from runtime.model_runner import model_runner as mr
+from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
+from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
+from tests.helpers.tiny_models import write_tiny_gguf, write_tiny_model
+
+OK, WHY = cpu.available()
+pytestmark = pytest.mark.skipif(not OK, reason=f"CPU extension unavailable: {WHY}")
+
+
+@pytest.fixture(scope="module")
+def gguf_dirs(tmp_path_factory):
+    """Converted tiny GGUFs: Q4_1 linears + Q8_0 embedding (untied), and a tied Q8_0 one."""
+    root = tmp_path_factory.mktemp("cpu_engine")
+    out = {}
+    for name, kw in {"q4_1": dict(linear_type="Q4_1", embed_type="Q8_0"),
+                     "tied_q8": dict(linear_type="Q8_0", embed_type="Q8_0",
+                                     tie_word_embeddings=True)}.items():
+        path = root / f"{name}.gguf"
+        write_tiny_gguf(path, seed=5, **kw)
+        out[name] = str(convert_gguf(path, root / name, progress=False))
+    return out
+
+
+def runner(model_dir, fmt="auto", digits=3, **kw):
+    return ModelRunner(RunnerConfig(model_dir, "cpu", "float32", max_total_tokens=2048,
+                                    weight_format=fmt, activation_digits=digits, **kw))
+
+
+def prefill_logits(r, ids, **kw):
+    slots = torch.arange(1, len(ids) + 1)
+    return r.forward(ForwardBatch.build(ForwardMode.EXTEND, [ids], [slots], [0], logits="all",
+                                        **kw))
+
+
+PROMPT = [5, 17, 99, 3, 250, 61, 7, 7, 180, 33, 2, 90, 45, 118, 4, 300, 12]
+
+
+@pytest.mark.parametrize("name", ["q4_1", "tied_q8"])
+def test_gguf_blocks_give_the_torch_engines_logits(gguf_dirs, name):
+    fast, ref = runner(gguf_dirs[name]), runner(gguf_dirs[name], "torch")
+    assert fast.engine == "cpu" and ref.engine == "torch"
+    a, b = prefill_logits(fast, PROMPT).logits, prefill_logits(ref, PROMPT).logits
+    # same weights, different summation order (and activations rounded to ~22 bits)
+    assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_captured_and_final_hidden_states_match_the_torch_engine(gguf_dirs):
+    fast, ref = runner(gguf_dirs["q4_1"]), runner(gguf_dirs["q4_1"], "torch")
+    kw = dict(capture_layers=(0, 1, 2))
+    slots = torch.arange(1, len(PROMPT) + 1)
+    outs = [r.forward(ForwardBatch.build(ForwardMode.EXTEND, [PROMPT], [slots], [0], **kw),
+                      return_final_hidden=True) for r in (fast, ref)]
+    for layer in (0, 1, 2):
+        a, b = outs[0].captured[layer], outs[1].captured[layer]
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
+    assert torch.allclose(outs[0].final_hidden, outs[1].final_hidden, rtol=1e-4, atol=1e-4)
+    assert torch.equal(fast.model.compute_logits(outs[0].final_hidden[-1:]), outs[0].logits)
+
+
+@pytest.mark.parametrize("digits", [1, 3])
+def test_a_tokens_logits_are_the_same_in_every_kind_of_forward(gguf_dirs, digits):
+    r = runner(gguf_dirs["q4_1"], digits=digits)
+    n = len(PROMPT)
+    full = prefill_logits(r, PROMPT).logits  # [n, V]
+    # prefill in chunks of 5
+    rows, done = [], 0
+    while done < n:
+        c = min(5, n - done)
+        b = ForwardBatch.build(ForwardMode.EXTEND, [PROMPT[done:done + c]],
+                               [torch.arange(1, done + c + 1)], [done], logits="all")
+        rows.append(r.forward(b).logits)
+        done += c
+    assert torch.equal(torch.cat(rows), full)
+    # decode steps after a 6-token prefill
+    prefill_logits(r, PROMPT[:6])
+    for i in range(6, n):
+        b = ForwardBatch.build(ForwardMode.DECODE, [[PROMPT[i]]], [torch.arange(1, i + 2)], [i])
+        assert torch.equal(r.forward(b).logits[0], full[i]), f"decode step {i}"
+    # a draft tree whose first branch is the true continuation: its rows are decode rows
+    prefix, tokens = 8, [PROMPT[8], PROMPT[9], 77, PROMPT[10], 140, PROMPT[11]]
+    parents = [-1, 0, 0, 1, 1, 3]
+    mask = torch.eye(6, dtype=torch.bool)
+    for i in range(1, 6):
+        mask[i] |= mask[parents[i]]
+    depth = mask.sum(1) - 1
+    prefill_logits(r, PROMPT[:prefix])
+    b = ForwardBatch.build(ForwardMode.TARGET_VERIFY, [tokens],
+                           [torch.arange(1, prefix + 7)], [prefix],
+                           positions=[prefix + depth], custom_masks=[mask], logits="all")
+    tree = r.forward(b).logits
+    for node, pos in ((0, 8), (1, 9), (3, 10), (5, 11)):  # the path that copies the prompt
+        assert torch.equal(tree[node], full[pos]), f"node {node}"
+
+
+def test_a_request_batched_with_others_gets_its_single_logits(gguf_dirs):
+    r = runner(gguf_dirs["q4_1"])
+    prompts = [PROMPT, PROMPT[3:9], [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 20, 30]]
+    alone = [prefill_logits(r, p).logits for p in prompts]
+    start, slots = 1, []
+    for p in prompts:
+        slots.append(torch.arange(start, start + len(p)))
+        start += len(p)
+    b = ForwardBatch.build(ForwardMode.EXTEND, prompts, slots, [0, 0, 0], logits="all")
+    batched = r.forward(b).logits
+    assert torch.equal(batched, torch.cat(alone))
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_hf_checkpoints_of_every_architecture_match_the_torch_engine(tmp_path, arch):
+    d = str(write_tiny_model(tmp_path / arch, arch, seed=3))
+    fast, ref = runner(d), runner(d, "torch")
+    assert fast.model.packed.formats == {"f32": 4 * 2 + 1 + 1}  # float32 checkpoint kept
+    a, b = prefill_logits(fast, PROMPT).logits, prefill_logits(ref, PROMPT).logits
+    assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+
+
+@pytest.mark.parametrize("fmt,tol", [("bf16", 3e-2), ("f16", 3e-3), ("q8_0", 3e-2),
+                                     ("q4_1", 3e-1)])
+def test_weight_format_conversions_stay_close_to_float32(tmp_path, fmt, tol):
+    d = str(write_tiny_model(tmp_path / "m", "llama", seed=4))
+    fast, ref = runner(d, fmt), runner(d, "torch")
+    assert set(fast.model.packed.formats) == {fmt}
+    a, b = prefill_logits(fast, PROMPT).logits, prefill_logits(ref, PROMPT).logits
+    assert (a - b).abs().max() <= tol * b.abs().max()
+
+
+def test_bf16_checkpoints_stay_bf16(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    d = write_tiny_model(tmp_path / "m", "llama", seed=6)
+    st = load_file(str(d / "model.safetensors"))
+    save_file({k: v.to(torch.bfloat16) for k, v in st.items()}, str(d / "model.safetensors"),
+              metadata={"format": "pt"})
+    fast = runner(str(d))
+    assert set(fast.model.packed.formats) == {"bf16"}
+    ref = runner(str(d), "torch")
+    a, b = prefill_logits(fast, PROMPT).logits, prefill_logits(ref, PROMPT).logits
+    assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+
+
+def test_without_the_extension_auto_falls_back_and_explicit_formats_fail(monkeypatch, caplog):
+    monkeypatch.setattr(cpu, "available", lambda: (False, "no compiler"))
+    assert mr.resolve_engine("auto", torch.device("cpu")) == "torch"
+    assert "CPU engine unavailable (no compiler)" in caplog.text
+    with pytest.raises(ValueError, match="q4_1 needs the CPU extension: no compiler"):
+        mr.resolve_engine("q4_1", torch.device("cpu"))
+    with pytest.raises(ValueError, match="must be one of"):
+        mr.resolve_engine("q3_k", torch.device("cpu"))
+
+
+def test_dense_views_for_heads_and_trainers(gguf_dirs):
+    from safetensors.torch import load_file
+
+    fast, ref = runner(gguf_dirs["q4_1"]), runner(gguf_dirs["q4_1"], "torch")
+    dense = load_file(f"{gguf_dirs['q4_1']}/model.safetensors")  # the dequantized copy
+    assert torch.equal(fast.model.embed_tokens, dense["model.embed_tokens.weight"])
+    assert torch.equal(fast.model.lm_head.weight, dense["lm_head.weight"])
+    ids = torch.tensor([3, 9, 27])
+    assert torch.equal(fast.model.embed(ids), ref.model.embed(ids))
+    h = torch.randn(2, 64)
+    assert torch.allclose(fast.model.compute_logits(h), ref.model.compute_logits(h), atol=1e-4)
+    assert torch.allclose(fast.model.norm(h), ref.model.norm(h), atol=1e-6)
+    assert np.isfinite(fast.model.norm.weight.numpy()).all()
