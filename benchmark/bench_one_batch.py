@@ -1,7 +1,10 @@
-"""Latency of one static batch: prefill, decode, and the verify-cost curve.
+"""Latency of one static batch: prefill, decode, and the verify-cost curve, per engine.
 
-    python -m benchmark.bench_one_batch --batch-sizes 1,8 --compare-hf
+    python -m benchmark.bench_one_batch --batch-sizes 1,8 --engines auto,torch --compare-hf
 
+- engines: `--engines` lists weight formats (`auto` = the CPU engine on the checkpoint's own
+  format, `torch` = the fp32 reference engine, or f32|bf16|f16|q8_0|q4_0|q4_1), each optionally
+  `:D` for D activation digits (e.g. `auto:1`); all are measured in the same run;
 - prefill: one EXTEND over `--input-len` tokens per request;
 - decode: tokens/s of steady-state decode steps at each batch size (`--output-len` steps);
 - verify-cost curve: one TARGET_VERIFY forward of n chain nodes on a `--verify-prefix`-token
@@ -21,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from benchmark.common import format_table, machine_info, median_time, write_json
+from kernels.cpu import DEFAULT_ACTIVATION_DIGITS
 from runtime.mem_cache import TokenSlotAllocator
 from runtime.model_loader.default_model import resolve_model_path
 from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
@@ -117,6 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--verify-ns", type=ints, default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--verify-reps", type=int, default=7)
     p.add_argument("--no-pack", action="store_true", help="disable oneDNN weight prepacking")
+    p.add_argument("--engines", default="auto,torch",
+                   help="comma-separated weight formats, each optionally :DIGITS (see above)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--compare-hf", action="store_true")
     p.add_argument("--seed", type=int, default=0)
@@ -126,36 +132,48 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = str(resolve_model_path(args.model_path))
-    runner = ModelRunner(RunnerConfig(
-        model_dir, args.device, args.dtype,
-        max_total_tokens=max(args.verify_prefix + 128, max(args.batch_sizes)
-                             * (args.input_len + args.output_len + 8)),
-        pack_weights=not args.no_pack,
-    ))
     result = {"machine": machine_info(), "args": vars(args), "model_dir": model_dir,
-              "dtype": str(runner.dtype), "decode": [], "verify_curve": [], "hf": None}
-    for bs in tqdm(args.batch_sizes, desc="decode batch sizes"):
-        result["decode"].append(bench_decode(runner, bs, args))
-    result["verify_curve"] = bench_verify_curve(runner, args)
+              "engines": [], "hf": None}
+    for spec in tqdm(args.engines.split(","), desc="engines"):
+        fmt, _, digits = spec.partition(":")
+        runner = ModelRunner(RunnerConfig(
+            model_dir, args.device, args.dtype,
+            max_total_tokens=max(args.verify_prefix + 128, max(args.batch_sizes)
+                                 * (args.input_len + args.output_len + 8)),
+            pack_weights=not args.no_pack, weight_format=fmt,
+            activation_digits=int(digits) if digits else DEFAULT_ACTIVATION_DIGITS,
+        ))
+        eng = {"engine": spec, "kind": runner.engine, "dtype": str(runner.dtype),
+               "decode": [bench_decode(runner, bs, args) for bs in args.batch_sizes],
+               "verify_curve": bench_verify_curve(runner, args)}
+        result["engines"].append(eng)
+        del runner
     if args.compare_hf:
         t0 = time.perf_counter()
         result["hf"] = bench_hf(model_dir, args)
         logging.info("HF baseline measured in %.0fs", time.perf_counter() - t0)
     path = write_json(args.output, result)
 
-    rows = [[f"decode bs={d['batch_size']}", d["prefill_s"] * 1e3, d["decode_step_s"] * 1e3,
-             d["decode_tokens_per_s"], d["e2e_tokens_per_s"]] for d in result["decode"]]
+    rows = []
+    for eng in result["engines"]:
+        rows += [[eng["engine"], f"bs={d['batch_size']}", d["prefill_s"] * 1e3,
+                  d["decode_step_s"] * 1e3, d["decode_tokens_per_s"], d["e2e_tokens_per_s"]]
+                 for d in eng["decode"]]
     if result["hf"]:
-        ours = result["decode"][0]
-        rows.append(["HF generate bs=1", "-", "-", "-", result["hf"]["e2e_tokens_per_s"]])
-        rows.append(["ours / HF (bs=1 e2e)", "-", "-", "-",
+        ours = result["engines"][0]["decode"][0]
+        rows.append(["HF generate", "bs=1", "-", "-", "-", result["hf"]["e2e_tokens_per_s"]])
+        rows.append([f"{result['engines'][0]['engine']} / HF", "bs=1", "-", "-", "-",
                      ours["e2e_tokens_per_s"] / result["hf"]["e2e_tokens_per_s"]])
     print(f"\nJSON: {path}\n")
-    print(format_table(["verify n", "T(n) ms", "T(n)/T(1)"],
-                       [[r["n"], r["time_s"] * 1e3, r["ratio_to_n1"]]
-                        for r in result["verify_curve"]]))
+    curves = [e["verify_curve"] for e in result["engines"]]
+    head = ["verify n"] + [f"{e['engine']} {c}" for e in result["engines"]
+                           for c in ("T(n) ms", "T(n)/T(1)")]
+    print(format_table(head, [[row[0]["n"]] + [v for r in row for v in (r["time_s"] * 1e3,
+                                                                          r["ratio_to_n1"])]
+                              for row in zip(*curves)]))
     print()
-    print(format_table(["run", "prefill ms", "step ms", "decode tok/s", "e2e tok/s"], rows))
+    print(format_table(["engine", "batch", "prefill ms", "step ms", "decode tok/s", "e2e tok/s"],
+                       rows))
     return result
 
 

@@ -1,0 +1,89 @@
+"""Where a CPU-engine forward spends its time, phase by phase (thread 0's wall clock).
+
+    python -m benchmark.profile_cpu_engine --context 256 --tokens 1,8 --digits 3,1
+
+For each (digits, tokens-per-forward) it prefills `--context` tokens, then runs `--steps`
+forwards of n tree nodes (n = 1: a plain decode step) and prints the mean milliseconds of each
+phase per forward (linears summed over layers), the total, and the weight bytes each phase
+streamed per millisecond. Writes JSON (`--output`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from benchmark.common import format_table, machine_info, write_json
+from runtime.model_loader.default_model import resolve_model_path
+from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
+from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
+
+PHASES = ("embed", "attn_norm", "qkv", "rope_kv", "attention", "o_proj", "mlp_norm", "gate_up",
+          "down", "final_norm", "lm_head")
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def profile(runner: ModelRunner, context: int, n: int, steps: int) -> dict:
+    core = runner.model.core
+    vocab = runner.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(100, vocab - 100, (context,), generator=gen).tolist()
+    slots = torch.arange(1, context + n + 1)
+    runner.forward(ForwardBatch.build(ForwardMode.EXTEND, [prompt], [slots[:context]], [0]))
+    mask = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    mode = ForwardMode.DECODE if n == 1 else ForwardMode.TARGET_VERIFY
+    kw = {} if n == 1 else dict(positions=[torch.arange(context, context + n)],
+                                custom_masks=[mask], logits="all")
+
+    def step():
+        runner.forward(ForwardBatch.build(mode, [prompt[:n]], [slots], [context], **kw))
+
+    step()
+    core.set_profile(True)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    wall = (time.perf_counter() - t0) / steps
+    phases = dict(core.profile())
+    core.set_profile(False)
+    return {"tokens": n, "context": context, "wall_ms": wall * 1e3,
+            "phases_ms": {k: phases[k] * 1e3 for k in PHASES}}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model-path", default=None)
+    p.add_argument("--weight-format", default="auto")
+    p.add_argument("--digits", type=ints, default=[3])
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--tokens", type=ints, default=[1, 8])
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--output", default="results/profile_cpu_engine.json")
+    args = p.parse_args(argv)
+    model_dir = str(resolve_model_path(args.model_path))
+    runs = []
+    for digits in args.digits:
+        runner = ModelRunner(RunnerConfig(model_dir, "cpu", max_total_tokens=args.context + 128,
+                                          weight_format=args.weight_format,
+                                          activation_digits=digits))
+        assert runner.engine == "cpu", "the CPU engine is not available here"
+        for n in args.tokens:
+            runs.append({"digits": digits, **profile(runner, args.context, n, args.steps)})
+        del runner
+    path = write_json(args.output, {"machine": machine_info(), "args": vars(args), "runs": runs})
+    print(f"\nJSON: {path}\n")
+    head = ["phase"] + [f"d={r['digits']} n={r['tokens']}" for r in runs]
+    rows = [[ph] + [r["phases_ms"][ph] for r in runs] for ph in PHASES]
+    rows.append(["sum of phases"] + [sum(r["phases_ms"].values()) for r in runs])
+    rows.append(["wall per forward"] + [r["wall_ms"] for r in runs])
+    print(format_table(head, rows))
+    return {"runs": runs}
+
+
+if __name__ == "__main__":
+    main()
