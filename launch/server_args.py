@@ -47,7 +47,8 @@ HELP = {
     "speculative_algorithm": "speculative decoding algorithm: NGRAM, EAGLE or EAGLE3 (none "
     "when unset)",
     "speculative_num_draft_tokens": "draft tree nodes per request per step, root included "
-    "(default: 8 for NGRAM; EAGLE: see --speculative-num-steps)",
+    "(default for NGRAM: 4 on the CPU engine, 8 on the torch engine; EAGLE: see "
+    "--speculative-num-steps)",
     "speculative_draft_model_path": "EAGLE/EAGLE3: the draft head's checkpoint directory",
     "speculative_num_steps": "EAGLE/EAGLE3: draft tree depth S (unset: chosen for the device "
     "with --speculative-eagle-topk and --speculative-num-draft-tokens; cpu 2/2/4, cuda 5/4/8)",
@@ -88,9 +89,11 @@ HELP = {
 }
 
 
-# Tree nodes per step (root included) when --speculative-num-draft-tokens is unset. On this CPU
-# a verify pass of 8 nodes costs ~1.15x a decode step and 16 nodes ~1.4x (docs/benchmarks.md).
-DEFAULT_NUM_DRAFT_TOKENS = {"NGRAM": 8}
+# Tree nodes per step (root included) when --speculative-num-draft-tokens is unset, by engine.
+# torch engine (fp32, weight-bandwidth-bound): a verify pass of 8 nodes costs ~1.15x a decode
+# step. CPU engine: ~5x faster decode, so each node is dearer (T(4)/T(1) ~1.5, T(8)/T(1) ~2.4);
+# on train-split rewrite/ShareGPT prompts 4 nodes beat 6, 8 and 12 (docs/benchmarks.md).
+DEFAULT_NUM_DRAFT_TOKENS = {"NGRAM": {"cpu": 4, "torch": 8}}
 # EAGLE (num_steps, topk, num_draft_tokens) when unset, by device type. CPU: every draft step
 # costs a head layer plus an LM-head matmul, and a verify node ~1 ms (~5% of a decode step), so
 # a shallow, narrow tree pays off: with the shipped head (acceptance at depth 3 ~0.05), 2 steps
@@ -210,7 +213,8 @@ class ServerArgs:
                 spec = self._eagle_tree()
                 n = spec["speculative_num_draft_tokens"]
             else:
-                n = self.speculative_num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS[algo]
+                n = self.speculative_num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS[algo][
+                    self._engine()]
             if n < 1:
                 raise ValueError("--speculative-num-draft-tokens must be >= 1")
             deep = self.speculative_ngram_max_draft_tokens
@@ -239,6 +243,11 @@ class ServerArgs:
         return dataclasses.replace(
             self, model_path=model_dir, served_model_name=name, num_threads=threads, **spec
         )
+
+    def _engine(self) -> str:
+        from runtime.model_runner.model_runner import resolve_device, resolve_engine
+
+        return resolve_engine(self.weight_format, resolve_device(self.device), self.dtype)
 
     def _check_token_map(self, algo: str) -> None:
         """--speculative-token-map: EAGLE-1/2 only, and a readable file of a known format."""

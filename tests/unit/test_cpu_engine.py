@@ -175,3 +175,13 @@ def test_dense_views_for_heads_and_trainers(gguf_dirs):
     assert torch.allclose(fast.model.compute_logits(h), ref.model.compute_logits(h), atol=1e-4)
     assert torch.allclose(fast.model.norm(h), ref.model.norm(h), atol=1e-6)
     assert np.isfinite(fast.model.norm.weight.numpy()).all()
+
+
+def test_a_bad_batch_raises_instead_of_writing_outside_the_kv_pool(gguf_dirs):
+    r = runner(gguf_dirs["q4_1"])
+    capacity = r.kv_capacity
+    bad = ForwardBatch.build(ForwardMode.EXTEND, [[5, 6]], [torch.tensor([1, capacity + 7])], [0])
+    with pytest.raises(RuntimeError, match="KV slot out of range"):
+        r.forward(bad)
+    ok = prefill_logits(r, PROMPT).logits  # the engine is still fine afterwards
+    assert torch.isfinite(ok).all()

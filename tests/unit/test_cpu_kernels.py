@@ -104,6 +104,24 @@ def test_packed_size_is_checked():
         ext().PackedLinear(int(Fmt.Q4_1), 64, 32, torch.zeros(10, dtype=torch.uint8))
 
 
+# ---- activation digits -------------------------------------------------------------------
+
+@pytest.mark.parametrize("digits", [1, 2, 3])
+def test_activation_digits_are_the_same_on_every_isa_and_reconstruct_the_value(digits):
+    x = torch.randn(9, 96) * torch.logspace(-3, 3, 96)  # blocks of very different scales
+    x[3] = 0.0  # an all-zero row
+    outs = {isa: ext().quantize(x, digits, isa) for isa in isas()}
+    ref = outs["generic"]
+    for isa, out in outs.items():
+        assert all(torch.equal(a, b) for a, b in zip(out, ref)), isa
+    q, scale, sums, fsum = ref
+    value = sum(q[:, i].double() * 128.0 ** (digits - 1 - i) for i in range(digits))
+    value = (value.view(9, 3, 32) * scale.double()[:, :, None]).view(9, 96)
+    assert torch.equal(value, quantized_activations(x, digits))
+    assert torch.equal(sums, q.view(9, digits, 3, 32).sum(-1, dtype=torch.int32))
+    assert torch.allclose(fsum.double(), value.view(9, 3, 32).sum(-1), rtol=1e-6)
+
+
 # ---- matmul -------------------------------------------------------------------------------
 
 # stated tolerances, relative to the largest |output|: against the exact product of the

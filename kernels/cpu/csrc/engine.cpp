@@ -369,10 +369,38 @@ std::vector<torch::Tensor> CpuModel::forward(
     TORCH_CHECK(ids[t] >= 0 && ids[t] < V_, "token id out of range: ", ids[t]);
     TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position out of range: ", pos[t]);
   }
-  // the longest key list one query row can see
+  // the longest key list one query row can see; every index checked against its array, so a
+  // bad batch is an exception, never a write outside the KV pool
+  const int64_t slots = k_[0].size(0);
+  TORCH_CHECK(out_loc.numel() == T && positions.numel() == T && tok_req.numel() == T &&
+              tok_local.numel() == T && kv_indptr.numel() == B + 1 && extend_len.numel() == B,
+              "forward: inconsistent batch arrays");
+  for (int t = 0; t < T; ++t) TORCH_CHECK(loc[t] > 0 && loc[t] < slots, "KV slot out of range");
   int64_t max_keys = 0;
   const int64_t* ip = kv_indptr.data_ptr<int64_t>();
-  for (int b = 0; b < B; ++b) max_keys = std::max(max_keys, ip[b + 1] - ip[b]);
+  const int64_t* kvi = kv_indices.data_ptr<int64_t>();
+  const int32_t* pl = prefix_len.data_ptr<int32_t>();
+  const int32_t* el = extend_len.data_ptr<int32_t>();
+  TORCH_CHECK(ip[0] == 0 && ip[B] == kv_indices.numel(), "forward: kv_indptr");
+  for (int b = 0; b < B; ++b) {
+    TORCH_CHECK(ip[b + 1] - ip[b] == (int64_t)pl[b] + el[b], "forward: kv list length");
+    max_keys = std::max(max_keys, ip[b + 1] - ip[b]);
+  }
+  for (int64_t i = 0; i < kv_indices.numel(); ++i) {
+    TORCH_CHECK(kvi[i] >= 0 && kvi[i] < slots, "KV slot out of range");
+  }
+  const int32_t* tr = tok_req.data_ptr<int32_t>();
+  const int32_t* tl = tok_local.data_ptr<int32_t>();
+  for (int t = 0; t < T; ++t) {
+    TORCH_CHECK(tr[t] >= 0 && tr[t] < B && tl[t] >= 0 && tl[t] < el[tr[t]], "forward: tokens");
+  }
+  if (masks.numel()) {
+    const int64_t* mi = mask_indptr.data_ptr<int64_t>();
+    TORCH_CHECK(mask_indptr.numel() == B + 1 && mi[B] == masks.numel(), "forward: masks");
+    for (int b = 0; b < B; ++b) {
+      TORCH_CHECK(mi[b + 1] - mi[b] == (int64_t)el[b] * el[b], "forward: mask size");
+    }
+  }
 
   x_.resize((size_t)T * H_);
   xn_.resize((size_t)T * std::max(H_, Nq));
@@ -617,6 +645,20 @@ torch::Tensor rmsnorm_op(torch::Tensor x, torch::Tensor w, double eps, const std
   return y;
 }
 
+std::vector<torch::Tensor> quantize_op(torch::Tensor x, int levels, const std::string& isa) {
+  x = x.contiguous().to(torch::kFloat32);
+  const int M = (int)x.size(0), K = (int)x.size(1), nb = K / QK;
+  TORCH_CHECK(K % QK == 0 && levels >= 1 && levels <= 3, "K % 32 == 0 and 1-3 digits");
+  auto q = torch::empty({M, levels, K}, torch::kInt8);
+  auto scale = torch::empty({M, nb}, torch::kFloat32);
+  auto sums = torch::empty({M, levels, nb}, torch::kInt32);
+  auto fsum = torch::empty({M, nb}, torch::kFloat32);
+  pick_isa(isa)->quantize(x.data_ptr<float>(), K, 0, M, K, levels, q.data_ptr<int8_t>(),
+                          scale.data_ptr<float>(), sums.data_ptr<int32_t>(),
+                          fsum.data_ptr<float>());
+  return {q, scale, sums, fsum};
+}
+
 std::string isa_name(const std::string& isa) { return pick_isa(isa)->name; }
 
 }  // namespace specserve
@@ -665,4 +707,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention_op, py::call_guard<py::gil_scoped_release>());
   m.def("rmsnorm", &rmsnorm_op, py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("isa") = "");
   m.def("isa_name", &isa_name, py::arg("isa") = "");
+  m.def("quantize", &quantize_op, py::arg("x"), py::arg("levels"), py::arg("isa") = "");
 }

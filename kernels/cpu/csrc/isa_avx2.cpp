@@ -253,6 +253,56 @@ void gemm(const GemmArgs& a, int t0, int t1) {
   }
 }
 
+// activation digits: the same values as isa_generic.cpp's scalar quantize
+void quantize(const float* x, int64_t ldx, int r0, int r1, int K, int L, int8_t* q, float* scale,
+              int32_t* sums, float* fsum) {
+  if (K % QK) return generic_kernels()->quantize(x, ldx, r0, r1, K, L, q, scale, sums, fsum);
+  const int nb = K / QK;
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int r = r0; r < r1; ++r) {
+    for (int b = 0; b < nb; ++b) {
+      const float* xb = x + (int64_t)r * ldx + b * QK;
+      __m256 v[4];
+      __m256 m = _mm256_setzero_ps();
+      for (int h = 0; h < 4; ++h) {
+        v[h] = _mm256_loadu_ps(xb + 8 * h);
+        m = _mm256_max_ps(m, _mm256_and_ps(v[h], absmask));
+      }
+      const float amax = hmax256(m);
+      int e = 0;
+      const bool live = amax >= 0x1p-100f;
+      if (live) std::frexp(amax / 127.f, &e);
+      const __m256 inv = _mm256_set1_ps(live ? std::ldexp(1.f, -e) : 0.f);
+      for (int h = 0; h < 4; ++h) v[h] = _mm256_mul_ps(v[h], inv);
+      int64_t total = 0;
+      for (int l = 0; l < L; ++l) {
+        __m256i acc = _mm256_setzero_si256();
+        int8_t* out = q + ((int64_t)r * L + l) * K + b * QK;
+        for (int h = 0; h < 4; ++h) {
+          __m256 d = _mm256_round_ps(v[h], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          if (l == 0) d = _mm256_min_ps(_mm256_max_ps(d, _mm256_set1_ps(-127.f)),
+                                        _mm256_set1_ps(127.f));
+          const __m256i di = _mm256_cvtps_epi32(d);
+          alignas(32) int32_t tmp[8];
+          _mm256_store_si256((__m256i*)tmp, di);
+          for (int i = 0; i < 8; ++i) out[8 * h + i] = (int8_t)tmp[i];
+          acc = _mm256_add_epi32(acc, di);
+          v[h] = _mm256_mul_ps(_mm256_sub_ps(v[h], d), _mm256_set1_ps(128.f));
+        }
+        const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(acc),
+                                         _mm256_extracti128_si256(acc, 1));
+        const __m128i s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        const int32_t sl = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xb1)));
+        sums[((int64_t)r * L + l) * nb + b] = sl;
+        total = total * 128 + sl;
+      }
+      const float sc = std::ldexp(1.f, e - 7 * (L - 1));
+      scale[(int64_t)r * nb + b] = sc;
+      fsum[(int64_t)r * nb + b] = (float)total * sc;
+    }
+  }
+}
+
 void rmsnorm(const float* x, int64_t ldx, const float* w, float eps, int D, float* y, int64_t ldy,
              int r0, int r1) {
   if (D % 8) return generic_kernels()->rmsnorm(x, ldx, w, eps, D, y, ldy, r0, r1);
@@ -341,7 +391,7 @@ void attention(const AttnArgs& a, int i0, int i1, AttnScratch& s) {
 
 namespace specserve {
 const IsaKernels* avx2_kernels() {
-  static const IsaKernels table = {"avx2", gemm, generic_kernels()->quantize, rmsnorm, attention};
+  static const IsaKernels table = {"avx2", gemm, quantize, rmsnorm, attention};
   return &table;
 }
 }  // namespace specserve

@@ -332,6 +332,49 @@ void gemm(const GemmArgs& a, int t0, int t1) {
   }
 }
 
+// ---- activation digits (the same values as isa_generic.cpp's scalar quantize) -------------------
+
+void quantize(const float* x, int64_t ldx, int r0, int r1, int K, int L, int8_t* q, float* scale,
+              int32_t* sums, float* fsum) {
+  if (K % QK) return generic_kernels()->quantize(x, ldx, r0, r1, K, L, q, scale, sums, fsum);
+  const int nb = K / QK;
+  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  for (int r = r0; r < r1; ++r) {
+    for (int b = 0; b < nb; ++b) {
+      const float* xb = x + (int64_t)r * ldx + b * QK;
+      __m512 v[2] = {_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)};
+      const float amax = _mm512_reduce_max_ps(
+          _mm512_max_ps(_mm512_and_ps(v[0], absmask), _mm512_and_ps(v[1], absmask)));
+      int e = 0;
+      const bool live = amax >= 0x1p-100f;
+      if (live) std::frexp(amax / 127.f, &e);  // 2^e > amax / 127
+      const __m512 inv = _mm512_set1_ps(live ? std::ldexp(1.f, -e) : 0.f);
+      v[0] = _mm512_mul_ps(v[0], inv);
+      v[1] = _mm512_mul_ps(v[1], inv);
+      int64_t total = 0;
+      for (int l = 0; l < L; ++l) {
+        __m512i acc = _mm512_setzero_si512();
+        for (int h = 0; h < 2; ++h) {
+          __m512 d = _mm512_roundscale_ps(v[h], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          if (l == 0) d = _mm512_min_ps(_mm512_max_ps(d, _mm512_set1_ps(-127.f)),
+                                        _mm512_set1_ps(127.f));
+          const __m512i di = _mm512_cvtps_epi32(d);
+          _mm_storeu_si128((__m128i*)(q + ((int64_t)r * L + l) * K + b * QK + 16 * h),
+                           _mm512_cvtepi32_epi8(di));
+          acc = _mm512_add_epi32(acc, di);
+          v[h] = _mm512_mul_ps(_mm512_sub_ps(v[h], d), _mm512_set1_ps(128.f));
+        }
+        const int32_t sl = _mm512_reduce_add_epi32(acc);
+        sums[((int64_t)r * L + l) * nb + b] = sl;
+        total = total * 128 + sl;
+      }
+      const float sc = std::ldexp(1.f, e - 7 * (L - 1));
+      scale[(int64_t)r * nb + b] = sc;
+      fsum[(int64_t)r * nb + b] = (float)total * sc;
+    }
+  }
+}
+
 // ---- norms and attention --------------------------------------------------------------------
 
 void rmsnorm(const float* x, int64_t ldx, const float* w, float eps, int D, float* y, int64_t ldy,
@@ -462,7 +505,7 @@ void attention(const AttnArgs& a, int i0, int i1, AttnScratch& s) {
 namespace specserve {
 // Outside the target region: this runs on any CPU (the engine calls it only after checking).
 const IsaKernels* avx512_kernels() {
-  static const IsaKernels table = {"avx512", gemm, generic_kernels()->quantize, rmsnorm, attention};
+  static const IsaKernels table = {"avx512", gemm, quantize, rmsnorm, attention};
   return &table;
 }
 }  // namespace specserve
