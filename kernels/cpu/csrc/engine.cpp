@@ -61,6 +61,42 @@ void parallel(int nthreads, F& f) {
   pool(nthreads).run([](void* ctx, int tid, int n) { (*static_cast<F*>(ctx))(tid, n); }, &f);
 }
 
+// Attention work items (kernels.h): with enough rows, blocks of up to kAttnRows rows of one
+// request x the heads of one KV group (at most 8), so the group's keys are read once per
+// block; otherwise one item per (row, head), which spreads a single decode row over threads.
+// Which item a query lands in never changes its result.
+std::vector<int32_t> attention_items(int T, const int32_t* tok_req, int H, int KVH, int nthreads) {
+  std::vector<int32_t> items;
+  const int group = H / KVH, hchunk = std::min(group, 8);
+  if (T * KVH < 2 * nthreads) {
+    for (int t = 0; t < T; ++t)
+      for (int h = 0; h < H; ++h) items.insert(items.end(), {t, t + 1, h, h + 1});
+    return items;
+  }
+  for (int t = 0; t < T;) {
+    int e = t;
+    while (e < T && e - t < kAttnRows && tok_req[e] == tok_req[t]) ++e;
+    for (int g = 0; g < KVH; ++g)
+      for (int h = g * group; h < (g + 1) * group; h += hchunk)
+        items.insert(items.end(), {t, e, h, std::min(h + hchunk, (g + 1) * group)});
+    t = e;
+  }
+  return items;
+}
+
+// Per-thread attention scratch for items of up to kAttnRows rows x 8 heads.
+struct AttnBuffers {
+  std::vector<int64_t> slots;
+  std::vector<float> scores, out;
+  AttnScratch reserve(int64_t max_keys, int head_dim) {
+    const int64_t q = (int64_t)kAttnRows * 8;
+    if ((int64_t)slots.size() < kAttnRows * max_keys) slots.resize(kAttnRows * max_keys);
+    if ((int64_t)scores.size() < q * (max_keys + 16)) scores.resize(q * (max_keys + 16));
+    if ((int64_t)out.size() < q * head_dim) out.resize(q * head_dim);
+    return AttnScratch{slots.data(), scores.data(), out.data()};
+  }
+};
+
 }  // namespace
 
 // ---- packed weights -----------------------------------------------------------------------
@@ -322,8 +358,7 @@ class CpuModel {
   // scratch, grown on demand
   std::vector<float> x_, xn_, qkv_, attn_, h_, fin_;
   ActBuffers act_;
-  std::vector<std::vector<int64_t>> slots_;
-  std::vector<std::vector<float>> scores_;
+  std::vector<AttnBuffers> attn_bufs_;
   static constexpr int kPhases = 11;
   bool profile_ = false;
   std::vector<double> prof_ = std::vector<double>(kPhases, 0.0);
@@ -410,12 +445,11 @@ std::vector<torch::Tensor> CpuModel::forward(
   const int F = final_hidden ? T : R;
   fin_.resize((size_t)std::max(F, 1) * H_);
   act_.reserve(std::max(T, 1), std::max(std::max(H_, Nq), I_), levels_);
-  slots_.resize(nthreads_);
-  scores_.resize(nthreads_);
-  for (int i = 0; i < nthreads_; ++i) {
-    if ((int64_t)slots_[i].size() < max_keys) slots_[i].resize(max_keys);
-    if ((int64_t)scores_[i].size() < max_keys + 16) scores_[i].resize(max_keys + 16);
-  }
+  attn_bufs_.resize(nthreads_);
+  std::vector<AttnScratch> scratch(nthreads_);
+  for (int i = 0; i < nthreads_; ++i) scratch[i] = attn_bufs_[i].reserve(max_keys, D_);
+  const std::vector<int32_t> items = attention_items(T, tr, Hq_, KVH_, nthreads_);
+  const int num_items = (int)items.size() / 4;
   auto logits = torch::empty({R, V_}, torch::kFloat32);
   torch::Tensor fh = final_hidden ? torch::empty({T, H_}, torch::kFloat32) : torch::Tensor();
   std::vector<torch::Tensor> caps;
@@ -443,6 +477,8 @@ std::vector<torch::Tensor> CpuModel::forward(
   aa.extend_len = extend_len.data_ptr<int32_t>();
   aa.masks = ptr_of<uint8_t>(masks);
   aa.mask_indptr = ptr_of<int64_t>(mask_indptr);
+  aa.items = items.data();
+  aa.max_keys = (int)max_keys;
 
   ThreadPool& tp = pool(nthreads_);
   MatmulStep mm{isa_, &tp, &act_, levels_};
@@ -467,7 +503,6 @@ std::vector<torch::Tensor> CpuModel::forward(
     int r0, r1;
     split_range(T, tid, n, &r0, &r1);
     for (int t = r0; t < r1; ++t) embed_.row(ids[t], x + (int64_t)t * H_);
-    AttnScratch scratch{slots_[tid].data(), scores_[tid].data()};
     tp.barrier(tid);
     mark(0);
     for (int li = 0; li < nl; ++li) {
@@ -511,8 +546,8 @@ std::vector<torch::Tensor> CpuModel::forward(
       AttnArgs la = aa;
       la.k_cache = kc;
       la.v_cache = vc;
-      split_range(T * Hq_, tid, n, &i0, &i1);
-      if (i1 > i0) isa_->attention(la, i0, i1, scratch);
+      split_range(num_items, tid, n, &i0, &i1);
+      if (i1 > i0) isa_->attention(la, i0, i1, scratch[tid]);
       tp.barrier(tid);
       mark(4);
       mm(L.o, T, attn_.data(), Nq, x, H_, EPI_ADD, tid, n);
@@ -622,14 +657,18 @@ torch::Tensor attention_op(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   for (int64_t b = 0; b + 1 < kv_indptr.numel(); ++b) {
     max_keys = std::max(max_keys, a.kv_indptr[b + 1] - a.kv_indptr[b]);
   }
+  a.max_keys = (int)max_keys;
+  const std::vector<int32_t> items = attention_items(T, a.tok_req, num_heads, KVH, nthreads);
+  a.items = items.data();
+  const int num_items = (int)items.size() / 4;
   const IsaKernels* k = pick_isa(isa);
-  std::vector<std::vector<int64_t>> slots(nthreads, std::vector<int64_t>(max_keys + 1));
-  std::vector<std::vector<float>> scores(nthreads, std::vector<float>(max_keys + 17));
+  std::vector<AttnBuffers> bufs(nthreads);
+  std::vector<AttnScratch> scratch(nthreads);
+  for (int i = 0; i < nthreads; ++i) scratch[i] = bufs[i].reserve(max_keys, D);
   auto body = [&](int tid, int n) {
     int i0, i1;
-    split_range(T * num_heads, tid, n, &i0, &i1);
-    AttnScratch s{slots[tid].data(), scores[tid].data()};
-    if (i1 > i0) k->attention(a, i0, i1, s);
+    split_range(num_items, tid, n, &i0, &i1);
+    if (i1 > i0) k->attention(a, i0, i1, scratch[tid]);
   };
   if (T > 0) parallel(nthreads, body);
   return out;

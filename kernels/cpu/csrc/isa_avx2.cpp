@@ -323,54 +323,52 @@ void rmsnorm(const float* x, int64_t ldx, const float* w, float eps, int D, floa
 }
 
 template <int NV>  // head_dim = 8 * NV
-void attention_d(const AttnArgs& a, int i0, int i1, AttnScratch& s) {
-  const int D = 8 * NV, H = a.num_heads, group = a.num_heads / a.num_kv_heads;
+void attention_query(const AttnArgs& a, int t, int h, const int64_t* slots, int L,
+                     float* scores) {
+  const int D = 8 * NV, g = h / (a.num_heads / a.num_kv_heads);
   const int64_t kv_stride = (int64_t)a.num_kv_heads * D;
+  const float* qp = a.q + (int64_t)t * a.ldq + h * D;
+  const float* kc = a.k_cache + (int64_t)g * D;
+  const float* vc = a.v_cache + (int64_t)g * D;
+  const int Lp = (L + 7) & ~7;
+  for (int j = 0; j < L; ++j) {
+    const float* kp = kc + slots[j] * kv_stride;
+    __m256 p = _mm256_mul_ps(_mm256_loadu_ps(qp), _mm256_loadu_ps(kp));
+    for (int v = 1; v < NV; ++v) {
+      p = _mm256_fmadd_ps(_mm256_loadu_ps(qp + 8 * v), _mm256_loadu_ps(kp + 8 * v), p);
+    }
+    scores[j] = hsum256(p) * a.scale;
+  }
+  for (int j = L; j < Lp; ++j) scores[j] = -INFINITY;
+  __m256 vmax = _mm256_set1_ps(-INFINITY);
+  for (int j = 0; j < Lp; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(scores + j));
+  const __m256 mx = _mm256_set1_ps(hmax256(vmax));
+  __m256 vsum = _mm256_setzero_ps();
+  for (int j = 0; j < Lp; j += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(scores + j), mx));
+    _mm256_storeu_ps(scores + j, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  __m256 o[NV];
+  for (int v = 0; v < NV; ++v) o[v] = _mm256_setzero_ps();
+  for (int j = 0; j < L; ++j) {
+    const float* vp = vc + slots[j] * kv_stride;
+    const __m256 e = _mm256_set1_ps(scores[j]);
+    for (int v = 0; v < NV; ++v) o[v] = _mm256_fmadd_ps(e, _mm256_loadu_ps(vp + 8 * v), o[v]);
+  }
+  const __m256 inv = _mm256_set1_ps(1.f / hsum256(vsum));
+  float* op = a.out + (int64_t)t * a.ldo + h * D;
+  for (int v = 0; v < NV; ++v) _mm256_storeu_ps(op + 8 * v, _mm256_mul_ps(o[v], inv));
+}
+
+template <int NV>
+void attention_d(const AttnArgs& a, int i0, int i1, AttnScratch& s) {
   for (int item = i0; item < i1; ++item) {
-    const int t = item / H, h = item % H, g = h / group;
-    const int req = a.tok_req[t], local = a.tok_local[t];
-    const int64_t* kv = a.kv_indices + a.kv_indptr[req];
-    const int P = a.prefix_len[req], n = a.extend_len[req];
-    int L = 0;
-    for (int j = 0; j < P; ++j) s.slots[L++] = kv[j];
-    if (a.masks) {
-      const uint8_t* row = a.masks + a.mask_indptr[req] + (int64_t)local * n;
-      for (int j = 0; j < n; ++j) if (row[j]) s.slots[L++] = kv[P + j];
-    } else {
-      for (int j = 0; j <= local; ++j) s.slots[L++] = kv[P + j];
+    const int32_t* it = a.items + 4 * item;
+    for (int t = it[0]; t < it[1]; ++t) {
+      const int L = visible_keys(a, t, s.slots);
+      for (int h = it[2]; h < it[3]; ++h) attention_query<NV>(a, t, h, s.slots, L, s.scores);
     }
-    const float* qp = a.q + (int64_t)t * a.ldq + h * D;
-    const float* kc = a.k_cache + (int64_t)g * D;
-    const float* vc = a.v_cache + (int64_t)g * D;
-    const int Lp = (L + 7) & ~7;
-    for (int j = 0; j < L; ++j) {
-      const float* kp = kc + s.slots[j] * kv_stride;
-      __m256 p = _mm256_mul_ps(_mm256_loadu_ps(qp), _mm256_loadu_ps(kp));
-      for (int v = 1; v < NV; ++v) {
-        p = _mm256_fmadd_ps(_mm256_loadu_ps(qp + 8 * v), _mm256_loadu_ps(kp + 8 * v), p);
-      }
-      s.scores[j] = hsum256(p) * a.scale;
-    }
-    for (int j = L; j < Lp; ++j) s.scores[j] = -INFINITY;
-    __m256 vmax = _mm256_set1_ps(-INFINITY);
-    for (int j = 0; j < Lp; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s.scores + j));
-    const __m256 mx = _mm256_set1_ps(hmax256(vmax));
-    __m256 vsum = _mm256_setzero_ps();
-    for (int j = 0; j < Lp; j += 8) {
-      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s.scores + j), mx));
-      _mm256_storeu_ps(s.scores + j, e);
-      vsum = _mm256_add_ps(vsum, e);
-    }
-    __m256 o[NV];
-    for (int v = 0; v < NV; ++v) o[v] = _mm256_setzero_ps();
-    for (int j = 0; j < L; ++j) {
-      const float* vp = vc + s.slots[j] * kv_stride;
-      const __m256 e = _mm256_set1_ps(s.scores[j]);
-      for (int v = 0; v < NV; ++v) o[v] = _mm256_fmadd_ps(e, _mm256_loadu_ps(vp + 8 * v), o[v]);
-    }
-    const __m256 inv = _mm256_set1_ps(1.f / hsum256(vsum));
-    float* op = a.out + (int64_t)t * a.ldo + h * D;
-    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(op + 8 * v, _mm256_mul_ps(o[v], inv));
   }
 }
 

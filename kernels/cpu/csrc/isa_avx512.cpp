@@ -419,70 +419,115 @@ inline __m512 reduce16(const __m512 (&p)[16]) {
                        _mm512_shuffle_f32x4(y01, y23, 0xDD));
 }
 
+// The 16 scores of keys j0..j0+15 of one query (masked to -inf past its L keys).
+template <int NV>
+inline __m512 scores16(const __m512 (&q)[NV], const float* kc, int64_t kv_stride,
+                       const int64_t* slots, int j0, int L, __m512 scale) {
+  __m512 p[16];
+  for (int j = 0; j < 16; ++j) {
+    if (j0 + j >= L) {
+      p[j] = _mm512_setzero_ps();
+      continue;
+    }
+    const float* kp = kc + slots[j0 + j] * kv_stride;
+    __m512 acc = _mm512_mul_ps(q[0], _mm512_loadu_ps(kp));
+    for (int v = 1; v < NV; ++v) acc = _mm512_fmadd_ps(q[v], _mm512_loadu_ps(kp + 16 * v), acc);
+    p[j] = acc;
+  }
+  const int valid = L - j0 < 16 ? L - j0 : 16;
+  const __mmask16 m = valid == 16 ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1);
+  return _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), m, _mm512_mul_ps(reduce16(p), scale));
+}
+
+// An item's queries (its rows x its heads, one KV group) go through the keys block by block
+// together, so a block of K (and later V) rows is read from memory once and from L1 by the
+// others. Every query's own float operations are those it would do alone (scores per block of
+// 16 keys, lane maxima, exp, sums and V accumulation in key order): a verify or prefill row gives
+// exactly the bits of the same token's decode row.
 template <int NV>  // head_dim = 16 * NV
 void attention_d(const AttnArgs& a, int i0, int i1, AttnScratch& s) {
-  const int D = 16 * NV, H = a.num_heads, group = a.num_heads / a.num_kv_heads;
+  constexpr int D = 16 * NV;
+  const int group = a.num_heads / a.num_kv_heads;
   const int64_t kv_stride = (int64_t)a.num_kv_heads * D;
+  const int64_t sstride = a.max_keys + 16;
+  const __m512 scale = _mm512_set1_ps(a.scale);
   for (int item = i0; item < i1; ++item) {
-    const int t = item / H, h = item % H, g = h / group;
-    const int req = a.tok_req[t], local = a.tok_local[t];
-    const int64_t* kv = a.kv_indices + a.kv_indptr[req];
-    const int P = a.prefix_len[req], n = a.extend_len[req];
-    // the keys this row sees, in position order: its prefix, then its ancestors (tree) or the
-    // new tokens up to itself (causal); a decode row at the same position sees the same list
-    int L = 0;
-    for (int j = 0; j < P; ++j) s.slots[L++] = kv[j];
-    if (a.masks) {
-      const uint8_t* row = a.masks + a.mask_indptr[req] + (int64_t)local * n;
-      for (int j = 0; j < n; ++j) if (row[j]) s.slots[L++] = kv[P + j];
-    } else {
-      for (int j = 0; j <= local; ++j) s.slots[L++] = kv[P + j];
+    const int32_t* it = a.items + 4 * item;
+    const int t0 = it[0], R = it[1] - it[0], h0 = it[2], G = it[3] - it[2];
+    const int g = h0 / group;
+    int Lr[kAttnRows], Lmax = 0;
+    const int64_t* sl[kAttnRows];
+    for (int r = 0; r < R; ++r) {
+      int64_t* row = s.slots + (int64_t)r * a.max_keys;
+      Lr[r] = visible_keys(a, t0 + r, row);
+      sl[r] = row;
+      Lmax = Lr[r] > Lmax ? Lr[r] : Lmax;
     }
-    const float* qp = a.q + (int64_t)t * a.ldq + h * D;
-    __m512 q[NV];
-    for (int v = 0; v < NV; ++v) q[v] = _mm512_loadu_ps(qp + 16 * v);
     const float* kc = a.k_cache + (int64_t)g * D;
     const float* vc = a.v_cache + (int64_t)g * D;
-    const __m512 scale = _mm512_set1_ps(a.scale);
-    __m512 vmax = _mm512_set1_ps(-INFINITY);
-    const int Lp = (L + 15) & ~15;
-    // scores, 16 keys at a time; keys past L are zero partials, masked to -inf below
-    for (int j0 = 0; j0 < Lp; j0 += 16) {
-      __m512 p[16];
-      for (int j = 0; j < 16; ++j) {
-        if (j0 + j >= L) {
-          p[j] = _mm512_setzero_ps();
-          continue;
+    __m512 vmax[kAttnRows * 8];
+    for (int i = 0; i < R * G; ++i) vmax[i] = _mm512_set1_ps(-INFINITY);
+    for (int j0 = 0; j0 < Lmax; j0 += 16) {
+      for (int r = 0; r < R; ++r) {
+        if (Lr[r] <= j0) continue;
+        for (int hh = 0; hh < G; ++hh) {
+          const float* qp = a.q + (int64_t)(t0 + r) * a.ldq + (h0 + hh) * D;
+          __m512 q[NV];
+          for (int v = 0; v < NV; ++v) q[v] = _mm512_loadu_ps(qp + 16 * v);
+          const __m512 sc = scores16<NV>(q, kc, kv_stride, sl[r], j0, Lr[r], scale);
+          const int qi = r * G + hh;
+          _mm512_storeu_ps(s.scores + qi * sstride + j0, sc);
+          vmax[qi] = _mm512_max_ps(vmax[qi], sc);
         }
-        const float* kp = kc + s.slots[j0 + j] * kv_stride;
-        __m512 acc = _mm512_mul_ps(q[0], _mm512_loadu_ps(kp));
-        for (int v = 1; v < NV; ++v) acc = _mm512_fmadd_ps(q[v], _mm512_loadu_ps(kp + 16 * v), acc);
-        p[j] = acc;
       }
-      const int valid = L - j0 < 16 ? L - j0 : 16;
-      const __mmask16 m = valid == 16 ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1);
-      const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), m,
-                                           _mm512_mul_ps(reduce16(p), scale));
-      _mm512_storeu_ps(s.scores + j0, sc);
-      vmax = _mm512_max_ps(vmax, sc);
     }
-    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-    __m512 vsum = _mm512_setzero_ps();
-    for (int j = 0; j < Lp; j += 16) {
-      const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s.scores + j), mx));
-      _mm512_storeu_ps(s.scores + j, e);
-      vsum = _mm512_add_ps(vsum, e);
+    float inv_sum[kAttnRows * 8];
+    for (int r = 0; r < R; ++r) {
+      const int Lp = (Lr[r] + 15) & ~15;
+      for (int hh = 0; hh < G; ++hh) {
+        const int qi = r * G + hh;
+        float* sc = s.scores + qi * sstride;
+        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax[qi]));
+        __m512 vsum = _mm512_setzero_ps();
+        for (int j = 0; j < Lp; j += 16) {
+          const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sc + j), mx));
+          _mm512_storeu_ps(sc + j, e);
+          vsum = _mm512_add_ps(vsum, e);
+        }
+        inv_sum[qi] = 1.f / _mm512_reduce_add_ps(vsum);
+        for (int v = 0; v < NV; ++v) _mm512_storeu_ps(s.out + qi * D + 16 * v, _mm512_setzero_ps());
+      }
     }
-    __m512 o[NV];
-    for (int v = 0; v < NV; ++v) o[v] = _mm512_setzero_ps();
-    for (int j = 0; j < L; ++j) {
-      const float* vp = vc + s.slots[j] * kv_stride;
-      const __m512 e = _mm512_set1_ps(s.scores[j]);
-      for (int v = 0; v < NV; ++v) o[v] = _mm512_fmadd_ps(e, _mm512_loadu_ps(vp + 16 * v), o[v]);
+    for (int j0 = 0; j0 < Lmax; j0 += 16) {
+      for (int r = 0; r < R; ++r) {
+        const int j1 = Lr[r] < j0 + 16 ? Lr[r] : j0 + 16;
+        if (j1 <= j0) continue;
+        for (int hh = 0; hh < G; ++hh) {
+          const int qi = r * G + hh;
+          const float* e = s.scores + qi * sstride;
+          float* op = s.out + qi * D;
+          __m512 o[NV];
+          for (int v = 0; v < NV; ++v) o[v] = _mm512_loadu_ps(op + 16 * v);
+          for (int j = j0; j < j1; ++j) {
+            const float* vp = vc + sl[r][j] * kv_stride;
+            const __m512 ej = _mm512_set1_ps(e[j]);
+            for (int v = 0; v < NV; ++v) o[v] = _mm512_fmadd_ps(ej, _mm512_loadu_ps(vp + 16 * v), o[v]);
+          }
+          for (int v = 0; v < NV; ++v) _mm512_storeu_ps(op + 16 * v, o[v]);
+        }
+      }
     }
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
-    float* op = a.out + (int64_t)t * a.ldo + h * D;
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(op + 16 * v, _mm512_mul_ps(o[v], inv));
+    for (int r = 0; r < R; ++r) {
+      for (int hh = 0; hh < G; ++hh) {
+        const int qi = r * G + hh;
+        const __m512 inv = _mm512_set1_ps(inv_sum[qi]);
+        float* dst = a.out + (int64_t)(t0 + r) * a.ldo + (h0 + hh) * D;
+        for (int v = 0; v < NV; ++v) {
+          _mm512_storeu_ps(dst + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(s.out + qi * D + 16 * v),
+                                                       inv));
+        }
+      }
+    }
   }
 }
 

@@ -148,43 +148,39 @@ void rmsnorm(const float* x, int64_t ldx, const float* w, float eps, int D, floa
   }
 }
 
+void attention_query(const AttnArgs& a, int t, int h, const int64_t* slots, int L, float* scores) {
+  const int D = a.head_dim, g = h / (a.num_heads / a.num_kv_heads);
+  const float* q = a.q + (int64_t)t * a.ldq + h * D;
+  float mx = -INFINITY;
+  for (int j = 0; j < L; ++j) {
+    const float* k = a.k_cache + (slots[j] * a.num_kv_heads + g) * D;
+    float dot = 0.f;
+    for (int d = 0; d < D; ++d) dot = std::fma(q[d], k[d], dot);
+    scores[j] = dot * a.scale;
+    mx = std::fmax(mx, scores[j]);
+  }
+  float sum = 0.f;
+  for (int j = 0; j < L; ++j) {
+    scores[j] = std::exp(scores[j] - mx);
+    sum += scores[j];
+  }
+  float* o = a.out + (int64_t)t * a.ldo + h * D;
+  for (int d = 0; d < D; ++d) o[d] = 0.f;
+  for (int j = 0; j < L; ++j) {
+    const float* v = a.v_cache + (slots[j] * a.num_kv_heads + g) * D;
+    for (int d = 0; d < D; ++d) o[d] = std::fma(scores[j], v[d], o[d]);
+  }
+  const float inv = 1.f / sum;
+  for (int d = 0; d < D; ++d) o[d] *= inv;
+}
+
 void attention(const AttnArgs& a, int i0, int i1, AttnScratch& s) {
-  const int D = a.head_dim, H = a.num_heads, group = a.num_heads / a.num_kv_heads;
   for (int item = i0; item < i1; ++item) {
-    const int t = item / H, h = item % H, g = h / group;
-    const int req = a.tok_req[t], local = a.tok_local[t];
-    const int64_t* kv = a.kv_indices + a.kv_indptr[req];
-    const int P = a.prefix_len[req], n = a.extend_len[req];
-    int L = 0;
-    for (int j = 0; j < P; ++j) s.slots[L++] = kv[j];
-    if (a.masks) {
-      const uint8_t* row = a.masks + a.mask_indptr[req] + (int64_t)local * n;
-      for (int j = 0; j < n; ++j) if (row[j]) s.slots[L++] = kv[P + j];
-    } else {
-      for (int j = 0; j <= local; ++j) s.slots[L++] = kv[P + j];
+    const int32_t* it = a.items + 4 * item;
+    for (int t = it[0]; t < it[1]; ++t) {
+      const int L = visible_keys(a, t, s.slots);
+      for (int h = it[2]; h < it[3]; ++h) attention_query(a, t, h, s.slots, L, s.scores);
     }
-    const float* q = a.q + (int64_t)t * a.ldq + h * D;
-    float mx = -INFINITY;
-    for (int j = 0; j < L; ++j) {
-      const float* k = a.k_cache + (s.slots[j] * a.num_kv_heads + g) * D;
-      float dot = 0.f;
-      for (int d = 0; d < D; ++d) dot = std::fma(q[d], k[d], dot);
-      s.scores[j] = dot * a.scale;
-      mx = std::fmax(mx, s.scores[j]);
-    }
-    float sum = 0.f;
-    for (int j = 0; j < L; ++j) {
-      s.scores[j] = std::exp(s.scores[j] - mx);
-      sum += s.scores[j];
-    }
-    float* o = a.out + (int64_t)t * a.ldo + h * D;
-    for (int d = 0; d < D; ++d) o[d] = 0.f;
-    for (int j = 0; j < L; ++j) {
-      const float* v = a.v_cache + (s.slots[j] * a.num_kv_heads + g) * D;
-      for (int d = 0; d < D; ++d) o[d] = std::fma(s.scores[j], v[d], o[d]);
-    }
-    const float inv = 1.f / sum;
-    for (int d = 0; d < D; ++d) o[d] *= inv;
   }
 }
 

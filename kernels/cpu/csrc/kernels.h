@@ -93,12 +93,39 @@ struct AttnArgs {
   const int32_t* extend_len = nullptr;  // [B]
   const uint8_t* masks = nullptr;       // per request [n][n] custom mask, or null: causal
   const int64_t* mask_indptr = nullptr;  // [B+1]
+  // Work items: rows [t0, t1) of one request x heads [h0, h1) of one KV group, 4 ints each.
+  // A query's result does not depend on which item it is in (attention_items()).
+  const int32_t* items = nullptr;
+  int max_keys = 0;  // the longest key list of any row
 };
 
-// Per-thread scratch for attention: key slots and scores of one query row.
+// Rows per attention item when several rows of a request share their keys (prefill, verify).
+constexpr int kAttnRows = 4;
+
+// The KV slots query row t attends, in position order: its request's prefix, then its ancestors
+// in the tree (custom mask) or its causal predecessors and itself. A decode step at the same
+// position sees exactly the same list. Returns the count.
+inline int visible_keys(const AttnArgs& a, int t, int64_t* slots) {
+  const int req = a.tok_req[t], local = a.tok_local[t];
+  const int64_t* kv = a.kv_indices + a.kv_indptr[req];
+  const int P = a.prefix_len[req], n = a.extend_len[req];
+  int L = 0;
+  for (int j = 0; j < P; ++j) slots[L++] = kv[j];
+  if (a.masks) {
+    const uint8_t* row = a.masks + a.mask_indptr[req] + (int64_t)local * n;
+    for (int j = 0; j < n; ++j) if (row[j]) slots[L++] = kv[P + j];
+  } else {
+    for (int j = 0; j <= local; ++j) slots[L++] = kv[P + j];
+  }
+  return L;
+}
+
+// Per-thread scratch for attention, sized for one item: kAttnRows rows' key slot lists, and per
+// query (row x head) its scores and output accumulator.
 struct AttnScratch {
-  int64_t* slots = nullptr;
-  float* scores = nullptr;  // padded to a multiple of 16 past the visible keys
+  int64_t* slots = nullptr;   // [kAttnRows][max_keys]
+  float* scores = nullptr;    // [kAttnRows * heads per group][max_keys + 16]
+  float* out = nullptr;       // [kAttnRows * heads per group][head_dim]
 };
 
 struct IsaKernels {
@@ -111,7 +138,7 @@ struct IsaKernels {
   // y = rmsnorm(x) * w for rows [r0, r1)
   void (*rmsnorm)(const float* x, int64_t ldx, const float* w, float eps, int D, float* y,
                   int64_t ldy, int r0, int r1);
-  // query (row, head) items [i0, i1) with item = row * num_heads + head
+  // attention work items [i0, i1) of a.items
   void (*attention)(const AttnArgs&, int i0, int i1, AttnScratch&);
 };
 
