@@ -233,10 +233,9 @@ class SpeculativeWorker:
             n = t.num_nodes
             rows.append(torch.arange(starts[b], starts[b] + n))
             request.append(torch.full((n,), j, dtype=torch.int64))
-            # (node, path node) pairs: column 0 (the root) is already in the output history
-            u, a = torch.nonzero(t.ancestor_mask[:, 1:], as_tuple=True)
-            extra_rows.append(r + u)
-            extra_tokens.append(t.tokens[1:][a])
+            node, token = t.path_tokens()  # the root is already the last output token
+            extra_rows.append(r + node)
+            extra_tokens.append(token)
             r += n
         sel = torch.cat(rows).to(logits.device)
         info = expand(SamplingBatchInfo.from_params([entries[b].state.params for b in pen],
