@@ -394,6 +394,12 @@ def test_greedy_sampling_params_carry_no_seed() -> None:
     assert sampling_params(req, 0.0, 3) == {"max_new_tokens": 9, "temperature": 0.0}
 
 
+def test_unseeded_sampled_requests_carry_no_seed() -> None:
+    req = BenchRequest(id="x", prompt_len=1, max_new_tokens=9)
+    assert sampling_params(req, 0.7, None) == {"max_new_tokens": 9, "temperature": 0.7}
+    assert sampling_params(req, 0.7, 4)["seed"] == 4
+
+
 def test_fill_record_marks_aborts_as_failures() -> None:
     rec = SpecRecord("x", "k", 3, 8)
     fill_record(rec, {"output_ids": [1], "meta_info": {"finish_reason": {"type": "abort"}}}, 0.1)
