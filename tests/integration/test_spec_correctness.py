@@ -81,7 +81,7 @@ def plain_out(engines, prompt: str, params: dict) -> dict:
 @pytest.mark.parametrize("algo", ALGOS)
 def test_issue_prompt_with_penalties_is_identical_with_and_without_speculation(
         engines, judge, algo, mode, penalty):
-    params = {"max_new_tokens": 40, **MODES[mode], **PENALTIES[penalty]}
+    params = {"max_new_tokens": 40, "ignore_eos": True, **MODES[mode], **PENALTIES[penalty]}
     ref = plain_out(engines, ISSUE_PROMPT, params)
     ids = engines("plain").tm.tokenize(ISSUE_PROMPT)
     # twice: the second time NGRAM's trie holds the first answer, so long drafts of it are
@@ -93,7 +93,9 @@ def test_issue_prompt_with_penalties_is_identical_with_and_without_speculation(
         if out["output_ids"] == ref["output_ids"]:
             assert out["text"] == ref["text"]
     meta = outs[1]["meta_info"]
-    assert meta["spec_num_correct_drafts"] > 0, f"penalised requests draft: {meta}"
+    assert meta["spec_num_proposed_drafts"] > 0, f"penalised requests draft: {meta}"
+    if algo == "NGRAM":  # its trie holds the first answer: long drafts, verified per node
+        assert meta["spec_num_correct_drafts"] > 0, meta
 
 
 @pytest.fixture(scope="module")
