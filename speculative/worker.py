@@ -223,7 +223,7 @@ class SpeculativeWorker:
         u's history is the request's prompt + output (the root is its last output token) plus
         u's ancestors-or-self below the root, as plain decoding would have it after that path.
         """
-        pen = [b for b, e in enumerate(entries) if _has_penalties(e.state.params)]
+        pen = [b for b, e in enumerate(entries) if e.state.params.has_penalties]
         if not pen:
             return logits
         rows, request, extra_rows, extra_tokens = [], [], [], []
@@ -253,7 +253,3 @@ class SpeculativeWorker:
         if bool(moved.any()):
             base = e.slots[e.prefix_len :]
             self.runner.kv_pool.move(base[path[moved]], base[torch.nonzero(moved).flatten()])
-
-
-def _has_penalties(p) -> bool:
-    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
