@@ -14,6 +14,7 @@ from runtime.model_runner.local_generator import LocalGenerator
 from runtime.model_runner.runner_process import RunnerWorker
 from runtime.sampling.sampling_params import SamplingParams
 from speculative.base import SpecConfig, create_drafter
+from speculative.tree import DraftTree
 from speculative.worker import SpeculativeWorker
 from tests.helpers.eagle_checkpoints import write_eagle1_checkpoint, write_eagle3_checkpoint
 from tests.unit.test_scheduler import Harness
@@ -26,8 +27,6 @@ class SmallVocabOracle(OracleMixDrafter):
     continuation from the root, plus random siblings and subtrees elsewhere."""
 
     def propose(self, reqs):
-        from speculative.tree import DraftTree
-
         trees = []
         for r in reqs:
             n = self.rng.randint(1, r.budget)
