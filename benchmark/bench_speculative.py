@@ -26,7 +26,10 @@
   median over requests of each one's own speedup (same prompt, baseline time / config time), mean
   accept length, acceptance rate per draft position, draft tokens per step; at temperature 0 the
   number of requests whose output differs from the baseline's (greedy must match up to
-  near-ties). Sampled runs seed each request (`--seed` + its index), the same for every config.
+  near-ties). Sampled runs seed each request (`--seed` + its index), the same for every config;
+  a seeded request's tokens are keyed by (seed, position), so its output must equal the
+  baseline's too (counted as mismatches, like greedy). `--unseeded`: sampled requests without
+  seeds (verified by speculative sampling; acceptance differs, outputs are not compared).
 - `--compare-hf`: Hugging Face transformers on the same prompts (batch 1, fp32, greedy): plain
   `generate` and prompt lookup; "vs HF PLD" = our tokens/s at c = 1, T = 0 / HF prompt
   lookup's (needs 0 among the temperatures). In the HF rows, "speedup" is prompt lookup over
@@ -129,7 +132,8 @@ def measure(
             target, config, _ = targets[k]
             recs, wall = asyncio.run(run_requests(
                 target, reqs[s : s + block], prompts[s : s + block], concurrency, temperature,
-                args.seed + s, f"{desc} {config}", args.disable_tqdm or interleaved,
+                None if args.unseeded else args.seed + s, f"{desc} {config}",
+                args.disable_tqdm or interleaved,
             ))
             records[k] += recs
             walls[k] += wall
@@ -142,6 +146,7 @@ def measure(
         run = {
             "dataset": dataset, "config": config, "concurrency": concurrency,
             "temperature": temperature, "server_args": server_args,
+            "seeded": temperature > 0 and not args.unseeded,
             "interleaved_block": block if interleaved else None,
             "counters": asdict(counters) if counters else None,
             "metrics": summarize_run(recs, wall, counters), "records": recs,
@@ -329,7 +334,7 @@ def attach_comparisons(
         if ref is not None and ref is not run:
             m["speedup"] = speedup(m["output_tokens_per_s"], ref["metrics"]["output_tokens_per_s"])
             m["median_request_speedup"] = median_paired_speedup(run["records"], ref["records"])
-            if run["temperature"] == 0:
+            if run["temperature"] == 0 or run.get("seeded"):
                 m["mismatches"] = compare_to_baseline(run["records"], ref["records"])
         elif ref is run:
             m["speedup"] = m["median_request_speedup"] = 1.0
@@ -368,6 +373,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", default="0", help="comma-separated, e.g. 0,0.7: every "
                    "config and the baseline are measured at each")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--unseeded", action="store_true",
+                   help="sampled requests carry no seed (default: request i gets --seed + i)")
     p.add_argument("--compare-hf", action="store_true",
                    help="HF transformers, greedy: needs 0 among the temperatures")
     p.add_argument("--hf-prompt-lookup-tokens", type=int, default=10)

@@ -92,10 +92,13 @@ class HttpTarget:
         return f"{algo or 'no-spec'}@{urlparse(self.base_url).netloc}"
 
 
-def sampling_params(req: BenchRequest, temperature: float, seed: int) -> dict[str, Any]:
+def sampling_params(req: BenchRequest, temperature: float, seed: int | None
+                    ) -> dict[str, Any]:
+    """`seed` None: an unseeded sampled request (speculative sampling's rejection path)."""
     params: dict[str, Any] = {"max_new_tokens": req.max_new_tokens, "temperature": temperature}
-    if temperature > 0:
-        params["seed"] = seed  # per request, so sampled runs are reproducible
+    if temperature > 0 and seed is not None:
+        # per request: sampled runs are reproducible and, seeded, equal to the baseline's
+        params["seed"] = seed
     return params
 
 
@@ -117,9 +120,10 @@ def fill_record(rec: SpecRecord, out: dict[str, Any], e2e_s: float) -> None:
 
 async def run_requests(
     target: Target, reqs: list[BenchRequest], prompts: list[list[int]], concurrency: int,
-    temperature: float, seed: int, desc: str, disable_tqdm: bool,
+    temperature: float, seed: int | None, desc: str, disable_tqdm: bool,
 ) -> tuple[list[SpecRecord], float]:
-    """Every request with at most `concurrency` in flight; returns (records, wall seconds)."""
+    """Every request with at most `concurrency` in flight (request i seeded with seed + i, none
+    when `seed` is None); returns (records, wall seconds)."""
     sem = asyncio.Semaphore(concurrency)  # FIFO: with 1, requests run in dataset order
     bar = tqdm(total=len(reqs), desc=desc, disable=disable_tqdm, leave=False, unit="req")
 
@@ -129,7 +133,8 @@ async def run_requests(
             t0 = time.perf_counter()
             rec.start_s = t0 - t_zero
             try:
-                out = await target.generate(ids, sampling_params(req, temperature, seed + i))
+                out = await target.generate(
+                    ids, sampling_params(req, temperature, None if seed is None else seed + i))
             except Exception as exc:  # noqa: BLE001 - a failed request is counted, not fatal
                 rec.error = f"{type(exc).__name__}: {exc}"
             else:

@@ -64,9 +64,10 @@ HELP = {
     "token map: .pt read with weights_only, .safetensors, .json or .npy); lossless, EAGLE-3 "
     "heads carry their own draft vocabulary",
     "speculative_accept_threshold_single": "LOSSY when < 1: also accept a draft token whose "
-    "target probability is at least this (sampling only)",
+    "target probability is at least this (unseeded sampling only: seeded requests are always "
+    "verified exactly, their output equals plain decoding's)",
     "speculative_accept_threshold_acc": "LOSSY when < 1: divide the acceptance test's ratio by "
-    "this (sampling only)",
+    "this (unseeded sampling only)",
     "speculative_disable_adaptive": "always draft the full budget, even when drafts keep failing",
     "speculative_ngram_capacity": "NGRAM: most trie nodes kept (least recently used evicted)",
     "speculative_ngram_max_trie_depth": "NGRAM: longest n-gram stored and suffix matched",

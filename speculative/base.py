@@ -68,8 +68,10 @@ class SpecReq:
     rid: str
     tokens: list[int]  # prompt + outputs; tokens[-1] is the root (verified, KV not yet cached)
     budget: int  # most nodes its tree may have, root included (1 = no drafting)
+    # a seeded request's randomness is a function of (params.seed, position): a drafter that
+    # samples draws the children of a depth-d node with the noise of position len(tokens) + d
+    # (runtime/sampling/seeded.py); unseeded requests draw from torch's global RNG
     params: SamplingParams | None = None
-    generator: torch.Generator | None = None  # the request's seeded stream, None = global RNG
     prefix_slots: torch.Tensor | None = None  # [len(tokens) - 1] KV slots of the committed tokens
     # drafts kept failing (the worker's backoff): draft only when confident, which only a
     # drafter with `drafts_when_backed_off` is asked to judge (the others get budget 1)

@@ -49,6 +49,7 @@ from runtime.mem_cache.kv_pool import KVPool
 from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.models.llama import ModelOutput
 from runtime.sampling.sampler import SamplingBatchInfo, process_logits
+from runtime.sampling.seeded import gumbel_noise
 from speculative.base import Drafter, SpecConfig, SpecReq, TargetRows, register_algorithm
 from speculative.eagle_tree import SampledTree, TopKTree, level_widths, topk_children
 from speculative.models import Eagle3Head, EagleHead, load_draft_head
@@ -137,6 +138,7 @@ class EagleDrafter(Drafter):
             self.to_target = self.head.map_to_target(
                 torch.arange(self.head.config.draft_vocab_size, device=self.device))
         self.states: dict[str, HeadState] = {}
+        self._draft_ids: Tensor | None = None  # [V_head] target id per head id (coupling)
 
     # ---- head forwards --------------------------------------------------------------------
     def _run_head(self, batch: ForwardBatch, hidden: Tensor, fused: bool) -> HeadOutput:
@@ -249,11 +251,25 @@ class EagleDrafter(Drafter):
             off = 0
             for b in sampled:
                 n, g = len(nodes[b]), items[b]
-                g.frontier = g.builder.expand(nodes[b], q[off : off + n], g.req.generator)
+                g.frontier = g.builder.expand(nodes[b], q[off : off + n],
+                                              gumbel=self._coupled_noise(g, nodes[b]))
                 off += n
         for b, g in enumerate(items):
             if not nodes[b]:
                 g.frontier = []
+
+    def _coupled_noise(self, g: _Growing, nodes: list[int]) -> Tensor | None:
+        """A seeded request's Gumbel noise [V_head] for the children of `nodes` (one level, so
+        one position: len(tokens) + depth), over the target ids the head's vocabulary stands
+        for; None for unseeded requests (fresh noise from the global RNG)."""
+        seed = g.req.params.seed if g.req.params is not None else None
+        if seed is None:
+            return None
+        if self._draft_ids is None:
+            self._draft_ids = (torch.arange(self.vocab_size, device=self.device)
+                               if self.to_target is None else self.to_target.to(self.device))
+        position = len(g.req.tokens) + g.builder.depths[nodes[0]]
+        return gumbel_noise(seed, position, self._draft_ids)
 
     def _draft_q(self, logits: Tensor, params: list) -> Tensor:
         """Head logits [M, V_head] → q [M, V_head], processed with each request's temperature /
@@ -261,8 +277,7 @@ class EagleDrafter(Drafter):
         this equals processing the target-vocabulary row with -inf outside it (softmax, the
         top-k / top-p order and min-p's maximum only see the finite entries); `SampledTree`
         maps the drawn ids with `to_target`."""
-        info = SamplingBatchInfo.from_params(params, logits.shape[-1], logits.device,
-                                             generators=[None] * len(params))
+        info = SamplingBatchInfo.from_params(params, logits.shape[-1], logits.device)
         return process_logits(logits.float(), info)
 
     def _ensure_scratch(self, need: int) -> None:

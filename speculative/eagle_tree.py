@@ -23,6 +23,13 @@ how many nodes each level gets (`level_widths`, fixed by the budget), which node
 level are expanded (best cumulative log q so far), how a level's width is split among them (by
 the sorted q of each expanded node: score + log of its i-th largest probability) — but a drawn
 node is never dropped or reordered by its value, so EAGLE-2's final re-ranking is not used.
+
+Seeded requests (coupling): the Gumbel noise of Gumbel-top-m is then not drawn but the
+request's own noise for the children's position, G(seed, position, token) — the very noise the
+target's seeded draw at that node uses (runtime/sampling/seeded.py). The children are still m
+draws without replacement from q (any fixed independent Gumbel noise gives that), and whenever
+q is close to p the target's draw argmax(log p + G) tends to be the first child
+argmax(log q + G). Verification of seeded requests only compares tokens, so this is lossless.
 """
 
 from __future__ import annotations
@@ -131,10 +138,13 @@ class SampledTree(_Nodes):
         self.to_target = to_target
         self.q_rows: dict[int, Tensor] = {}  # node → [V_q] the q its children were drawn from
 
-    def expand(self, nodes: list[int], q: Tensor, generator: torch.Generator | None
-               ) -> list[int]:
+    def expand(self, nodes: list[int], q: Tensor, generator: torch.Generator | None = None,
+               gumbel: Tensor | None = None) -> list[int]:
         """`nodes` got head distributions `q` [len(nodes), V_q] (processed probabilities).
-        Draws this level's children; returns the nodes to expand next (empty when complete)."""
+        Draws this level's children; returns the nodes to expand next (empty when complete).
+        The draw's noise: `gumbel` [V_q] (float64, standard Gumbel per draft id: a seeded
+        request's noise for this level's position, shared by the level's nodes), else fresh
+        exponentials from `generator` (None: torch's global RNG)."""
         assert q.shape[0] == len(nodes), "one q row per node"
         level = self.depths[nodes[0]]
         width = self.widths[level]
@@ -152,10 +162,15 @@ class SampledTree(_Nodes):
         added = []
         if rows:
             qs = q[rows]  # [f', V]
-            # Gumbel-top-m: the m largest q / E, E ~ Exp(1), in order, are m sequential draws
-            # without replacement; q = 0 tokens get key -1 and are never drawn
-            e = torch.empty_like(qs).exponential_(generator=generator)
-            keys = torch.where(qs > 0, qs / e, torch.full_like(qs, -1.0))
+            # Gumbel-top-m: the m largest log q + G (G standard Gumbel; = log(q / E) with
+            # E ~ Exp(1)), in order, are m sequential draws without replacement; q = 0 tokens
+            # get key -inf / -1 and are never drawn
+            if gumbel is not None:
+                keys = torch.where(qs > 0, qs.double().log() + gumbel.to(qs.device),
+                                   -torch.inf)
+            else:
+                e = torch.empty_like(qs).exponential_(generator=generator)
+                keys = torch.where(qs > 0, qs / e, torch.full_like(qs, -1.0))
             # the m largest keys in order (a partial sort: a full one of V keys per row costs
             # milliseconds); m never exceeds a row's nonzero count, so no key -1 is taken
             order = keys.topk(max(counts), dim=-1).indices  # [f', m]

@@ -155,6 +155,13 @@ class DraftTree:
             self._mask = mask
         return self._mask
 
+    def path_tokens(self) -> tuple[Tensor, Tensor]:
+        """(node, token) pairs, [K] int64 each: every node with each draft token on its path
+        below the root (its ancestors-or-self except node 0). Node u's prediction follows the
+        request's history plus exactly these tokens (history-dependent processing, penalties)."""
+        node, anc = torch.nonzero(self.ancestor_mask[:, 1:], as_tuple=True)
+        return node, self.tokens[1:][anc]
+
     def positions(self, seq_len: int) -> Tensor:
         """[N] int64 positions: seq_len - 1 + depth (root at prefix_len, see module docstring)."""
         assert seq_len >= 1, f"seq_len counts the root, so it is >= 1, got {seq_len}"

@@ -26,6 +26,19 @@ WITHOUT_REPLACEMENT  siblings drawn from q without replacement (e.g. Gumbel-top-
          zeroed and renormalised, so the same induction holds with q_i in place of q (recursive
          rejection sampling).
 
+SEEDED   (`verify_seeded`, requests with a seed; runtime/sampling/seeded.py) the target's token at
+         node u is its Gumbel-max draw from p_u with the noise of (seed, position of the token
+         after u): exactly the token plain seeded sampling draws at that position after that
+         path. A child is accepted when its token equals that draw, the bonus is the draw at the
+         last accepted node, so the output is plain seeded sampling's, token for token. Lossless
+         per position: each position's token is an exact sample of p (Gumbel-max) and positions
+         use independent noise, so the sequence is an exact sample of the target whatever the
+         tree — even a tree drawn with the same noise (EAGLE's coupled children). Acceptance
+         with a one-hot drafter equals ONE_HOT's: siblings x1..xk are accepted with probability
+         p(x1) + ... + p(xk) either way. With a drafter that has q it is the Gumbel coupling's
+         P(argmax(log q + G) = argmax(log p + G)) (per sibling set, top-m of log q + G), below
+         the IID / WITHOUT_REPLACEMENT modes' 1 - TV(p, q) (measured in docs/benchmarks.md).
+
 All modes also need: the subtree under each child is drafted with fresh randomness given the path
 (children of node c ~ draft_probs[c] as the mode says). Pruning a sampled tree by looking at the
 sampled tokens (e.g. EAGLE-2's re-ranking) breaks IID / WITHOUT_REPLACEMENT; use ONE_HOT then.
@@ -107,6 +120,19 @@ def verify_greedy_batch(trees: list[DraftTree], target_logits_flat: Tensor) -> l
         out.append(_greedy_walk(t, argmax[off : off + t.num_nodes]))
         off += t.num_nodes
     return out
+
+
+def verify_seeded(tree: DraftTree, target_draws: Tensor) -> VerifyResult:
+    """Longest root path whose every token equals the target's seeded draw at its parent.
+
+    target_draws: [N] int, the target's own token at each node (Gumbel-max with the request's
+    (seed, position) noise from its processed p at that node). The walk is the greedy one with
+    draws in place of the argmax; the output equals plain seeded sampling token for token.
+    """
+    assert target_draws.numel() == tree.num_nodes, (
+        f"target_draws has {target_draws.numel()} entries for a tree of {tree.num_nodes} nodes"
+    )
+    return _greedy_walk(tree, target_draws.reshape(-1).tolist())
 
 
 def _renormalize(r: Tensor, fallback: Tensor) -> Tensor:

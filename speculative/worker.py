@@ -5,8 +5,14 @@ fresh slots. Tree node i is written to fresh slot i; after verification the acce
 is moved to the first fresh slots in path order (commit by move), so the request's KV stays a
 plain ordered slot list. The request gains `len(path)` tokens of KV (root + accepted drafts) and
 `len(path)` output tokens (accepted drafts + the bonus token); the scheduler frees the other
-fresh slots. Requests with repetition/frequency/presence penalties are not drafted for: their
-target distribution depends on the path, which plain decoding handles exactly.
+fresh slots.
+
+Verification sees, at every node, exactly what plain decoding would see after that node's path:
+penalties (repetition / frequency / presence) are applied per node with the request's history
+plus the node's ancestors (`runtime/sampling/penalties.py: RowHistory`), then greedy rows take
+the argmax, sampled rows the processed distribution. Seeded requests are verified by their
+(seed, position) Gumbel-max draws (`verify_seeded`), so their output is plain seeded sampling's;
+unseeded ones by speculative sampling (`verify_stochastic`) with coins from torch's global RNG.
 
 A drafter that reads target hidden states gets them from the verify forward itself: after the
 commit, `drafter.draft_extend` receives the root + accepted nodes' rows (in path order, now
@@ -20,9 +26,18 @@ from dataclasses import dataclass
 import torch
 
 from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
+from runtime.sampling.penalties import RowHistory, apply_penalties
 from runtime.sampling.sampler import SamplingBatchInfo, expand, process_logits
+from runtime.sampling.seeded import seed_to_int64, seeded_sample
 from speculative.base import Drafter, SpecConfig, SpecReq, TargetRows
-from speculative.verify import QMode, VerifyResult, verify_greedy, verify_stochastic
+from speculative.tree import DraftTree
+from speculative.verify import (
+    QMode,
+    VerifyResult,
+    verify_greedy,
+    verify_seeded,
+    verify_stochastic,
+)
 
 
 @dataclass
@@ -38,7 +53,7 @@ class SpecEntry:
     tokens: list[int]  # history; tokens[-1] = root
     prefix_len: int
     slots: torch.Tensor  # [prefix_len + budget]
-    state: object  # RunnerReqState (params, generator)
+    state: object  # RunnerReqState: params, prompt_ids, output_ids (tokens[-1] = the root)
 
 
 class SpeculativeWorker:
@@ -70,9 +85,6 @@ class SpeculativeWorker:
         """(tree nodes, root included, this request may draft this step; whether it is backed
         off, i.e. may draft only what its drafter is confident of)."""
         fresh = e.slots.numel() - e.prefix_len
-        p = e.state.params
-        if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
-            return 1, False
         if not self.cfg.adaptive:
             return fresh, False
         st = self.req_states.setdefault(e.rid, SpecReqState())
@@ -96,8 +108,8 @@ class SpeculativeWorker:
         reqs = []
         for e in entries:
             budget, backed_off = self._budget(e)
-            reqs.append(SpecReq(e.rid, e.tokens, budget, e.state.params, e.state.generator,
-                                e.slots[: e.prefix_len], backed_off=backed_off))
+            reqs.append(SpecReq(e.rid, e.tokens, budget, e.state.params,
+                                prefix_slots=e.slots[: e.prefix_len], backed_off=backed_off))
         trees = self.drafter.propose(reqs)
         masks, positions, slots, tokens = [], [], [], []
         for e, tree, r in zip(entries, trees, reqs):
@@ -138,30 +150,102 @@ class SpeculativeWorker:
             self.drafter.draft_extend(rows, out)
         return out_tokens, infos
 
-    def _verify(self, entries, trees, logits: torch.Tensor) -> list[VerifyResult]:
-        results, off = [], 0
-        for e, tree in zip(entries, trees):
-            n = tree.num_nodes
-            rows = logits[off : off + n]  # [n, vocab]
-            off += n
-            params = e.state.params
-            if params.is_greedy:
-                results.append(verify_greedy(tree, rows.argmax(dim=-1)))
+    def _verify(self, entries: list[SpecEntry], trees: list[DraftTree],
+                logits: torch.Tensor) -> list[VerifyResult]:
+        """logits [sum n, vocab]: the target at every node, trees in entry order."""
+        sizes = [t.num_nodes for t in trees]
+        starts = [0]
+        for n in sizes:
+            starts.append(starts[-1] + n)
+        logits = self._penalise(entries, trees, logits, starts)
+        params = [e.state.params for e in entries]
+        results: list[VerifyResult | None] = [None] * len(entries)
+        greedy = [b for b, p in enumerate(params) if p.is_greedy]
+        if greedy:
+            argmax = logits.argmax(dim=-1).cpu()  # [sum n]
+            for b in greedy:
+                results[b] = verify_greedy(trees[b], argmax[starts[b] : starts[b + 1]])
+        sampled = [b for b, p in enumerate(params) if not p.is_greedy]
+        if not sampled:
+            return results
+        rows = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in sampled])
+        info = SamplingBatchInfo.from_params([params[b] for b in sampled], logits.shape[-1],
+                                             logits.device)
+        probs = process_logits(logits[rows.to(logits.device)],
+                               expand(info, [sizes[b] for b in sampled]))  # [rows, vocab] p
+        local = {b: i for i, b in enumerate(sampled)}
+        local_starts = torch.tensor([0] + [sizes[b] for b in sampled]).cumsum(0).tolist()
+        draws = self._seeded_draws(entries, trees, sampled, probs, local_starts)
+        for b in sampled:
+            lo, hi = local_starts[local[b]], local_starts[local[b] + 1]
+            if b in draws:
+                results[b] = verify_seeded(trees[b], draws[b])
                 continue
-            info = SamplingBatchInfo.from_params(
-                [params], rows.shape[-1], rows.device, generators=[e.state.generator]
-            )
-            probs = process_logits(rows, expand(info, [n]))  # [n, vocab] target p per node
-            gen = e.state.generator
-            uniforms = torch.rand(n, dtype=torch.float64, generator=gen,
-                                  device=gen.device if gen is not None else "cpu")
+            tree = trees[b]
+            uniforms = torch.rand(hi - lo, dtype=torch.float64, device=probs.device)
             q_mode = QMode.ONE_HOT if tree.draft_probs is None else self.drafter.q_mode
-            results.append(verify_stochastic(
-                tree, probs, uniforms, q_mode=q_mode,
+            results[b] = verify_stochastic(
+                tree, probs[lo:hi], uniforms, q_mode=q_mode,
                 threshold_single=self.cfg.accept_threshold_single,
                 threshold_acc=self.cfg.accept_threshold_acc,
-            ))
+            )
         return results
+
+    @staticmethod
+    def _seeded_draws(entries: list[SpecEntry], trees: list[DraftTree], sampled: list[int],
+                      probs: torch.Tensor, local_starts: list[int]) -> dict[int, torch.Tensor]:
+        """The target's Gumbel-max token at every node of each seeded request: node u at depth d
+        draws the token at absolute position len(tokens) + d (the root sits at len(tokens) - 1).
+        """
+        seeded = [(j, b) for j, b in enumerate(sampled) if entries[b].state.params.seed is not None]
+        if not seeded:
+            return {}
+        rows, seeds, positions = [], [], []
+        for j, b in seeded:
+            n = trees[b].num_nodes
+            rows.append(torch.arange(local_starts[j], local_starts[j] + n))
+            seeds += [seed_to_int64(entries[b].state.params.seed)] * n
+            positions.append(len(entries[b].tokens) + trees[b].depth)
+        dev = probs.device
+        tok = seeded_sample(probs[torch.cat(rows).to(dev)], torch.tensor(seeds),
+                            torch.cat(positions)).cpu()  # [seeded rows]
+        out, off = {}, 0
+        for _, b in seeded:
+            n = trees[b].num_nodes
+            out[b] = tok[off : off + n]
+            off += n
+        return out
+
+    @staticmethod
+    def _penalise(entries: list[SpecEntry], trees: list[DraftTree], logits: torch.Tensor,
+                  starts: list[int]) -> torch.Tensor:
+        """Penalised logits [sum n, vocab] for requests with penalties (others untouched): node
+        u's history is the request's prompt + output (the root is its last output token) plus
+        u's ancestors-or-self below the root, as plain decoding would have it after that path.
+        """
+        pen = [b for b, e in enumerate(entries) if e.state.params.has_penalties]
+        if not pen:
+            return logits
+        rows, request, extra_rows, extra_tokens = [], [], [], []
+        r = 0
+        for j, b in enumerate(pen):
+            t = trees[b]
+            n = t.num_nodes
+            rows.append(torch.arange(starts[b], starts[b] + n))
+            request.append(torch.full((n,), j, dtype=torch.int64))
+            node, token = t.path_tokens()  # the root is already the last output token
+            extra_rows.append(r + node)
+            extra_tokens.append(token)
+            r += n
+        sel = torch.cat(rows).to(logits.device)
+        info = expand(SamplingBatchInfo.from_params([entries[b].state.params for b in pen],
+                                                    logits.shape[-1], logits.device),
+                      [trees[b].num_nodes for b in pen])
+        hist = RowHistory(torch.cat(request), torch.cat(extra_rows), torch.cat(extra_tokens))
+        out = logits.clone()
+        out[sel] = apply_penalties(logits[sel], info, [entries[b].state.prompt_ids for b in pen],
+                                   [entries[b].state.output_ids for b in pen], hist)
+        return out
 
     def _commit(self, e: SpecEntry, res: VerifyResult) -> None:
         path = torch.tensor(res.accepted_nodes)

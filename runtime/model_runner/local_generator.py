@@ -14,7 +14,7 @@ import torch
 from runtime.mem_cache import TokenSlotAllocator
 from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.model_runner.model_runner import ModelRunner
-from runtime.sampling.sampler import SamplingBatchInfo, make_generator, sample
+from runtime.sampling.sampler import SamplingBatchInfo, sample
 from runtime.sampling.sampling_params import SamplingParams
 
 
@@ -25,8 +25,6 @@ class LocalRequest:
     output_ids: list[int] = field(default_factory=list)
     slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     finished: bool = False
-    # a seeded request keeps one generator for its whole life, so its stream continues
-    generator: torch.Generator | None = None
     # per-step logits rows when `keep_logits` is on: [vocab] float32 each
     logits: list[torch.Tensor] = field(default_factory=list)
 
@@ -63,12 +61,12 @@ class LocalGenerator:
             r.slots = torch.cat([r.slots, self.allocator.alloc(len(toks))])
         batch = ForwardBatch.build(mode, new_tokens, [r.slots for r in reqs], prefix_lens)
         logits = self.runner.forward(batch).logits  # [B, vocab]
-        info = SamplingBatchInfo.from_params(
-            [r.params for r in reqs], logits.shape[-1], logits.device,
-            generators=[r.generator for r in reqs],
-        )
+        info = SamplingBatchInfo.from_params([r.params for r in reqs], logits.shape[-1],
+                                             logits.device)
+        # a seeded request's token is keyed by its absolute position (runtime/sampling/seeded.py)
         next_ids = sample(
-            logits, info, [r.prompt_ids for r in reqs], [r.output_ids for r in reqs]
+            logits, info, [r.prompt_ids for r in reqs], [r.output_ids for r in reqs],
+            positions=[len(r.prompt_ids) + len(r.output_ids) for r in reqs],
         ).tolist()
         for i, (r, tok) in enumerate(zip(reqs, next_ids)):
             if keep_logits:
@@ -89,9 +87,6 @@ class LocalGenerator:
         for p in params:
             p.validate(self.runner.vocab_size)
         reqs = [LocalRequest(list(ids), p) for ids, p in zip(prompts, params)]
-        for r in reqs:
-            if r.params.seed is not None:
-                r.generator = make_generator(r.params.seed, self.runner.device)
         timings = timings or GenerateTimings()
         try:
             t0 = time.perf_counter()

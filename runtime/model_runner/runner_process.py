@@ -1,8 +1,8 @@
 """The model-runner process: receives `RunBatch`, runs one step, replies `BatchResult`.
 
-It keeps per-request state the scheduler does not need: sampling parameters, the seeded
-generator (so a seeded stream continues across steps and retractions) and the token history
-(penalties; drafters later). KV *tensors* live here; which slot means what is the scheduler's.
+It keeps per-request state the scheduler does not need: sampling parameters and the token
+history (penalties, drafters, and the position a seeded request's next draw is keyed by).
+KV *tensors* live here; which slot means what is the scheduler's.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from runtime.messages import (
 from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
 from runtime.proc_utils import die_with_parent, parent_alive, setup_logging
-from runtime.sampling.sampler import SamplingBatchInfo, make_generator, sample
+from runtime.sampling.sampler import SamplingBatchInfo, sample
 from runtime.sampling.sampling_params import SamplingParams
 from speculative.base import TargetRows
 from speculative.worker import SpecEntry, SpeculativeWorker
@@ -43,7 +43,6 @@ class RunnerReqState:
     params: SamplingParams
     prompt_ids: list[int]
     output_ids: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
 
 
 class RunnerWorker:
@@ -65,10 +64,7 @@ class RunnerWorker:
         if st is None:
             assert entry.sampling_params is not None, f"{entry.rid}: first batch lacks params"
             params = SamplingParams(**entry.sampling_params)
-            gen = None
-            if params.seed is not None:
-                gen = make_generator(params.seed, self.runner.device)
-            st = RunnerReqState(params, list(entry.prompt_ids or []), generator=gen)
+            st = RunnerReqState(params, list(entry.prompt_ids or []))
             self.states[entry.rid] = st
             if self.spec is not None and st.prompt_ids:
                 self.spec.drafter.observe(entry.rid, st.prompt_ids, len(st.prompt_ids))
@@ -136,12 +132,11 @@ class RunnerWorker:
         out: list[list[int]] = [[] for _ in msg.reqs]
         if rows:
             sel = [states[i] for i in rows]
-            info = SamplingBatchInfo.from_params(
-                [s.params for s in sel], logits.shape[-1], logits.device,
-                generators=[s.generator for s in sel],
-            )
+            info = SamplingBatchInfo.from_params([s.params for s in sel], logits.shape[-1],
+                                                 logits.device)
             tokens = sample(
-                logits[rows], info, [s.prompt_ids for s in sel], [s.output_ids for s in sel]
+                logits[rows], info, [s.prompt_ids for s in sel], [s.output_ids for s in sel],
+                positions=[len(s.prompt_ids) + len(s.output_ids) for s in sel],
             ).tolist()
             for i, st, tok in zip(rows, sel, tokens):
                 self._append(msg.reqs[i].rid, st, [tok])

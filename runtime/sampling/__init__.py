@@ -2,27 +2,28 @@
 
 from __future__ import annotations
 
+from runtime.sampling.penalties import RowHistory, apply_penalties
 from runtime.sampling.sampler import (
     SamplingBatchInfo,
-    apply_penalties,
     expand,
-    make_generator,
     process_logits,
     sample,
     sample_from_probs,
     uniform_per_row,
 )
 from runtime.sampling.sampling_params import MAX_STOP_STRINGS, SamplingParams
+from runtime.sampling.seeded import seeded_sample
 
 __all__ = [
     "MAX_STOP_STRINGS",
+    "RowHistory",
     "SamplingBatchInfo",
     "SamplingParams",
     "apply_penalties",
     "expand",
-    "make_generator",
     "process_logits",
     "sample",
     "sample_from_probs",
+    "seeded_sample",
     "uniform_per_row",
 ]

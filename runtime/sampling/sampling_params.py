@@ -76,6 +76,12 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
 
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the next-token distribution depends on the token history."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise `InvalidRequestError` naming the first bad field; `vocab_size` bounds ids/top_k."""
         self._check_types()

@@ -148,6 +148,7 @@ class Scheduler:
             if req.rid == rid:
                 self.waiting.remove(req)
                 self._release(req)
+                self.totals["aborted"] += 1
                 self._finish_now(req, {"type": "abort"})
                 return
         for req in self.running:

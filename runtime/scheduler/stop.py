@@ -41,8 +41,10 @@ class StopChecker:
         return None
 
     def _stop_string(self, req: Req, n_out: int) -> str | None:
-        longest = max(len(s) for s in req.params.stop)
-        # a token decodes to >= 1 char (or a partial byte), so this many tokens cover the string
+        # A token may be a single byte of a multi-byte character (byte-level BPE): count the
+        # stop strings' UTF-8 bytes, not their characters, plus 3 tokens for a character cut at
+        # the window's start. ("日本語" is 3 characters but 9 byte tokens.)
+        longest = max(len(s.encode("utf-8")) for s in req.params.stop)
         window = req.output_ids[max(0, n_out - longest - 4) : n_out]
         last = req.output_ids[max(0, n_out - 1) : n_out]
         tail = self.tokenizer.decode(window, skip_special_tokens=False)

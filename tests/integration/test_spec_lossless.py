@@ -15,7 +15,7 @@ from runtime.model_loader.tokenizer import load_tokenizer
 from runtime.model_runner.runner_process import RunnerWorker
 from speculative.base import SpecConfig, create_drafter
 from speculative.worker import SpeculativeWorker
-from tests.helpers.near_tie import same_or_near_tie
+from tests.helpers.near_tie import NearTieJudge
 from tests.unit.test_scheduler import Harness, reference, tiny  # noqa: F401
 
 
@@ -84,7 +84,10 @@ def test_default_model_greedy_spec_equals_plain_batch1_and_concurrency8(algo):
         info = spec.server_info()
     assert info["avg_spec_accept_length"] > (1.2 if algo == "NGRAM" else 1.5)
     assert any(o["meta_info"]["spec_accept_length"] > 2 for o in batch1)
+    judge = NearTieJudge()
     for p, r, a, b in zip(prompts, ref, batch1, conc8):
         for out in (a, b):
-            ok, why = same_or_near_tie(p, r, out["output_ids"])
+            ok, why = judge.check(p, r, out["output_ids"])
             assert ok, why
+    print(judge.report())
+    assert len(judge.excused) <= len(prompts) // 10, judge.report()

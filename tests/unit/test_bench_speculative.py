@@ -394,6 +394,12 @@ def test_greedy_sampling_params_carry_no_seed() -> None:
     assert sampling_params(req, 0.0, 3) == {"max_new_tokens": 9, "temperature": 0.0}
 
 
+def test_unseeded_sampled_requests_carry_no_seed() -> None:
+    req = BenchRequest(id="x", prompt_len=1, max_new_tokens=9)
+    assert sampling_params(req, 0.7, None) == {"max_new_tokens": 9, "temperature": 0.7}
+    assert sampling_params(req, 0.7, 4)["seed"] == 4
+
+
 def test_fill_record_marks_aborts_as_failures() -> None:
     rec = SpecRecord("x", "k", 3, 8)
     fill_record(rec, {"output_ids": [1], "meta_info": {"finish_reason": {"type": "abort"}}}, 0.1)
@@ -451,7 +457,7 @@ def _fake_engines(monkeypatch) -> tuple[list, list]:
 def test_run_engines_measures_every_temperature_on_one_engine(monkeypatch) -> None:
     log, started = _fake_engines(monkeypatch)
     args = parse_args(["--temperature", "0.7,0", "--concurrency", "1,2", "--disable-tqdm",
-                       "--no-interleave"])
+                       "--no-interleave", "--unseeded"])
     reqs = [BenchRequest(id=f"r{i}", prompt_len=2, max_new_tokens=3, input_ids=[1, i])
             for i in range(2)]
     prompts: dict = {}
@@ -467,6 +473,7 @@ def test_run_engines_measures_every_temperature_on_one_engine(monkeypatch) -> No
                        ("baseline", "generate", 0.7), ("baseline", "generate", 0.7)]
     assert log[6] == ("baseline", "shutdown")
     attach_comparisons(runs, "baseline")
+    # unseeded sampled outputs are not expected to match: only greedy runs are compared
     assert [r["metrics"].get("mismatches") for r in runs if r["config"] == "NGRAM"] == [
         0, None, 0, None]
 
@@ -493,8 +500,9 @@ def test_interleaved_engines_take_turns_request_by_request(monkeypatch) -> None:
         assert r["interleaved_block"] == 1 and r["metrics"]["completed"] == 3
     assert log[-3:] == [(label, "shutdown") for label in labels]
     attach_comparisons(runs, "baseline")
+    # seeded sampled runs (the default) must match the baseline too, so they are compared
     assert [r["metrics"].get("mismatches") for r in runs if r["config"] != "baseline"] == [
-        0, 0, None, None]
+        0, 0, 0, 0]
 
 
 # ---- --base-url mode against fake servers ----------------------------------------------------
@@ -557,8 +565,8 @@ def test_base_url_mode_measures_both_servers_and_compares() -> None:
     assert cand["accept_length"] == pytest.approx(18 / 6)  # warm-up's steps excluded
     assert cand["accept_rate_per_pos"] == pytest.approx([0.5])
     assert runs[0]["metrics"]["accept_length"] is None
-    sampled = runs[3]["metrics"]
-    assert "mismatches" not in sampled and sampled["speedup"] > 1.5
+    sampled = runs[3]["metrics"]  # seeded: compared like greedy
+    assert sampled["mismatches"] == 1 and sampled["speedup"] > 1.5
 
 
 def test_median_paired_speedup_pairs_requests_by_id() -> None:

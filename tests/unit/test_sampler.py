@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pytest
 import torch
 
 from runtime.sampling import (
@@ -7,14 +8,16 @@ from runtime.sampling import (
     SamplingParams,
     apply_penalties,
     expand,
-    make_generator,
     process_logits,
     sample,
     sample_from_probs,
-    uniform_per_row,
 )
 
 V = 32
+
+
+def make_generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
 
 
 def _info(params: list[SamplingParams], **kw) -> SamplingBatchInfo:
@@ -115,30 +118,34 @@ def test_mixed_batch_rows_match_rows_alone() -> None:
         SamplingParams(temperature=1.0, top_k=5),  # unseeded
     ]
     logits = _random_logits(len(params), seed=5)
+    positions = [7, 8, 9, 10, 11]
     batch_probs = process_logits(logits, _info(params))
-    batch_tokens = sample(logits, _info(params))
+    batch_tokens = sample(logits, _info(params), positions=positions)
     for i, p in enumerate(params):
         alone = _info([p])
-        torch.testing.assert_close(batch_probs[i], process_logits(logits[i:i + 1], alone)[0])
+        assert torch.equal(batch_probs[i], process_logits(logits[i:i + 1], alone)[0])
         if p.is_greedy or p.seed is not None:
-            assert batch_tokens[i] == sample(logits[i:i + 1], alone)[0]
+            alone_token = sample(logits[i:i + 1], alone, positions=positions[i:i + 1])[0]
+            assert batch_tokens[i] == alone_token
         assert batch_probs[i, batch_tokens[i]] > 0
     assert int((batch_probs[2] > 0).sum()) == 3
     assert int((batch_probs[4] > 0).sum()) == 5
 
 
-def test_seeded_row_reproducible_and_independent_of_batch_position() -> None:
+def test_seeded_token_depends_only_on_seed_and_position() -> None:
     seeded = SamplingParams(temperature=1.0, seed=1234)
-    logits = _random_logits(6, seed=6) / 4  # flat enough that 16 draws are not all one token
-    steps = 16
+    logits = _random_logits(6, seed=6) / 4  # flat enough that 16 positions are not all one token
+    positions = range(40, 56)
 
     def run(params: list[SamplingParams], row: int) -> list[int]:
-        # Persistent generators, as the model runner keeps them across decode steps.
-        gens = [make_generator(p.seed) if p.seed is not None else None for p in params]
-        info = _info(params, generators=gens)
+        info = _info(params)  # rebuilt every step, as the runner does: seeded rows keep no state
         batch_logits = logits[: len(params)].clone()
         batch_logits[row] = logits[0]
-        return [int(sample(batch_logits, info)[row]) for _ in range(steps)]
+        out = []
+        for pos in positions:
+            pos_per_row = [pos if i == row else 3 for i in range(len(params))]
+            out.append(int(sample(batch_logits, info, positions=pos_per_row)[row]))
+        return out
 
     alone = run([seeded], 0)
     others = [SamplingParams(), SamplingParams(seed=99), SamplingParams(temperature=0.0),
@@ -146,14 +153,15 @@ def test_seeded_row_reproducible_and_independent_of_batch_position() -> None:
     assert run(others[:3] + [seeded] + others[3:], 3) == alone
     assert run([seeded] + others, 0) == alone
     assert run([seeded], 0) == alone
-    assert len(set(alone)) > 1, "a persistent generator advances between steps"
+    assert len(set(alone)) > 1, "positions draw independent noise"
+    other_seed = SamplingParams(temperature=1.0, seed=1235)
+    assert run([other_seed], 0) != alone
 
 
-def test_fresh_info_restarts_the_seeded_stream() -> None:
-    logits = _random_logits(1, seed=7)
-    p = [SamplingParams(seed=5)]
-    first = [int(sample(logits, _info(p))[0]) for _ in range(5)]
-    assert len(set(first)) == 1
+def test_seeded_rows_need_positions() -> None:
+    info = _info([SamplingParams(seed=5)])
+    with pytest.raises(AssertionError, match="positions"):
+        sample(_random_logits(1), info)
 
 
 def test_sampling_frequencies_match_processed_distribution() -> None:
@@ -162,12 +170,13 @@ def test_sampling_frequencies_match_processed_distribution() -> None:
     n = 40_000
     for params, kw in [
         (SamplingParams(temperature=0.8, top_k=4, min_p=0.05), {"generator": make_generator(0)}),
+        # seeded: n positions of one seed are n independent Gumbel-max draws
         (SamplingParams(temperature=1.3, top_p=0.9, seed=42), {}),
     ]:
         info = SamplingBatchInfo.from_params([params], vocab_size=vocab, **kw)
         probs = process_logits(logits, info)[0].double()  # [vocab]
         many = expand(info, [n])
-        tokens = sample(logits.expand(n, vocab), many)
+        tokens = sample(logits.expand(n, vocab), many, positions=torch.arange(n))
         freq = torch.bincount(tokens, minlength=vocab).double() / n
         assert torch.all(freq[probs == 0] == 0), "a filtered token was sampled"
         assert 0.5 * (freq - probs).abs().sum() < 0.01
@@ -200,25 +209,15 @@ def test_inverse_cdf_edges_skip_zero_mass_tokens() -> None:
     assert sample_from_probs(probs, info, uniforms=torch.tensor([1.0])).tolist() == [2]
 
 
-def test_consecutive_seeded_rows_draw_from_their_own_generators() -> None:
-    params = [SamplingParams(seed=s) for s in (3, 4, 5)]
-    params += [SamplingParams(), SamplingParams(seed=3)]
-    batch = uniform_per_row(_info(params))
-    for i, p in enumerate(params):
-        if p.seed is not None:
-            assert batch[i] == uniform_per_row(_info([p]))[0]
-    assert batch[0] == batch[4]
-
-
-def test_expand_repeats_rows_and_shares_generators() -> None:
-    params = [SamplingParams(temperature=0.5, top_k=3, seed=1), SamplingParams(top_p=0.7)]
+def test_expand_repeats_rows_and_seeds() -> None:
+    params = [SamplingParams(temperature=0.5, top_k=3, seed=2**64 - 1), SamplingParams(top_p=0.7)]
     info = _info(params)
     big = expand(info, torch.tensor([3, 2]))
     assert big.batch_size == 5
     assert big.temperatures.tolist() == [0.5, 0.5, 0.5, 1.0, 1.0]
     assert big.top_ks.tolist() == [3, 3, 3, V, V]
-    assert big.generators[0] is big.generators[2] is info.generators[0]
-    assert big.generators[3] is None
+    assert big.seeded.tolist() == [True, True, True, False, False]
+    assert big.seeds.tolist()[:3] == [-1] * 3  # 2**64 - 1 as int64 bits
     logits = _random_logits(2, seed=8)
     probs = process_logits(logits.repeat_interleave(torch.tensor([3, 2]), dim=0), big)
     torch.testing.assert_close(probs[:3], process_logits(logits, info)[0].expand(3, V))

@@ -1,10 +1,14 @@
-"""End to end through scheduler + speculative worker on a tiny-vocabulary model: sampled output
-follows the target distribution (temperature, top-k, top-p applied) with a deterministic drafter
-and with a probabilistic (i.i.d.-sampling) drafter."""
+"""End to end through scheduler + runner worker + speculative worker on a 12-token target: the
+sampled tokens follow the target's processed distribution (penalties, temperature, top-k,
+top-p) at every verify position, for a deterministic drafter (ONE_HOT), a drafter with q (IID)
+and seeded requests (Gumbel-max draws from (seed, position) noise). Each arm has a negative
+control: the same run with a known bug injected into the verification path must be rejected by
+the same statistic (a verifier that forgets the residual; seeded noise that ignores the
+position), so the test is known to be able to fail."""
 
 from __future__ import annotations
 
-import random
+import itertools
 
 import pytest
 import torch
@@ -12,18 +16,25 @@ import torch
 from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
 from runtime.model_runner.runner_process import RunnerWorker
+from runtime.sampling import seeded as seeded_noise
+from runtime.sampling.penalties import RowHistory, apply_penalties
 from runtime.sampling.sampler import SamplingBatchInfo, process_logits
 from runtime.sampling.sampling_params import SamplingParams
 from speculative.base import Drafter, SpecConfig, SpecReq
 from speculative.tree import DraftTree
-from speculative.verify import QMode
+from speculative.verify import QMode, VerifyResult, sample_from
 from speculative.worker import SpeculativeWorker
+from tests.helpers.stats import goodness_of_fit
 from tests.helpers.tiny_models import write_tiny_model
 from tests.unit.test_scheduler import Harness
 
 VOCAB = 12
 PROMPT = [3, 7, 1, 9]
-PARAMS = {"temperature": 1.3, "top_k": 6, "top_p": 0.95}
+# penalties make every verify node's distribution depend on its path
+PARAMS = {"temperature": 1.3, "top_k": 6, "top_p": 0.95, "repetition_penalty": 1.4,
+          "presence_penalty": 0.3}
+TOKENS = 4  # per request: the prefill's draw, then verify positions
+SAMPLES = 3000
 
 
 @pytest.fixture(scope="module")
@@ -34,93 +45,193 @@ def tiny_vocab(tmp_path_factory):
     return d, runner
 
 
-def target_joint(runner) -> torch.Tensor:
-    """Exact p(t1, t2 | prompt) [V, V] under the processed sampling distribution."""
-    params = SamplingParams(**PARAMS)
-
-    def dist(ids):
-        slots = torch.arange(1, len(ids) + 1)
-        logits = runner.forward(ForwardBatch.build(ForwardMode.EXTEND, [ids], [slots], [0])).logits
-        return process_logits(logits, SamplingBatchInfo.from_params([params], VOCAB))[0].double()
-
-    p1 = dist(PROMPT)
-    return torch.stack([p1[a] * dist(PROMPT + [a]) for a in range(VOCAB)])
+def next_dists(runner, seqs: list[list[int]], params: dict = PARAMS) -> torch.Tensor:
+    """Processed next-token distributions [len(seqs), V] after PROMPT + each continuation."""
+    full = [PROMPT + s for s in seqs]
+    slots = [torch.arange(1, len(f) + 1) + 16 * i for i, f in enumerate(full)]
+    logits = runner.forward(ForwardBatch.build(ForwardMode.EXTEND, full, slots,
+                                               [0] * len(full))).logits
+    info = SamplingBatchInfo.from_params([SamplingParams(**params)] * len(seqs), VOCAB)
+    logits = apply_penalties(logits, info, [PROMPT] * len(seqs), seqs)
+    return process_logits(logits, info).double()
 
 
-class RandomTreeDrafter(Drafter):
-    """Deterministic-style drafter: random tokens, one-hot q (ONE_HOT mode)."""
+def pair_joints(runner, params: dict = PARAMS, tokens: int = TOKENS) -> list[torch.Tensor]:
+    """Exact p(t_k, t_k+1) [V, V] for k = 1 .. tokens - 1 under the processed distribution."""
+    prefixes = {(): torch.tensor(1.0, dtype=torch.float64)}  # continuation → its probability
+    joints = []
+    for k in range(tokens):
+        keys = [c for c, pr in prefixes.items() if pr > 0]
+        dists = next_dists(runner, [list(c) for c in keys], params)  # [len(keys), V]
+        nxt = {}
+        pair = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+        for c, d in zip(keys, dists):
+            for t in torch.nonzero(d).flatten().tolist():
+                pr = prefixes[c] * d[t]
+                nxt[c + (t,)] = pr
+                if k >= 1:
+                    pair[c[-1], t] += pr
+        if k >= 1:
+            joints.append(pair)
+        prefixes = nxt
+    return joints
 
-    q_mode = QMode.ONE_HOT
 
-    def __init__(self, cfg, runner):
-        super().__init__(cfg, runner)
-        self.rng = random.Random(0)
+@pytest.fixture(scope="module")
+def joints(tiny_vocab):
+    return pair_joints(tiny_vocab[1])
+
+
+class SkewedTreeDrafter(Drafter):
+    """Deterministic drafter (ONE_HOT): a fixed function of the context picks the tokens — the
+    root gets 2 children, each continued as a chain. Not uniform, so a verifier that forgets
+    the residual is visible (uniformly random drafts would average that bug away)."""
 
     def propose(self, reqs: list[SpecReq]) -> list[DraftTree]:
         out = []
         for r in reqs:
             n = r.budget
-            parents = [-1] + [self.rng.randrange(0, i) for i in range(1, n)]
-            tokens = [r.tokens[-1]] + [self.rng.randrange(VOCAB) for _ in range(1, n)]
+            tokens, parents = [r.tokens[-1]], [-1]
+            for i in range(1, n):
+                parent = 0 if i <= 2 else i - 2  # two chains hanging off the root
+                prev = tokens[parent]
+                tokens.append((prev * 5 + 3 + (i % 2) + len(r.tokens)) % VOCAB)
+                parents.append(parent)
             out.append(DraftTree.from_parents(tokens, parents))
         return out
 
 
 class IIDDrafter(Drafter):
-    """Probabilistic drafter: siblings drawn i.i.d. from a fixed q (IID mode, q is used)."""
+    """Probabilistic drafter: siblings drawn i.i.d. from a fixed skewed q (IID mode, q used)."""
 
     q_mode = QMode.IID
 
     def __init__(self, cfg, runner):
         super().__init__(cfg, runner)
         self.gen = torch.Generator().manual_seed(1)
-        q = torch.rand(VOCAB, generator=self.gen) ** 2
+        q = torch.rand(VOCAB, generator=self.gen) ** 3
         self.q = q / q.sum()
 
     def propose(self, reqs: list[SpecReq]) -> list[DraftTree]:
         out = []
         for r in reqs:
-            # root with 2 i.i.d. children, the first child with 2 i.i.d. children of its own
+            # root with 2 i.i.d. children, each with 1 child of its own: depth 2
             toks = torch.multinomial(self.q, 4, replacement=True, generator=self.gen).tolist()
-            tokens = [r.tokens[-1], toks[0], toks[1], toks[2], toks[3]]
-            parents = [-1, 0, 0, 1, 1]
+            tokens = [r.tokens[-1], *toks]
+            parents = [-1, 0, 0, 1, 2]
             probs = self.q.expand(5, VOCAB).clone()
             out.append(DraftTree.from_parents(tokens, parents, draft_probs=probs))
         return out
 
 
-def chi_square(counts: torch.Tensor, probs: torch.Tensor, n: int) -> tuple[float, int]:
-    expected = probs.flatten() * n
-    keep = expected >= 5
-    stat = float((((counts.flatten()[keep] - expected[keep]) ** 2) / expected[keep]).sum())
-    # lumped tail cell
-    rest_e, rest_o = float(expected[~keep].sum()), float(counts.flatten()[~keep].sum())
-    if rest_e > 0:
-        stat += (rest_o - rest_e) ** 2 / max(rest_e, 1e-9)
-    return stat, int(keep.sum())
+def forgetful_verify(tree: DraftTree, target_probs: torch.Tensor, uniforms: torch.Tensor,
+                     *, q_mode=QMode.ONE_HOT, **_) -> VerifyResult:
+    """BUG on purpose (negative control): verify_stochastic without the residual — a rejected
+    sibling leaves the target's p as it was, and the final draw comes from the original p."""
+    coins, tokens = uniforms.tolist(), tree.tokens.tolist()
+    nodes, accepted, node = [0], [], 0
+    while True:
+        p = target_probs[node].double()
+        q = None if q_mode == QMode.ONE_HOT else tree.draft_probs[node].double()
+        nxt = -1
+        for c in tree.children(node):
+            x = tokens[c]
+            ratio = float(p[x]) if q is None else float(p[x] / q[x]) if q[x] > 0 else 0.0
+            if coins[c] < min(1.0, ratio):
+                nxt = c
+                break
+        if nxt < 0:
+            return VerifyResult(nodes, accepted, sample_from(p, coins[0]))
+        nodes.append(nxt)
+        accepted.append(tokens[nxt])
+        node = nxt
 
 
-@pytest.mark.parametrize("drafter_cls,budget", [(RandomTreeDrafter, 5), (IIDDrafter, 5)])
-def test_speculative_sampling_matches_target_distribution(tiny_vocab, drafter_cls, budget):
-    model_dir, runner = tiny_vocab
-    joint = target_joint(runner)
-    n = 3000
+def positionless_row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """BUG on purpose (negative control): every position of a seed gets the same noise."""
+    return seeded_noise._mix(seeded_noise._mix(seeds.to(torch.int64)))
+
+
+def pathless_history(request: torch.Tensor, extra_rows: torch.Tensor,
+                     extra_tokens: torch.Tensor) -> RowHistory:
+    """BUG on purpose (negative control): a tree node's penalties forget its path."""
+    return RowHistory(request, extra_rows[:0], extra_tokens[:0])
+
+
+def run_samples(tiny_vocab, drafter_cls, *, seeded: bool, budget: int = 5,
+                max_new_tokens: int = TOKENS, params: dict = PARAMS) -> tuple[torch.Tensor, dict]:
+    """SAMPLES requests of PROMPT through the scheduler with speculation: outputs [n, tokens]
+    and the scheduler's info."""
+    runner = tiny_vocab[1]
+    torch.manual_seed(0)  # unseeded requests draw from the global RNG: reproducible runs
     h = Harness(tiny_vocab, capacity=60000, num_draft_tokens=budget, max_running_requests=512,
                 chunked_prefill_size=4096)
     cfg = SpecConfig("TEST", budget, adaptive=False)
     h.worker = RunnerWorker(runner, SpeculativeWorker(cfg, drafter_cls(cfg, runner), runner))
     h.sched.run_batch = h.worker.run
     h.sched.stop.eos = set()
-    for i in range(n):
-        h.submit(f"s{i}", PROMPT, max_new_tokens=2, seed=i, **PARAMS)
+    for i in range(SAMPLES):
+        seed = {"seed": i} if seeded else {}
+        h.submit(f"s{i}", PROMPT, max_new_tokens=max_new_tokens, **seed, **params)
     h.run()
-    counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
-    for i in range(n):
-        a, b = h.outputs[f"s{i}"][:2]
-        counts[a, b] += 1
-    assert h.sched.info()["spec_decode_num_accepted_tokens"] > 0, "some drafts must be accepted"
-    stat, cells = chi_square(counts, joint, n)
-    # chi-square critical value at p = 0.001 for up to ~36 dof is < 68; a biased verifier that
-    # e.g. ignores the residual lands in the hundreds here
-    assert stat < 70, f"chi-square {stat:.1f} over {cells} cells"
     h.sched.check_no_leak()
+    outs = torch.tensor([h.outputs[f"s{i}"] for i in range(SAMPLES)])  # [n, tokens]
+    return outs, h.sched.info()
+
+
+def pair_fits(outs: torch.Tensor, joints: list[torch.Tensor]) -> list:
+    fits = []
+    for k, joint in enumerate(joints):
+        counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+        counts.index_put_((outs[:, k], outs[:, k + 1]),
+                          torch.ones(outs.shape[0], dtype=torch.float64), accumulate=True)
+        fits.append(goodness_of_fit(counts, joint))
+    return fits
+
+
+ARMS = {"one_hot": (SkewedTreeDrafter, False), "iid": (IIDDrafter, False),
+        "seeded": (SkewedTreeDrafter, True)}
+
+
+@pytest.mark.parametrize("arm", list(ARMS))
+def test_speculative_sampling_matches_target_at_every_position(tiny_vocab, joints, arm):
+    drafter_cls, seeded = ARMS[arm]
+    outs, info = run_samples(tiny_vocab, drafter_cls, seeded=seeded)
+    per_pos = info["spec_decode_num_accepted_tokens_per_pos"]
+    assert len(per_pos) >= 2 and per_pos[1] > 0, f"no depth-2 draft accepted: {per_pos}"
+    for k, fit in enumerate(pair_fits(outs, joints)):
+        assert fit.passed, f"tokens {k + 1},{k + 2}: {fit}"
+
+
+NEGATIVE_CONTROLS = {
+    "one_hot_forgets_residual": ("speculative.worker.verify_stochastic", forgetful_verify),
+    "iid_forgets_residual": ("speculative.worker.verify_stochastic", forgetful_verify),
+    "seeded_noise_ignores_position": ("runtime.sampling.seeded.row_keys", positionless_row_keys),
+    "one_hot_penalties_ignore_path": ("speculative.worker.RowHistory", pathless_history),
+}
+
+
+@pytest.mark.parametrize("bug", list(NEGATIVE_CONTROLS))
+def test_negative_control_a_known_bug_is_rejected(tiny_vocab, joints, bug, monkeypatch):
+    target, buggy = NEGATIVE_CONTROLS[bug]
+    monkeypatch.setattr(target, buggy)
+    drafter_cls, seeded = ARMS[next(arm for arm in ARMS if bug.startswith(arm))]
+    outs, _ = run_samples(tiny_vocab, drafter_cls, seeded=seeded)
+    fits = pair_fits(outs, joints)
+    assert not all(f.passed for f in fits), "the injected bug went unnoticed: " + "; ".join(
+        map(str, fits))
+
+
+def test_a_sample_in_a_zero_probability_cell_fails_outright():
+    probs = torch.tensor([0.5, 0.5, 0.0])
+    assert goodness_of_fit(torch.tensor([500.0, 500.0, 0.0]), probs).passed
+    fit = goodness_of_fit(torch.tensor([500.0, 499.0, 1.0]), probs)
+    assert not fit.passed and fit.zero_cell_samples == 1 and fit.stat < fit.critical
+
+
+def test_pair_joints_are_distributions(joints):
+    for j in joints:
+        assert abs(float(j.sum()) - 1.0) < 1e-6
+    # consecutive pairs share a marginal: sum over t_k+1 of one = sum over t_k of the next
+    for a, b in itertools.pairwise(joints):
+        torch.testing.assert_close(a.sum(0), b.sum(1))
