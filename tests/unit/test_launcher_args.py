@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from kernels import cpu
 from launch.launcher import main
 from launch.server_args import ServerArgs, build_parser, parse_args
 
@@ -56,8 +57,12 @@ def test_eagle3_on_the_default_model_uses_the_shipped_head(tmp_path):
 
 
 def test_ngram_deep_drafts_default_to_twice_the_tree_size():
-    args = ServerArgs(speculative_algorithm="NGRAM").resolve()
+    args = ServerArgs(speculative_algorithm="NGRAM", weight_format="torch").resolve()
     assert (args.speculative_num_draft_tokens, args.speculative_ngram_max_draft_tokens) == (8, 16)
+    if cpu.available()[0]:  # the CPU engine's verify nodes are dearer: smaller default trees
+        args = ServerArgs(speculative_algorithm="NGRAM").resolve()
+        assert (args.speculative_num_draft_tokens,
+                args.speculative_ngram_max_draft_tokens) == (4, 8)
     args = ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=6,
                       speculative_ngram_max_draft_tokens=6).resolve()
     assert args.speculative_ngram_max_draft_tokens == 6  # deep drafts off

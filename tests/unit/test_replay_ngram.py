@@ -33,8 +33,8 @@ def test_every_output_token_is_counted_once_and_copies_are_accepted():
 def test_deep_drafts_take_fewer_steps_on_long_copies_and_random_text_backs_off():
     items = copy_items(1)
     shallow = replay(items, *resolve("NGRAM:ngram_max_draft_tokens=8")[1:], CURVE)
-    label, spec, deep_nodes = resolve("NGRAM")
-    assert (spec.num_draft_tokens, deep_nodes) == (8, 16)  # the server's defaults
+    label, spec, deep_nodes = resolve("NGRAM:num_draft_tokens=8")
+    assert deep_nodes == 16  # deep drafts default to twice the tree size
     deep = replay(items, spec, deep_nodes, CURVE)
     assert deep["verify_steps"] < shallow["verify_steps"]
     rng = random.Random(2)
@@ -46,7 +46,7 @@ def test_deep_drafts_take_fewer_steps_on_long_copies_and_random_text_backs_off()
 
 
 @pytest.mark.parametrize("bad", ["NGRAM:nodes=8", "NGRAM:num_draft_tokens=x", "EAGLE3",
-                                 "NGRAM:ngram_max_draft_tokens=4"])
+                                 "NGRAM:num_draft_tokens=8,ngram_max_draft_tokens=4"])
 def test_bad_configs_are_rejected(bad):
     with pytest.raises(ValueError):
         resolve(bad)
@@ -54,7 +54,7 @@ def test_bad_configs_are_rejected(bad):
 
 def test_by_match_statistics_cover_the_drafting_steps_and_follow_the_sizing_rule():
     items = copy_items(3)
-    label, spec, deep_nodes = resolve("NGRAM")
+    label, spec, deep_nodes = resolve("NGRAM:num_draft_tokens=8")
     res = replay(items, spec, deep_nodes, CURVE)
     rows = res["by_match"]
     assert rows and all(r["match"] >= 1 for r in rows)  # no match never drafts
@@ -64,7 +64,8 @@ def test_by_match_statistics_cover_the_drafting_steps_and_follow_the_sizing_rule
     assert long and all(r["mean_nodes"] <= deep_nodes for r in long)
     assert max(r["mean_nodes"] for r in long) == deep_nodes
     assert sum(r["p_any_accepted"] * r["steps"] for r in long) / sum(r["steps"] for r in long) > 0.8
-    fixed = replay(items, *resolve("NGRAM:ngram_disable_match_sizing=true")[1:], CURVE)
+    fixed = replay(items, *resolve("NGRAM:num_draft_tokens=8,ngram_disable_match_sizing=true")[1:],
+                   CURVE)
     short = [r for r in fixed["by_match"] if r["match"] <= 2]
     assert all(r["mean_nodes"] >= 8 for r in short)  # without sizing short matches fill N
 
