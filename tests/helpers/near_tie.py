@@ -33,6 +33,7 @@ from runtime.sampling.sampler import SamplingBatchInfo, process_logits
 from runtime.sampling.sampling_params import SamplingParams
 from runtime.sampling.seeded import gumbel_noise
 
+
 def _default_engine_is_exact() -> bool:
     from runtime.model_runner.model_runner import resolve_engine
 
