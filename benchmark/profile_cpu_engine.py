@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> dict:
     model_dir = str(resolve_model_path(args.model_path))
     runs = []
     for digits in args.digits:
-        runner = ModelRunner(RunnerConfig(model_dir, "cpu", max_total_tokens=args.context + max(args.tokens) + 8,
+        runner = ModelRunner(RunnerConfig(model_dir, "cpu",
+                                          max_total_tokens=args.context + max(args.tokens) + 8,
                                           weight_format=args.weight_format,
                                           activation_digits=digits))
         assert runner.engine == "cpu", "the CPU engine is not available here"
