@@ -42,13 +42,21 @@ class CpuExtensionUnavailable(SpecserveError, RuntimeError):
     """The C++ extension could not be built or loaded here (the message says why)."""
 
 
-def _source_hash() -> str:
+def _read_sources() -> dict[str, bytes]:
+    return {name: (CSRC / name).read_bytes() for name in SOURCES + HEADERS}
+
+
+def _hash(sources: dict[str, bytes]) -> str:
     h = hashlib.sha256()
-    for name in SOURCES + HEADERS:
+    for name, data in sources.items():
         h.update(name.encode())
-        h.update((CSRC / name).read_bytes())
+        h.update(data)
     h.update(" ".join(CFLAGS).encode())
     return h.hexdigest()[:16]
+
+
+def _source_hash() -> str:
+    return _hash(_read_sources())
 
 
 def build_dir() -> Path:
@@ -59,30 +67,72 @@ def build_dir() -> Path:
     return cache_dir() / "cpu_ext" / f"{_source_hash()}-torch{torch.__version__}"
 
 
+def _import_so(path: Path):
+    import importlib.util
+
+    import torch  # noqa: F401  (the extension links against torch's libraries)
+
+    spec = importlib.util.spec_from_file_location("specserve_cpu", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @functools.cache
 def _load():
+    """Build once per source hash, from a snapshot of the sources taken when the hash was
+    computed (so the cached library always matches its key, even if a file is edited while
+    it compiles), under a file lock (so concurrent processes build it once); afterwards the
+    cached library is imported directly."""
     if os.environ.get("SPECSERVE_DISABLE_CPU_EXT"):
         raise CpuExtensionUnavailable("disabled by SPECSERVE_DISABLE_CPU_EXT")
+    import fcntl
+
+    import torch
+
+    from runtime.model_loader.default_model import cache_dir
+
+    sources = _read_sources()
+    out = cache_dir() / "cpu_ext" / f"{_hash(sources)}-torch{torch.__version__}"
+    done = out / "specserve_cpu.so"
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        with open(out / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not done.exists():
+                return _build(out, sources, done)
+        return _import_so(done)
+    except CpuExtensionUnavailable:
+        raise
+    except Exception as exc:  # a corrupt cache, a missing library: say which
+        raise CpuExtensionUnavailable(f"loading the CPU kernels failed: {exc}") from exc
+
+
+def _build(out: Path, sources: dict[str, bytes], done: Path):
     from torch.utils import cpp_extension
 
-    out = build_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    fresh = not any(out.glob("*.so"))
-    if fresh:
-        logger.info("building the CPU kernels extension into %s (first use, ~1 min)", out)
+    logger.info("building the CPU kernels extension into %s (first use, ~1 min)", out)
     t0 = time.perf_counter()
+    src = out / "src"
+    src.mkdir(exist_ok=True)
+    for name, data in sources.items():
+        (src / name).write_bytes(data)
+    work = out / "build"
+    work.mkdir(exist_ok=True)
     try:
         mod = cpp_extension.load(
             name="specserve_cpu",
-            sources=[str(CSRC / s) for s in SOURCES],
+            sources=[str(src / s) for s in SOURCES],
             extra_cflags=list(CFLAGS),
-            build_directory=str(out),
+            build_directory=str(work),
             verbose=False,
         )
     except Exception as exc:  # compiler missing, ninja missing, a build error: say which
         raise CpuExtensionUnavailable(f"building the CPU kernels failed: {exc}") from exc
-    if fresh:
-        logger.info("CPU kernels built in %.0fs (%s)", time.perf_counter() - t0, mod.isa_name())
+    tmp = done.with_suffix(".so.tmp")
+    tmp.write_bytes((work / "specserve_cpu.so").read_bytes())
+    os.replace(tmp, done)  # published only when complete
+    logger.info("CPU kernels built in %.0fs", time.perf_counter() - t0)
     return mod
 
 

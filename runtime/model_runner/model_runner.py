@@ -160,9 +160,18 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
 
-    def forward(self, batch: ForwardBatch, return_final_hidden: bool = False) -> ModelOutput:
+    def forward(self, batch: ForwardBatch, return_final_hidden: bool = False,
+                layers: tuple[int, int] | None = None,
+                hidden_in: torch.Tensor | None = None) -> ModelOutput:
+        """One forward. `layers` = (begin, end): only those layers, then the final norm and LM
+        head (early exit); begin > 0 starts from `hidden_in` [T, hidden] (the hidden state
+        entering layer begin). On the CPU engine every layer's result is batch-invariant, so a
+        token's hidden state after layer E is the same in an early-exit draft pass and in the
+        full pass: a verify pass may resume at E from the draft's hidden states, exactly."""
         batch.check()
         batch = batch.to(self.device)
         batch.attn_metadata = None
         self.attn_backend.init_forward_metadata(batch)
-        return self.model(batch, self.attn_backend, return_final_hidden)
+        if layers is None and hidden_in is None:
+            return self.model(batch, self.attn_backend, return_final_hidden)
+        return self.model(batch, self.attn_backend, return_final_hidden, layers, hidden_in)

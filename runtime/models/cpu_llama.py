@@ -89,19 +89,24 @@ class CpuLlamaForCausalLM:
     def isa(self) -> str:
         return self.core.isa
 
-    def __call__(self, batch: ForwardBatch, backend=None, return_final_hidden: bool = False
+    def __call__(self, batch: ForwardBatch, backend=None, return_final_hidden: bool = False,
+                 layers: tuple[int, int] | None = None, hidden_in: torch.Tensor | None = None,
                  ) -> ModelOutput:
-        return self.forward(batch, backend, return_final_hidden)
+        return self.forward(batch, backend, return_final_hidden, layers, hidden_in)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, backend=None, return_final_hidden: bool = False
+    def forward(self, batch: ForwardBatch, backend=None, return_final_hidden: bool = False,
+                layers: tuple[int, int] | None = None, hidden_in: torch.Tensor | None = None,
                 ) -> ModelOutput:
+        """`layers` = (begin, end): run only those layers (see LlamaForCausalLM.forward)."""
         meta: CpuAttnMetadata = batch.attn_metadata
         capture = sorted(set(batch.capture_layers))
+        begin, end = layers if layers is not None else (0, -1)
         out = self.core.forward(
             batch.input_ids, batch.positions, batch.out_cache_loc, meta.tok_req, meta.tok_local,
             meta.kv_indptr, batch.kv_indices, meta.prefix_len, meta.extend_len, meta.masks,
-            meta.mask_indptr, batch.logits_indices, capture, return_final_hidden,
+            meta.mask_indptr, batch.logits_indices, capture, return_final_hidden, begin, end,
+            hidden_in,
         )
         captured = dict(zip(capture, out[2:]))
         return ModelOutput(out[0], captured, out[1] if return_final_hidden else None)

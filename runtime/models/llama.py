@@ -118,16 +118,24 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(
         self, batch: ForwardBatch, backend: AttentionBackend, return_final_hidden: bool = False,
+        layers: tuple[int, int] | None = None, hidden_in: torch.Tensor | None = None,
     ) -> ModelOutput:
-        x = self.embed(batch.input_ids)  # [T, hidden]
+        """`layers` = (begin, end) runs only layers [begin, end), then the final norm and LM
+        head (an early exit); begin > 0 starts from `hidden_in` [T, hidden], the hidden state
+        entering layer begin. `batch.capture_layers` may then include end."""
+        begin, end = layers if layers is not None else (0, len(self.layers))
+        end = len(self.layers) if end < 0 else end
+        assert 0 <= begin <= end <= len(self.layers), f"bad layer range {layers}"
+        assert begin == 0 or hidden_in is not None, "layer_begin > 0 needs hidden_in"
+        x = self.embed(batch.input_ids) if hidden_in is None else hidden_in  # [T, hidden]
         cos_sin = self.rotary.cos_sin(batch.positions)
         captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
+        for i in range(begin, end):
             if i in batch.capture_layers:
                 captured[i] = x
-            x = layer(x, cos_sin, backend, batch)
-        if len(self.layers) in batch.capture_layers:
-            captured[len(self.layers)] = x
+            x = self.layers[i](x, cos_sin, backend, batch)
+        if end in batch.capture_layers:
+            captured[end] = x
         if return_final_hidden:
             final = self.norm(x)
             logits = self.compute_logits(final[batch.logits_indices])

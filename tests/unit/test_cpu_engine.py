@@ -185,3 +185,26 @@ def test_a_bad_batch_raises_instead_of_writing_outside_the_kv_pool(gguf_dirs):
         r.forward(bad)
     ok = prefill_logits(r, PROMPT).logits  # the engine is still fine afterwards
     assert torch.isfinite(ok).all()
+
+
+@pytest.mark.parametrize("engine", ["auto", "torch"])
+def test_a_layer_range_forward_resumes_where_an_early_exit_stopped(gguf_dirs, engine):
+    """Early exit at layer E, then layers [E, L) from the captured hidden state: the logits are
+    the full forward's (bit for bit on the CPU engine, whose layers are batch-invariant)."""
+    full = prefill_logits(runner(gguf_dirs["q4_1"], engine), PROMPT).logits
+    r = runner(gguf_dirs["q4_1"], engine)
+    n_layers = r.model_config.num_hidden_layers
+    for exit_at in range(1, n_layers):
+        r = runner(gguf_dirs["q4_1"], engine)
+        slots = torch.arange(1, len(PROMPT) + 1)
+        first = r.forward(ForwardBatch.build(ForwardMode.EXTEND, [PROMPT], [slots], [0],
+                                             logits="all", capture_layers=(exit_at,)),
+                          layers=(0, exit_at))
+        assert first.logits.shape == full.shape  # the early exit's own (draft) logits
+        rest = r.forward(ForwardBatch.build(ForwardMode.EXTEND, [PROMPT], [slots], [0],
+                                            logits="all"),
+                         layers=(exit_at, -1), hidden_in=first.captured[exit_at])
+        if r.engine == "cpu":
+            assert torch.equal(rest.logits, full)
+        else:
+            assert torch.allclose(rest.logits, full, atol=1e-5, rtol=1e-5)

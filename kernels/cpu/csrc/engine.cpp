@@ -310,7 +310,9 @@ class CpuModel {
                                      torch::Tensor kv_indices, torch::Tensor prefix_len,
                                      torch::Tensor extend_len, torch::Tensor masks,
                                      torch::Tensor mask_indptr, torch::Tensor logits_rows,
-                                     std::vector<int64_t> capture, bool final_hidden);
+                                     std::vector<int64_t> capture, bool final_hidden,
+                                     int64_t layer_begin, int64_t layer_end,
+                                     c10::optional<torch::Tensor> hidden_in);
 
   torch::Tensor linear(const PackedLinear& w, torch::Tensor x) {
     x = f32(x);
@@ -387,9 +389,23 @@ std::vector<torch::Tensor> CpuModel::forward(
     torch::Tensor tok_local, torch::Tensor kv_indptr, torch::Tensor kv_indices,
     torch::Tensor prefix_len, torch::Tensor extend_len, torch::Tensor masks,
     torch::Tensor mask_indptr, torch::Tensor logits_rows, std::vector<int64_t> capture,
-    bool final_hidden) {
+    bool final_hidden, int64_t layer_begin, int64_t layer_end,
+    c10::optional<torch::Tensor> hidden_in) {
   TORCH_CHECK(!layers_.empty() && k_.size() == layers_.size() && cos_.defined(),
               "model not fully set up (layers, head, rope, KV)");
+  // layers [begin, end): begin > 0 starts from hidden_in (the hidden state entering layer
+  // begin, e.g. an early-exit draft's), end < num_layers exits early into the final norm
+  if (layer_end < 0) layer_end = (int64_t)layers_.size();
+  TORCH_CHECK(0 <= layer_begin && layer_begin <= layer_end &&
+              layer_end <= (int64_t)layers_.size(), "forward: bad layer range");
+  TORCH_CHECK(layer_begin == 0 || hidden_in.has_value(), "forward: layer_begin > 0 needs "
+              "hidden_in");
+  torch::Tensor hin;
+  if (hidden_in.has_value()) {
+    hin = hidden_in->contiguous().to(torch::kFloat32);
+    TORCH_CHECK(hin.dim() == 2 && hin.size(0) == input_ids.numel() && hin.size(1) == H_,
+                "forward: hidden_in must be [T, hidden]");
+  }
   const int T = (int)input_ids.numel();
   const int R = (int)logits_rows.numel();
   const int B = (int)prefix_len.numel();
@@ -455,7 +471,7 @@ std::vector<torch::Tensor> CpuModel::forward(
   std::vector<torch::Tensor> caps;
   std::vector<float*> cap_at(nl + 1, nullptr);
   for (int64_t c : capture) {
-    TORCH_CHECK(c >= 0 && c <= nl, "capture layer out of range: ", c);
+    TORCH_CHECK(c >= layer_begin && c <= layer_end, "capture layer out of range: ", c);
     caps.push_back(torch::empty({T, H_}, torch::kFloat32));
     cap_at[c] = caps.back().data_ptr<float>();
   }
@@ -502,10 +518,15 @@ std::vector<torch::Tensor> CpuModel::forward(
     };
     int r0, r1;
     split_range(T, tid, n, &r0, &r1);
-    for (int t = r0; t < r1; ++t) embed_.row(ids[t], x + (int64_t)t * H_);
+    if (hin.defined()) {
+      std::memcpy(x + (int64_t)r0 * H_, hin.data_ptr<float>() + (int64_t)r0 * H_,
+                  sizeof(float) * (r1 - r0) * H_);
+    } else {
+      for (int t = r0; t < r1; ++t) embed_.row(ids[t], x + (int64_t)t * H_);
+    }
     tp.barrier(tid);
     mark(0);
-    for (int li = 0; li < nl; ++li) {
+    for (int li = (int)layer_begin; li < (int)layer_end; ++li) {
       const Layer& L = layers_[li];
       if (cap_at[li]) std::memcpy(cap_at[li] + (int64_t)r0 * H_, x + (int64_t)r0 * H_,
                                   sizeof(float) * (r1 - r0) * H_);
@@ -563,8 +584,9 @@ std::vector<torch::Tensor> CpuModel::forward(
       tp.barrier(tid);
       mark(8);
     }
-    if (cap_at[nl]) std::memcpy(cap_at[nl] + (int64_t)r0 * H_, x + (int64_t)r0 * H_,
-                                sizeof(float) * (r1 - r0) * H_);
+    if (float* c = cap_at[layer_end]) {  // the hidden state after the last layer run
+      std::memcpy(c + (int64_t)r0 * H_, x + (int64_t)r0 * H_, sizeof(float) * (r1 - r0) * H_);
+    }
     // final norm: every row when the caller wants final hidden states, else the logits rows
     int f0, f1;
     split_range(F, tid, n, &f0, &f1);
@@ -731,7 +753,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_head", &CpuModel::set_head)
       .def("set_rope", &CpuModel::set_rope)
       .def("set_kv", &CpuModel::set_kv)
-      .def("forward", &CpuModel::forward, py::call_guard<py::gil_scoped_release>())
+      .def("forward", &CpuModel::forward, py::arg("input_ids"), py::arg("positions"),
+           py::arg("out_loc"), py::arg("tok_req"), py::arg("tok_local"), py::arg("kv_indptr"),
+           py::arg("kv_indices"), py::arg("prefix_len"), py::arg("extend_len"),
+           py::arg("masks"), py::arg("mask_indptr"), py::arg("logits_rows"),
+           py::arg("capture"), py::arg("final_hidden"), py::arg("layer_begin") = 0,
+           py::arg("layer_end") = -1, py::arg("hidden_in") = py::none(),
+           py::call_guard<py::gil_scoped_release>())
       .def("linear", &CpuModel::linear, py::call_guard<py::gil_scoped_release>())
       .def("lm_head", &CpuModel::lm_head, py::call_guard<py::gil_scoped_release>())
       .def("embed", &CpuModel::embed)
