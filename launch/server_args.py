@@ -53,8 +53,9 @@ HELP = {
     "speculative_num_steps": "EAGLE/EAGLE3: draft tree depth S (unset: chosen for the device "
     "with --speculative-eagle-topk and --speculative-num-draft-tokens; cpu 2/2/4, cuda 5/4/8)",
     "speculative_draft_matmul_dtype": "EAGLE/EAGLE3 on the CPU: the draft head's matmuls in "
-    "float32 or bfloat16 (auto: bfloat16 where the CPU has bf16 dot-product instructions). "
-    "Drafts only: verification stays with the float32 target, so output is unchanged",
+    "float32, bfloat16, or q8_0 / q4_0 blocks on the CPU engine's kernels (auto: q8_0 where "
+    "the CPU extension is built, else bfloat16 where the CPU has bf16 dot-product "
+    "instructions). Drafts only: verification is the target's, so output is unchanged",
     "speculative_eagle_topk": "EAGLE/EAGLE3: children per expanded node and nodes expanded per "
     "step (k = 1 drafts a chain and forces num-draft-tokens = num-steps + 1)",
     "speculative_eagle_target_only": "EAGLE/EAGLE3 sampling: draft top-k trees and verify with "
@@ -195,7 +196,7 @@ class ServerArgs:
             "activation_digits": ACTIVATION_DIGITS,
             "schedule_policy": ("fcfs", "lpm"),
             "log_level": ("debug", "info", "warning", "error"),
-            "speculative_draft_matmul_dtype": ("auto", "float32", "bfloat16"),
+            "speculative_draft_matmul_dtype": ("auto", "float32", "bfloat16", "q8_0", "q4_0"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

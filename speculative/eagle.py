@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from runtime.layers.linear import cpu_has_native_bf16
+from runtime.layers.linear import BLOCK_FORMATS, cpu_has_native_bf16
 from runtime.mem_cache.kv_pool import KVPool
 from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.models.llama import ModelOutput
@@ -61,12 +61,21 @@ from speculative.verify import QMode
 logger = logging.getLogger(__name__)
 
 
-def draft_matmul_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The dtype of a head's CPU matmuls for --speculative-draft-matmul-dtype: "auto" is
-    bfloat16 where the CPU multiplies bf16 natively (there it halves the weight bytes a draft
-    step streams), float32 elsewhere. Off the CPU nothing is prepacked, so it does not apply."""
+def draft_matmul_dtype(name: str, device: torch.device) -> torch.dtype | str:
+    """How a head's CPU matmuls multiply, for --speculative-draft-matmul-dtype: "auto" is q8_0
+    blocks on the CPU engine's kernels where the extension is built (a quarter of the fp32
+    weight bytes a draft step streams; measured in docs/benchmarks.md), else bfloat16 where the
+    CPU multiplies bf16 natively, else float32. Off the CPU nothing is prepacked, so it does
+    not apply. Drafts only: verification is the target's, so output is unchanged."""
     if name == "float32" or device.type != "cpu":
         return torch.float32
+    if name in BLOCK_FORMATS:
+        return name
+    if name == "auto":
+        from kernels import cpu
+
+        if cpu.available()[0]:
+            return "q8_0"
     if name == "bfloat16" or cpu_has_native_bf16():
         return torch.bfloat16
     return torch.float32

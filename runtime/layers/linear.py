@@ -10,6 +10,11 @@ bf16, fp32 accumulation inside oneDNN, output back in the input's dtype). Only f
 whose outputs need not be exact, i.e. draft heads (verification stays with the fp32 target),
 and only where the CPU has bf16 dot-product instructions (`cpu_has_native_bf16`): half the
 weight bytes and twice the multiply rate there, an emulated and slower path elsewhere.
+
+`pack("q8_0")` / `pack("q4_0")` quantize the weight into GGUF-style blocks multiplied by the CPU
+engine's kernels (`kernels/cpu`, int8 activations: one digit, llama.cpp's precision). Also for
+draft heads only: a quarter (q8_0) or an eighth (q4_0) of the fp32 weight bytes, which is what a
+draft step at M = 1..8 is bound by.
 """
 
 from __future__ import annotations
@@ -39,6 +44,10 @@ def cpu_has_native_bf16() -> bool:
     return False
 
 
+BLOCK_FORMATS = ("q8_0", "q4_0")  # pack() formats that use the CPU extension's kernels
+DRAFT_ACTIVATION_DIGITS = 1
+
+
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -47,13 +56,19 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None
         self.compute_dtype = torch.float32  # of the packed weight
+        self.blocks = None  # kernels/cpu PackedLinear, when packed in a block format
 
-    def pack(self, compute_dtype: torch.dtype = torch.float32) -> bool:
+    def pack(self, compute_dtype: torch.dtype | str = torch.float32) -> bool:
         """Prepack for oneDNN (CPU fp32 layers only), multiplying in `compute_dtype` (float32,
-        or bfloat16 for inexact uses: see the module docstring). Returns whether the layer is
-        now packed."""
+        or bfloat16 for inexact uses), or quantize into "q8_0" / "q4_0" blocks for the CPU
+        extension (inexact uses; see the module docstring). Returns whether the layer is now
+        packed."""
         w = self.weight
-        if w.device.type != "cpu" or w.dtype != torch.float32 or not onednn_packing_available():
+        if w.device.type != "cpu" or w.dtype != torch.float32:
+            return False
+        if isinstance(compute_dtype, str):
+            return self._pack_blocks(compute_dtype)
+        if not onednn_packing_available():
             return False
         assert compute_dtype in (torch.float32, torch.bfloat16), compute_dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w.data.to(compute_dtype), None)
@@ -64,7 +79,39 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
         return True
 
+    @property
+    def is_packed(self) -> bool:
+        """Whether the dense weight was dropped for a packed copy (oneDNN or blocks)."""
+        return self.packed is not None or self.blocks is not None
+
+    def _pack_blocks(self, fmt_name: str) -> bool:
+        from kernels import cpu
+        from kernels.cpu.packing import Fmt, finish, pad_bias, quantize, tile_major
+        from kernels.cpu.weights import Packed
+
+        assert fmt_name in BLOCK_FORMATS, fmt_name
+        ok, _ = cpu.available()
+        if not ok or self.in_features % 32:
+            return False
+        fmt = Fmt.parse(fmt_name)
+        blocks = quantize(fmt, self.weight.data.numpy())
+        data = torch.from_numpy(finish(fmt, tile_major(fmt, blocks)))
+        bias = (None if self.bias is None
+                else torch.from_numpy(pad_bias(self.bias.data.float().numpy())))
+        self.blocks = Packed(fmt, self.in_features, self.out_features, data, bias).to_ext(
+            cpu.load())
+        self._threads = torch.get_num_threads()
+        self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocks is not None:
+            from kernels import cpu
+
+            shape = x.shape
+            y = cpu.load().linear(self.blocks, x.reshape(-1, self.in_features),
+                                  DRAFT_ACTIVATION_DIGITS, self._threads)
+            return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
         if self.packed is not None:
             # x [M, in] → [M, out]
             cd = self.compute_dtype

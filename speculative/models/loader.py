@@ -87,7 +87,7 @@ def detect_format(weights: dict[str, torch.Tensor], raw: dict[str, Any], path: P
 
 def save_eagle3_head(head: Eagle3Head, out_dir: str | Path) -> Path:
     """Write `head` as config.json + model.safetensors in the public EAGLE-3 layout."""
-    packed = [n for n, m in head.named_modules() if isinstance(m, Linear) and m.packed is not None]
+    packed = [n for n, m in head.named_modules() if isinstance(m, Linear) and m.is_packed]
     if packed:
         raise ValueError(f"cannot save prepacked linears {packed[:3]}: save before pack_weights()")
     out = Path(out_dir)

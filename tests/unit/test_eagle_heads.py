@@ -305,3 +305,15 @@ def test_eagle3_save_then_load_round_trips_the_public_layout(tmp_path, target_di
         assert low.logits.dtype == torch.float32
         err = (low.logits - outs[0].logits).abs().max() / outs[0].logits.abs().max()
         assert 0 < err < 0.05
+        # q8_0 blocks on the CPU engine's kernels (the CPU default for draft heads)
+        from kernels import cpu
+
+        if cpu.available()[0]:
+            q8 = load(saved, runner)
+            assert q8.pack_weights("q8_0")
+            low = run(q8, q8.create_backend(), ForwardMode.EXTEND, [tokens],
+                      [torch.arange(1, 10)], [0], fused, logits="all")
+            err = (low.logits - outs[0].logits).abs().max() / outs[0].logits.abs().max()
+            assert 0 < err < 0.05
+            with pytest.raises(ValueError, match="prepacked"):
+                save_eagle3_head(q8, tmp_path / "q8")

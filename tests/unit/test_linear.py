@@ -38,3 +38,27 @@ def test_native_bf16_detection_reads_the_cpu_flags():
     except OSError:
         pytest.skip("no /proc/cpuinfo")
     assert cpu_has_native_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags)
+
+
+@pytest.mark.parametrize("fmt,tol", [("q8_0", 0.03), ("q4_0", 0.25)])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_block_formats_on_the_cpu_kernels_are_close(fmt, tol, rows):
+    """Draft heads' q8_0 / q4_0 path (the CPU extension's kernels, int8 activations)."""
+    from kernels import cpu
+
+    if not cpu.available()[0]:
+        pytest.skip("CPU extension unavailable")
+    gen = torch.Generator().manual_seed(rows)
+    lin = Linear(64, 40, bias=True)
+    lin.weight.data = torch.randn(40, 64, generator=gen)
+    lin.bias.data = torch.randn(40, generator=gen)
+    x = torch.randn(rows, 64, generator=gen)
+    dense = F.linear(x, lin.weight.data.clone(), lin.bias.data)
+    assert lin.pack(fmt) and lin.is_packed and lin.weight.numel() == 0
+    y = lin(x)
+    assert y.shape == dense.shape and y.dtype == torch.float32
+    rel = (y - dense).abs().max() / dense.abs().max()
+    assert 0 < rel < tol
+    assert torch.equal(lin(x.view(rows, 1, 64)).view(rows, 40), y)  # leading dims kept
+    odd = Linear(48, 8)  # K not a multiple of the 32-wide blocks: stays dense
+    assert not odd.pack(fmt) and not odd.is_packed
