@@ -34,5 +34,7 @@ setup(
         "gpu": ["flashinfer-python", "sgl-kernel"],
         "bench": ["matplotlib", "aiohttp"],
         "dev": ["pytest", "ruff", "openai", "matplotlib"],
+        # opt-in: benchmark/fuzz_openapi.py (no torch; the test suite does not need it)
+        "fuzz": ["schemathesis==4.32.5"],
     },
 )

@@ -18,3 +18,11 @@ class InvalidRequestError(SpecserveError, ValueError):
 
 class ModelLoadError(SpecserveError):
     """A model path that is missing, not a model, or of an unsupported architecture."""
+
+
+class ModelNotFoundError(InvalidRequestError):
+    """A request names a model this server does not serve (HTTP 404, OpenAI's shape)."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__("model", f"The model `{model}` does not exist.")
+        self.model = model

@@ -70,7 +70,10 @@ class ReqBatchEntry(Msg):
     rid: str
     new_token_ids: list[int]
     prefix_len: int
-    kv_slots: bytes  # pack_ints([seq_len] slots: prefix then new tokens)
+    # pack_ints(slots[slots_start:seq_len]): the runner keeps each request's slot list and
+    # replaces what follows its first `slots_start` entries with these (prefix then new tokens)
+    kv_slots: bytes
+    slots_start: int = 0
     # sent once, when the runner first sees the request: its parameters and whole prompt
     # (token history for penalties and drafters; chunks and cache hits send only new tokens)
     sampling_params: dict | None = None

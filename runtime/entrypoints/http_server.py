@@ -25,13 +25,17 @@ from runtime.entrypoints.openai_api import OpenAIServing
 from runtime.entrypoints.protocol import (
     AbortRequest,
     BodyTooLarge,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
     error_body,
     error_for,
+    openapi_body,
     parse_model,
     read_json,
 )
 from runtime.entrypoints.streaming import ClientDisconnected, last_chunk
-from runtime.errors import InvalidRequestError
+from runtime.errors import InvalidRequestError, ModelNotFoundError
 from runtime.sampling.sampling_params import SamplingParams
 from runtime.tokenizer.tokenizer_manager import BackendDeadError
 
@@ -57,7 +61,9 @@ def public_server_args(server_args: Any) -> dict:
 
 
 def create_app(tm: Any, server_args: Any) -> FastAPI:
-    app = FastAPI(title="specserve", docs_url=None, redoc_url=None, openapi_url=None)
+    # The spec and its docs page sit behind --api-key like every route but /health.
+    app = FastAPI(title="specserve", version=_version(), docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json")
     app.add_middleware(RequestGuard, api_key=server_args.api_key,
                        max_body_bytes=server_args.max_request_bytes)
     openai = OpenAIServing(tm, server_args.model_path)
@@ -98,14 +104,17 @@ def create_app(tm: Any, server_args: Any) -> FastAPI:
         return {**public_server_args(server_args), **info, "internal_states": [dict(info)],
                 "version": _version()}
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
         if await tm.flush_cache():
             return JSONResponse({"success": True, "message": "cache flushed"})
         msg = "cache not flushed: requests are running or waiting; retry when idle"
         return JSONResponse(error_body(msg, None, 400), status_code=400)
 
-    @app.post("/abort_request")
+    for method in ("GET", "POST"):  # one operation id each, for the OpenAPI spec
+        app.add_api_route("/flush_cache", flush_cache, methods=[method],
+                          operation_id=f"flush_cache_{method.lower()}")
+
+    @app.post("/abort_request", openapi_extra=openapi_body(AbortRequest))
     async def abort_request(request: Request) -> dict:
         body = parse_model(AbortRequest, await read_json(request))
         tm.abort(body.rid)
@@ -122,7 +131,7 @@ def create_app(tm: Any, server_args: Any) -> FastAPI:
             logger.warning("metrics: scheduler gauges are stale: %r", exc)
         return Response(tm.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/generate")
+    @app.post("/generate", openapi_extra=openapi_body(GenerateRequest))
     async def generate(request: Request) -> Response:
         return await native_api.generate(request, tm)
 
@@ -130,11 +139,11 @@ def create_app(tm: Any, server_args: Any) -> FastAPI:
     async def models() -> dict:
         return openai.models()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await openai.completions(request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await openai.chat(request)
 
@@ -151,7 +160,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         status, body = error_for(exc)
         return JSONResponse(body, status_code=status)
 
-    for kind in (InvalidRequestError, BodyTooLarge, *INFO_ERRORS):
+    for kind in (InvalidRequestError, ModelNotFoundError, BodyTooLarge, *INFO_ERRORS):
         app.add_exception_handler(kind, known)
 
     @app.exception_handler(ClientDisconnected)

@@ -78,9 +78,10 @@ def parse_generate(body: GenerateRequest, tm: Any) -> tuple[bool, list[_Item]]:
             raise InvalidRequestError(f"sampling_params.{exc.field}", where + exc.message) \
                 from None
         try:
-            tm.check_prompt(ids, p)
+            tm.check_prompt(ids, p, max_new_tokens_given="max_new_tokens" in sp)
         except InvalidRequestError as exc:
-            name = field if exc.field in ("prompt", "input_ids") else exc.field
+            name = field if exc.field in ("prompt", "input_ids") else \
+                f"sampling_params.{exc.field}" if exc.field == "max_new_tokens" else exc.field
             raise InvalidRequestError(name, where + exc.message) from None
         items.append(_Item(ids, p, rid))
     return batch, items

@@ -34,7 +34,7 @@ from runtime.entrypoints.streaming import (
     sse_events,
     until_disconnect,
 )
-from runtime.errors import InvalidRequestError, ModelLoadError
+from runtime.errors import InvalidRequestError, ModelLoadError, ModelNotFoundError
 from runtime.sampling.sampling_params import SamplingParams
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -81,17 +81,20 @@ class OpenAIServing:
 
     async def completions(self, request: Request) -> Response:
         body = parse_model(CompletionRequest, await read_json(request))
+        self.check_model(body.model)
         body.check_supported()
         prompts = prompt_batch(body.prompt, self.tm.tokenize)
         sampling = body.base_sampling()
         sampling["max_new_tokens"] = 16 if body.max_tokens is None else body.max_tokens
         choices = self._choices("cmpl", prompts, sampling, body.num_choices(),
-                                {"max_new_tokens": "max_tokens", "input_ids": "prompt"})
+                                {"max_new_tokens": "max_tokens", "input_ids": "prompt"},
+                                max_tokens_given=body.max_tokens is not None)
         return await self._serve(request, "text_completion", prompts, choices, body.stream,
                                  body.include_usage())
 
     async def chat(self, request: Request) -> Response:
         body = parse_model(ChatCompletionRequest, await read_json(request))
+        self.check_model(body.model)
         body.check_supported()
         messages = chat_messages(body.messages)
         try:
@@ -106,12 +109,19 @@ class OpenAIServing:
             else max(1, self.tm.context_length - len(ids))
         choices = self._choices("chatcmpl", [ids], sampling, body.num_choices(),
                                 {"max_new_tokens": body.max_tokens_field(), "prompt": "messages",
-                                 "input_ids": "messages"})
+                                 "input_ids": "messages"}, max_tokens_given=limit is not None)
         return await self._serve(request, "chat.completion", [ids], choices, body.stream,
                                  body.include_usage())
 
+    def check_model(self, model: str | None) -> None:
+        """404 for a model this server does not serve (OpenAI and vLLM do the same), rather
+        than answering from another model under the name the client asked for."""
+        if model is not None and model not in (self.tm.model_name, self.model_path):
+            raise ModelNotFoundError(model)
+
     def _choices(self, prefix: str, prompts: list[list[int]], sampling: dict, n: int,
-                 renames: dict[str, str]) -> tuple[str, list[_Choice]]:
+                 renames: dict[str, str],
+                 max_tokens_given: bool = False) -> tuple[str, list[_Choice]]:
         """Validate every choice before any starts, so a bad request never half-runs."""
         req_id = f"{prefix}-{uuid.uuid4().hex}"
         choices = []
@@ -122,7 +132,7 @@ class OpenAIServing:
                     d["seed"] = (d["seed"] + j) % 2**64  # seeds are [0, 2**64)
                 with _renamed(renames):
                     params = SamplingParams.from_dict(d, self.tm.vocab_size)
-                    self.tm.check_prompt(ids, params)
+                    self.tm.check_prompt(ids, params, max_tokens_given)
                 index = len(choices)
                 choices.append(_Choice(index, p, ids, params, f"{req_id}-{index}"))
         return req_id, choices

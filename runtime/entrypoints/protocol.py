@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, WithJsonSchema
 from starlette.requests import Request
 
-from runtime.errors import InvalidRequestError
+from runtime.errors import InvalidRequestError, ModelNotFoundError
 from runtime.tokenizer.tokenizer_manager import BackendDeadError
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -27,8 +27,14 @@ class BodyTooLarge(Exception):
 
 def error_body(message: str, param: str | None, code: int,
                kind: str = "invalid_request_error") -> dict:
-    """OpenAI's error shape; /generate and the native endpoints use it too."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    """OpenAI's error shape; /generate and the native endpoints use it too. Text echoed from
+    the request is made encodable (a lone surrogate becomes `\\udcff`)."""
+    return {"error": {"message": _printable(message), "type": kind,
+                      "param": None if param is None else _printable(param), "code": code}}
+
+
+def _printable(s: str) -> str:
+    return s.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 async def read_json(request: Request) -> dict[str, Any]:
@@ -42,7 +48,43 @@ async def read_json(request: Request) -> dict[str, Any]:
         raise InvalidRequestError("body", f"invalid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise InvalidRequestError("body", f"expected a JSON object, got {type(data).__name__}")
+    _check_unicode(data)
     return data
+
+
+def _check_unicode(data: dict[str, Any]) -> None:
+    """400 for a string holding a lone surrogate (JSON's "\\udcff" escape parses to one): it is
+    no Unicode text, so the tokenizer, the chat template and the IPC encoder all refuse it."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+        return
+    except UnicodeEncodeError:
+        pass
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:  # find the first offending field, to name it
+        path, value = stack.pop()
+        items = value.items() if isinstance(value, dict) else enumerate(value) \
+            if isinstance(value, list) else ()
+        for key, item in items:
+            where = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str) and not _is_text(key):
+                raise InvalidRequestError(where, "the key is not valid Unicode text "
+                                          "(it holds a lone surrogate)")
+            if isinstance(item, str):
+                if not _is_text(item):
+                    raise InvalidRequestError(where, "is not valid Unicode text (it holds a "
+                                              "lone UTF-16 surrogate such as \\udcff)")
+            elif isinstance(item, (dict, list)):
+                stack.append((where, item))
+    raise InvalidRequestError("body", "is not valid Unicode text")
+
+
+def _is_text(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def parse_model(cls: type[ModelT], data: dict[str, Any]) -> ModelT:
@@ -60,14 +102,53 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+def openapi_body(cls: type[BaseModel]) -> dict[str, Any]:
+    """`openapi_extra` for a route that reads `cls` from its raw body itself (our own 400s, not
+    FastAPI's 422s): the request body schema, with pydantic's `$defs` inlined."""
+    schema = cls.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return inline(defs[ref.removeprefix("#/$defs/")])
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": inline(schema)}}}}
+
+
+# Fields typed `Any` here are checked by hand (several JSON shapes each); these schemas tell
+# clients and schema fuzzers which shapes are meant.
+_STR = {"type": "string"}
+_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+_STR_OR_LIST = {"anyOf": [_STR, {"type": "array", "items": _STR}, {"type": "null"}]}
+Text = Annotated[Any, WithJsonSchema(_STR_OR_LIST)]
+TokenIds = Annotated[Any, WithJsonSchema(
+    {"anyOf": [_IDS, {"type": "array", "items": _IDS}, {"type": "null"}]})]
+SamplingDict = Annotated[Any, WithJsonSchema(
+    {"anyOf": [{"type": "object"}, {"type": "array", "items": {"type": "object"}},
+               {"type": "null"}]})]
+Prompt = Annotated[Any, WithJsonSchema(
+    {"anyOf": [_STR, {"type": "array", "items": _STR}, _IDS, {"type": "array", "items": _IDS}]})]
+Messages = Annotated[Any, WithJsonSchema({"type": "array", "minItems": 1, "items": {
+    "type": "object", "required": ["role", "content"],
+    "properties": {"role": {"enum": ["system", "developer", "user", "assistant"]},
+                   "content": _STR, "name": _STR}}})]
+
+
 class GenerateRequest(_Body):
     """SGLang's /generate body. Logprob fields are accepted at their defaults only."""
 
-    text: Any = None  # str | list[str]
-    input_ids: Any = None  # list[int] | list[list[int]]
-    sampling_params: Any = None  # dict | list[dict]
+    text: Text = None  # str | list[str]
+    input_ids: TokenIds = None  # list[int] | list[list[int]]
+    sampling_params: SamplingDict = None  # dict | list[dict]
     stream: bool = False
-    rid: Any = None  # str | list[str]
+    rid: Text = None  # str | list[str]
     return_logprob: bool = False
     logprob_start_len: int | None = None
     top_logprobs_num: int | None = None
@@ -89,7 +170,7 @@ class _OpenAISampling(_Body):
 
     model: str | None = None
     n: int | None = None
-    stop: Any = None  # str | list[str]; checked by SamplingParams
+    stop: Text = None  # str | list[str]; checked by SamplingParams
     seed: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -126,7 +207,7 @@ class _OpenAISampling(_Body):
 
 
 class CompletionRequest(_OpenAISampling):
-    prompt: Any = None  # str | list[str] | list[int] | list[list[int]]
+    prompt: Prompt = None  # str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: Any = None
     echo: bool | None = None
@@ -146,7 +227,7 @@ class CompletionRequest(_OpenAISampling):
 
 
 class ChatCompletionRequest(_OpenAISampling):
-    messages: Any = None
+    messages: Messages = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
@@ -275,6 +356,10 @@ def prompt_batch(prompt: Any, tokenize, field: str = "prompt") -> list[list[int]
 
 def error_for(exc: Exception) -> tuple[int, dict]:
     """HTTP status and JSON body for an exception raised while serving a request."""
+    if isinstance(exc, ModelNotFoundError):  # OpenAI: 404, code "model_not_found"
+        body = error_body(exc.message, "model", 404)
+        body["error"]["code"] = "model_not_found"
+        return 404, body
     if isinstance(exc, InvalidRequestError):
         return 400, error_body(str(exc), exc.field, 400)
     if isinstance(exc, (BackendDeadError, TimeoutError, asyncio.TimeoutError)):

@@ -1,7 +1,8 @@
 """The model-runner process: receives `RunBatch`, runs one step, replies `BatchResult`.
 
 It keeps per-request state the scheduler does not need: sampling parameters and the token
-history (penalties, drafters, and the position a seeded request's next draw is keyed by).
+history (penalties, drafters, and the position a seeded request's next draw is keyed by), and a
+copy of each request's slot list, updated from the slots each entry ships (`slots_start`).
 KV *tensors* live here; which slot means what is the scheduler's.
 """
 
@@ -43,6 +44,7 @@ class RunnerReqState:
     params: SamplingParams
     prompt_ids: list[int]
     output_ids: list[int] = field(default_factory=list)
+    slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
 
 
 class RunnerWorker:
@@ -70,16 +72,28 @@ class RunnerWorker:
                 self.spec.drafter.observe(entry.rid, st.prompt_ids, len(st.prompt_ids))
         return st
 
+    @staticmethod
+    def _slots(entry, st: RunnerReqState) -> torch.Tensor:
+        """The entry's whole slot list [prefix_len + new]: the runner's table up to
+        `slots_start`, then the shipped slots (the scheduler's list, in the same order)."""
+        new = unpack_ints(entry.kv_slots)
+        start = entry.slots_start
+        assert start <= st.slots.numel(), (
+            f"{entry.rid}: slots from {start}, the runner holds {st.slots.numel()}")
+        st.slots = torch.cat([st.slots[:start], new]) if start else new
+        assert st.slots.numel() > entry.prefix_len, f"{entry.rid}: no slot for a new token"
+        return st.slots
+
     def _append(self, rid: str, st: RunnerReqState, tokens: list[int]) -> None:
         st.output_ids.extend(tokens)
         if self.spec is not None:
             self.spec.drafter.observe(rid, st.prompt_ids + st.output_ids, len(tokens))
 
-    def _run_spec(self, msg: RunBatch, states: list[RunnerReqState], t0: float) -> BatchResult:
+    def _run_spec(self, msg: RunBatch, states: list[RunnerReqState],
+                  slots: list[torch.Tensor], t0: float) -> BatchResult:
         entries = [
-            SpecEntry(e.rid, st.prompt_ids + st.output_ids, e.prefix_len, unpack_ints(e.kv_slots),
-                      st)
-            for e, st in zip(msg.reqs, states)
+            SpecEntry(e.rid, st.prompt_ids + st.output_ids, e.prefix_len, s, st)
+            for e, st, s in zip(msg.reqs, states, slots)
         ]
         out, infos = self.spec.step(entries)
         for e, st, toks in zip(msg.reqs, states, out):
@@ -114,11 +128,11 @@ class RunnerWorker:
             return BatchResult(batch_id=msg.batch_id, next_token_ids=[])
         mode = ForwardMode(msg.mode)
         states = [self._state(e) for e in msg.reqs]
+        slots = [self._slots(e, st) for e, st in zip(msg.reqs, states)]
         if mode == ForwardMode.DECODE and self.spec is not None:
-            return self._run_spec(msg, states, t0)
+            return self._run_spec(msg, states, slots, t0)
         drafter = self.spec.drafter if self.spec is not None else None
         reads_hidden = drafter is not None and drafter.reads_target_hidden
-        slots = [unpack_ints(e.kv_slots) for e in msg.reqs]
         batch = ForwardBatch.build(
             mode,
             [e.new_token_ids for e in msg.reqs],

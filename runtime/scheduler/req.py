@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from runtime.sampling.sampling_params import SamplingParams
+from runtime.scheduler.spec_budget import Acceptance
 
 
 @dataclass(eq=False)
@@ -32,6 +33,9 @@ class Req:
     spec_drafted: int = 0
     spec_accept_hist: list[int] = field(default_factory=list)  # [k] = steps accepting k drafts
     spec_last_accepted: int = 0  # drafts accepted by its last verify step
+    spec_acceptance: Acceptance = field(default_factory=Acceptance)  # for the draft budget
+    # the first `runner_kv_len` of `kv_slots` are in the model runner's own table
+    runner_kv_len: int = 0
 
     @property
     def fill_ids(self) -> list[int]:

@@ -5,6 +5,15 @@ into `TokenOut` messages (`emit`). It never runs the model and is the only write
 bookkeeping (allocator, radix cache, each request's slot list). Feeding a request's pending
 tokens is one rule for every phase: a step extends `fill_ids[kv_len:]` (all of them, or a chunk)
 and, when the chunk reaches the end, samples the next token. Decode is the 1-pending case.
+
+Batches are mixed: while prompts are being prefilled, every decoding request rides along with
+one token (a prefill never pauses decoding), and the prompt chunks share the step's token budget
+(`chunked_prefill_size`) with them. A step without prefill work is a decode step, where
+speculative requests get draft-tree nodes from the load-aware budget (`spec_budget.py`).
+
+The runner keeps each request's slot list itself: an entry ships only the slots the runner does
+not have yet (`slots_start`), so a step's message grows with the new tokens, not with the
+requests' lengths.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from runtime.messages import (
 from runtime.model_runner.forward_batch import ForwardMode
 from runtime.sampling.sampling_params import SamplingParams
 from runtime.scheduler.req import Req
+from runtime.scheduler.spec_budget import VERIFY_COST, VerifyCost, plan_drafts
 from runtime.scheduler.stop import StopChecker
 
 logger = logging.getLogger(__name__)
@@ -55,6 +65,14 @@ class SchedulerConfig:
     # >= num_draft_tokens - 1 drafts (it is copying); = num_draft_tokens turns deep drafts off
     max_draft_tokens: int = 1
     deep_for_all: bool = False
+    # load-aware speculation (`spec_budget.py`): nodes per request chosen from the verify-cost
+    # curve of the engine and each request's acceptance; False = always the sizes above
+    load_aware: bool = True
+    engine: str = "cpu"  # whose verify-cost curve to plan with (`VERIFY_COST`)
+
+    @property
+    def verify_cost(self) -> VerifyCost:
+        return VERIFY_COST.get(self.engine, VERIFY_COST["torch"])
 
     @classmethod
     def from_server_args(cls, server_args) -> SchedulerConfig:
@@ -68,6 +86,7 @@ class SchedulerConfig:
             num_draft_tokens=n,
             max_draft_tokens=server_args.speculative_ngram_max_draft_tokens or n,
             deep_for_all=not server_args.speculative_ngram_disable_match_sizing,
+            load_aware=not server_args.speculative_disable_adaptive,
         )
 
 
@@ -180,10 +199,17 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> bool:
         """Run one batch if there is work; returns whether anything ran."""
-        entries = self._prefill_batch()
-        mode = ForwardMode.EXTEND
-        if not entries:
-            entries = self._decode_batch(self.cfg.num_draft_tokens)
+        if self._has_prefill_work():
+            # mixed: every decoding request gains one token while prompts are prefilled
+            retracted = self.totals["retracted"]
+            decode = self._decode_batch(speculate=False)
+            # no admission in a step that just retracted: the KV it freed is for the others
+            prefill = self._prefill_batch(self.cfg.chunked_prefill_size - len(decode),
+                                          admit=retracted == self.totals["retracted"])
+            entries = decode + prefill
+            mode = ForwardMode.EXTEND if prefill else ForwardMode.DECODE
+        else:
+            entries = self._decode_batch(speculate=True)
             mode = ForwardMode.DECODE
         if not entries:
             return False
@@ -209,10 +235,11 @@ class Scheduler:
     def _entry(self, req: Req, chunk: int, new_slots: torch.Tensor) -> tuple:
         fill = req.fill_ids
         start = req.kv_len
-        slots = torch.cat([req.kv_slots, new_slots])
+        known = min(req.runner_kv_len, start)  # the runner's table holds these slots already
+        slots = torch.cat([req.kv_slots[known:], new_slots]) if known < start else new_slots
         entry = ReqBatchEntry(
             rid=req.rid, new_token_ids=fill[start : start + chunk], prefix_len=start,
-            kv_slots=pack_ints(slots), needs_token=chunk == req.num_pending,
+            kv_slots=pack_ints(slots), slots_start=known, needs_token=chunk == req.num_pending,
         )
         if not req.runner_knows:
             entry.sampling_params = req.params.to_dict()
@@ -225,8 +252,15 @@ class Scheduler:
             (r.params.max_new_tokens - len(r.output_ids)) for r in self.running
         ) * self.cfg.decode_reserve_ratio)
 
-    def _prefill_batch(self) -> list[tuple]:
-        budget = self.cfg.chunked_prefill_size
+    def _has_prefill_work(self) -> bool:
+        return any(r.num_pending > 1 for r in self.running) or (
+            bool(self.waiting) and len(self.running) < self.cfg.max_running_requests)
+
+    def _prefill_batch(self, budget: int, admit: bool = True) -> list[tuple]:
+        """Prompt chunks within `budget` tokens: unfinished prefills first, then (if `admit`)
+        new requests while KV headroom lasts. At least one token goes to prefill per step, so
+        a full decode batch cannot starve the queue."""
+        budget = max(budget, 1)
         entries = []
         for req in self.running:  # unfinished chunked prefills first
             if req.num_pending > 1 and budget > 0:
@@ -241,7 +275,8 @@ class Scheduler:
             order = sorted(self.waiting, key=lambda r: -len(self.cache.match_prefix(
                 r.fill_ids[:-1]).slots))
             self.waiting = deque(order)
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
+        while admit and self.waiting and budget > 0 and \
+                len(self.running) < self.cfg.max_running_requests:
             req = self.waiting[0]
             m = self.cache.match_prefix(req.fill_ids[:-1])  # keep >= 1 token to compute
             pending = len(req.fill_ids) - m.slots.numel()
@@ -266,10 +301,11 @@ class Scheduler:
             budget -= chunk
         return entries
 
-    def _decode_batch(self, tokens_per_req: int) -> list[tuple]:
+    def _decode_batch(self, speculate: bool) -> list[tuple]:
         decoding = [r for r in self.running if r.num_pending == 1]
         if not decoding:
             return []
+        tokens_per_req = self.cfg.num_draft_tokens if speculate else 1
         # retract before allocating anything, so no batch entry ever points at freed KV
         while (
             len(decoding) * tokens_per_req > self.allocator.num_free + self.cache.evictable_size
@@ -279,8 +315,13 @@ class Scheduler:
             decoding.remove(victim)
             self._retract(victim)
         entries = []
-        sizes = draft_sizes([r.spec_last_accepted for r in decoding], tokens_per_req,
-                            self.cfg.max_draft_tokens, self.cfg.deep_for_all)
+        sizes = [1] * len(decoding)
+        if tokens_per_req > 1:
+            sizes = draft_sizes([r.spec_last_accepted for r in decoding], tokens_per_req,
+                                self.cfg.max_draft_tokens, self.cfg.deep_for_all)
+            if self.cfg.load_aware:
+                sizes = plan_drafts([r.spec_acceptance.rate for r in decoding], sizes,
+                                    self.cfg.verify_cost)
         for req, n in zip(decoding, sizes):
             # never draft past the context length: the tree's positions must exist
             room = self.stop.context_length - req.kv_len
@@ -288,7 +329,7 @@ class Scheduler:
             if n > tokens_per_req:  # a deep draft only from truly free slots
                 slots = self._alloc(min(n, room)) if self.allocator.num_free >= n else None
             if slots is None:
-                slots = self._alloc(max(1, min(tokens_per_req, room)))
+                slots = self._alloc(max(1, min(n, tokens_per_req, room)))
             if slots is None:
                 raise RuntimeError("KV cache too small for a single request")
             entries.append(self._entry(req, 1, slots))
@@ -299,6 +340,7 @@ class Scheduler:
         self.totals["retracted"] += 1
         self.running.remove(req)
         self._free_kv(req)
+        req.runner_kv_len = 0  # its slots are gone; re-admission ships the whole new list
         req.num_retractions += 1
         self.waiting.appendleft(req)
 
@@ -318,6 +360,7 @@ class Scheduler:
             keep_slots = len(tokens) if entry.needs_token and len(entry.new_token_ids) == 1 \
                 else len(new_slots)
             req.kv_slots = torch.cat([req.kv_slots, new_slots[:keep_slots]])
+            req.runner_kv_len = req.kv_len  # the runner's table: these, then the freed ones
             self.allocator.free(new_slots[keep_slots:])
             if not tokens:
                 continue
@@ -363,6 +406,7 @@ class Scheduler:
         req.spec_verify_ct += 1
         req.spec_drafted += spec["drafted"]
         req.spec_last_accepted = acc
+        req.spec_acceptance.update(spec["drafted"], acc)
         if len(req.spec_accept_hist) <= acc:
             req.spec_accept_hist += [0] * (acc + 1 - len(req.spec_accept_hist))
         req.spec_accept_hist[acc] += 1

@@ -3,6 +3,7 @@ model runner. It blocks in ZMQ polls whenever it has nothing to do."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -66,7 +67,9 @@ def run_scheduler_process(server_args, ipc_dir: str, parent_pid: int) -> None:
         assert isinstance(result, BatchResult), f"unexpected {type(result).__name__}"
         return result
 
-    cfg = SchedulerConfig.from_server_args(server_args)
+    # speculation plans with the verify-cost curve of the engine the runner actually runs
+    cfg = dataclasses.replace(SchedulerConfig.from_server_args(server_args),
+                              engine=str(info.get("engine", "torch")))
     sched = Scheduler(cfg, int(info["kv_capacity"]), stop, run_batch, to_tokenizer.send)
     to_tokenizer.send(ReadyOut(info={**info, "scheduler_pid": os.getpid()}))
     logger.info("scheduler ready: %d KV slots, max %d running requests",

@@ -172,7 +172,13 @@ class TokenizerManager:
         except Exception as exc:  # noqa: BLE001 - a template error is the caller's input
             raise InvalidRequestError("messages", f"cannot apply the chat template: {exc}") from exc
 
-    def check_prompt(self, input_ids: list[int], params: SamplingParams) -> None:
+    def check_prompt(self, input_ids: list[int], params: SamplingParams,
+                     max_new_tokens_given: bool = False) -> None:
+        """Validate a prompt and its parameters; fit `max_new_tokens` to the context.
+
+        As SGLang: a `max_new_tokens` the client gave that does not fit beside the prompt in
+        the context is a 400 (so a client learns its request cannot run as asked); the default
+        is cut to the room left, and the scheduler stops every request at the context length."""
         if not input_ids:
             raise InvalidRequestError("prompt", "the prompt is empty")
         if any(type(t) is not int or t < 0 or t >= self.vocab_size for t in input_ids):
@@ -183,9 +189,15 @@ class TokenizerManager:
                 f"is {self.context_length}, and at least one token must be generated",
             )
         params.validate(self.vocab_size)
-        # The scheduler stops every request at the context length anyway; clamping keeps huge
-        # values (JSON ints are unbounded) within what the msgpack IPC encoding can carry.
-        params.max_new_tokens = min(params.max_new_tokens, self.context_length)
+        total = len(input_ids) + params.max_new_tokens
+        if max_new_tokens_given and total > self.context_length:
+            raise InvalidRequestError(
+                "max_new_tokens", "Requested token count exceeds the model's maximum context "
+                f"length of {self.context_length} tokens. You requested a total of {total} "
+                f"tokens: {len(input_ids)} tokens from the input messages and "
+                f"{params.max_new_tokens} tokens for the completion. Please reduce the number "
+                "of tokens in the input messages or the completion to fit within the limit.")
+        params.max_new_tokens = min(params.max_new_tokens, self.context_length - len(input_ids))
 
     # ---- requests ----------------------------------------------------------------------
     async def generate(

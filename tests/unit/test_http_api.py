@@ -310,13 +310,15 @@ def test_duplicate_rid_in_a_batch_is_400_and_aborts_the_started_item(env):
         assert _wait_for(lambda n=before + 1: sched.aborted.count("dup") == n)
 
 
-def test_huge_max_new_tokens_runs_to_the_context_limit(env):
-    client, _, _ = env
+def test_huge_max_new_tokens_is_400_not_500(env):
+    client, _, sched = env
+    before = len(sched.requests)
     body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 10**30,
                                                      "ignore_eos": True}}
-    r = client.post("/generate", json=body)  # beyond msgpack's int range: clamped, not a 500
-    assert r.status_code == 200, r.text
-    assert r.json()["meta_info"]["completion_tokens"] == CONTEXT_LENGTH - 2
+    r = client.post("/generate", json=body)  # beyond msgpack's int range and the context
+    assert r.status_code == 400, r.text
+    assert str(CONTEXT_LENGTH) in r.json()["error"]["message"]
+    assert len(sched.requests) == before
 
 
 def test_sse_response_closes_an_iterator_left_suspended_by_a_disconnect():

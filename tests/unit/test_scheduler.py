@@ -25,7 +25,12 @@ def tiny(tmp_path_factory):
 
 
 class Harness:
+    """A scheduler over a real runner, in process. Speculative tests get fixed draft sizes (the
+    load-aware budget off) unless they pass `load_aware=True`: they test what a draft of a
+    given size does, the budget's own tests what size it picks."""
+
     def __init__(self, tiny, capacity=4096, **cfg):
+        cfg.setdefault("load_aware", False)
         model_dir, runner = tiny
         self.worker = RunnerWorker(runner)
         self.outputs: dict[str, list[int]] = {}
@@ -132,3 +137,63 @@ def test_stop_token_ids_and_max_tokens(tiny):
     cut = ref.index(ref[4]) + 1
     assert h.outputs["s"] == ref[:cut]
     assert h.finish["s"] == {"type": "stop", "matched": ref[4]}
+
+
+class Recorder:
+    """Wraps the harness's runner call and keeps every `RunBatch` it sends."""
+
+    def __init__(self, h: Harness) -> None:
+        self.batches = []
+        self._run = h.sched.run_batch
+        h.sched.run_batch = self
+
+    def __call__(self, msg):
+        self.batches.append(msg)
+        return self._run(msg)
+
+
+def test_prefill_never_pauses_decoding_and_mixed_batches_match_single_runs(tiny):
+    rng = random.Random(5)
+    short, long_ = [rng.randrange(3, 300) for _ in range(6)], \
+        [rng.randrange(3, 300) for _ in range(150)]
+    refs = [reference(tiny, [p], ignore_eos=True, max_new_tokens=30)[0] for p in (short, long_)]
+    h = Harness(tiny, chunked_prefill_size=16)
+    rec = Recorder(h)
+    h.submit("short", short, ignore_eos=True, max_new_tokens=30)
+    h.sched.step()  # the short prompt, then it decodes
+    h.submit("long", long_, ignore_eos=True, max_new_tokens=30)
+    h.run()
+    assert [h.outputs["short"], h.outputs["long"]] == refs  # bit-identical to running alone
+    chunks = [b for b in rec.batches if any(e.rid == "long" and len(e.new_token_ids) > 1
+                                            for e in b.reqs)]
+    assert len(chunks) >= 150 // 16
+    for b in chunks:  # every prefill step carries the decoding request's next token
+        rows = {e.rid: e for e in b.reqs}
+        assert len(rows["short"].new_token_ids) == 1 and rows["short"].needs_token
+        assert sum(len(e.new_token_ids) for e in b.reqs) <= 16  # one token budget for both
+    h.sched.check_no_leak()
+
+
+def test_runner_keeps_the_slot_table_so_steps_ship_only_new_slots(tiny):
+    from runtime.messages import unpack_ints
+
+    ps = prompts(6, seed=1)
+    ref = reference(tiny, ps, ignore_eos=True, max_new_tokens=40)
+    h = Harness(tiny, capacity=160, chunked_prefill_size=64, decode_reserve_ratio=0.0)
+    rec = Recorder(h)
+    for i, p in enumerate(ps):
+        h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=40)
+    h.run()
+    assert h.sched.totals["retracted"] > 0, "capacity was meant to force retractions"
+    assert [h.outputs[f"r{i}"] for i in range(6)] == ref
+    full_lists = {}
+    for b in rec.batches:
+        for e in b.reqs:
+            shipped = unpack_ints(e.kv_slots).numel()
+            if e.slots_start == 0 and e.prefix_len > 0 or shipped > len(e.new_token_ids):
+                full_lists[e.rid] = full_lists.get(e.rid, 0) + 1
+            else:
+                assert e.slots_start == e.prefix_len and shipped == len(e.new_token_ids)
+    # a whole slot list travels only when a request is (re-)admitted over cached/other KV
+    assert sum(full_lists.values()) <= h.sched.totals["retracted"]
+    h.sched.check_no_leak()

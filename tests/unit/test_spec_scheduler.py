@@ -224,3 +224,45 @@ def test_backoff_leaves_confident_drafts_to_drafters_that_judge_them(judges):
     w._adapt("r", 15, 15)  # a confident draft that was accepted lifts the backoff
     w._adapt("r", 15, 15)
     assert w._budget(entry) == (8, False)
+
+
+class BatchRecordingOracle(ChainOracleDrafter):
+    """Records each step's budgets as one list (one per decoding request)."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.steps: list[list[int]] = []
+
+    def propose(self, reqs: list[SpecReq]) -> list[DraftTree]:
+        self.steps.append([r.budget for r in reqs])
+        return super().propose(reqs)
+
+
+def test_load_aware_budget_drafts_alone_and_not_when_the_batch_is_compute_bound(
+        tiny):  # noqa: F811
+    ps = prompts(9, seed=23)
+    ref = reference(tiny, ps, ignore_eos=True, max_new_tokens=24)
+    truth = {tuple(p): r for p, r in zip(ps, ref)}
+    drafters = []
+
+    def make(c, r):
+        drafters.append(BatchRecordingOracle(c, r, truth))
+        return drafters[-1]
+
+    h = spec_harness(tiny, make, num_draft_tokens=4, load_aware=True, engine="cpu")
+    h.submit("alone", ps[0], ignore_eos=True, max_new_tokens=24)
+    h.run()
+    alone = drafters[0].steps
+    assert all(len(s) == 1 for s in alone) and max(s[0] for s in alone) == 4
+    assert h.meta["alone"]["spec_verify_ct"] < 24 // 2  # the oracle's drafts paid off
+    drafters[0].steps = []
+    for i, p in enumerate(ps[1:], start=1):
+        h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=24)
+    h.run()
+    assert [h.outputs["alone"]] + [h.outputs[f"r{i}"] for i in range(1, 9)] == ref
+    busy = [s for s in drafters[0].steps if len(s) >= 8]
+    assert busy, "eight requests were meant to decode together"
+    # a batch of 8 is compute-bound on the CPU engine's curve: plain decoding, even though
+    # these requests would accept everything (the prior has not learned that yet)
+    assert all(set(s) == {1} for s in busy)
+    h.sched.check_no_leak()

@@ -1,0 +1,178 @@
+"""Soak: many concurrent clients against one server for minutes, mixing greedy, sampled,
+aborted and disconnecting requests; every completed greedy output must equal the same
+prompt's single-request run, memory must stay flat and the KV must come back.
+
+    python -m benchmark.soak --duration 600 --streams 64 \\
+        --server-args "--speculative-algorithm NGRAM --max-running-requests 64"
+
+1. Start the server; run each greedy prompt alone (one at a time): the references.
+2. `--streams` clients loop for `--duration` seconds; each request is greedy (non-streamed, the
+   output compared token for token), sampled (T = 0.8, half seeded), aborted (streamed, then
+   /abort_request after its first chunk) or disconnected (streamed, connection dropped).
+3. RSS of the server's process tree after the warm-up minute and at the end (growth < 5%),
+   then /flush_cache and `kv_free == kv_capacity` from /server_info.
+Prints the summary last and writes JSON; exit 0 only when every check holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shlex
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmark.common import machine_info, write_json
+from benchmark.datasets import chat_prompt_ids, load_bench_tokenizer, sample_requests
+from benchmark.sweep_serving import server
+
+KINDS = ("greedy", "sampled", "abort", "disconnect")
+WEIGHTS = (0.55, 0.25, 0.1, 0.1)
+
+
+def tree_rss_kb(url_port: int) -> int:
+    """RSS (KiB) of the process listening on the port and all its descendants."""
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    parent, rss, root = {}, {}, 0
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            status = Path(f"/proc/{pid}/status").read_text()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        parent[pid] = int(stat[1])
+        rss[pid] = next((int(line.split()[1]) for line in status.splitlines()
+                         if line.startswith("VmRSS:")), 0)
+        if b"launch_server" in b" ".join(cmd) and str(url_port).encode() in cmd:
+            root = pid
+    assert root, f"no launch_server process on port {url_port}"
+    tree, frontier = {root}, [root]
+    while frontier:
+        p = frontier.pop()
+        for c, pp in parent.items():
+            if pp == p and c not in tree:
+                tree.add(c)
+                frontier.append(c)
+    return sum(rss.get(p, 0) for p in tree)
+
+
+async def generate(client: httpx.AsyncClient, ids: list[int], params: dict) -> dict:
+    r = await client.post("/generate", json={"input_ids": ids, "sampling_params": params})
+    r.raise_for_status()
+    return r.json()
+
+
+async def streamed(client: httpx.AsyncClient, ids: list[int], params: dict, kind: str) -> None:
+    rid = f"soak-{uuid.uuid4().hex}"
+    body = {"input_ids": ids, "sampling_params": params, "stream": True, "rid": rid}
+    async with client.stream("POST", "/generate", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if kind == "abort":
+                (await client.post("/abort_request", json={"rid": rid})).raise_for_status()
+                async for _ in r.aiter_lines():  # the stream must still end cleanly
+                    pass
+            return  # disconnect: leave the context with the stream open
+
+
+async def soak(url: str, args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+    timeout = httpx.Timeout(600.0, connect=30.0)
+    limits = httpx.Limits(max_connections=args.streams + 8)
+    greedy = {"temperature": 0.0, "max_new_tokens": args.max_new_tokens}
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
+        refs = []
+        for ids in prompts:  # single-request runs: the references
+            refs.append((await generate(client, ids, greedy))["output_ids"])
+        counts = {k: 0 for k in KINDS}
+        failures: list[str] = []
+        mismatches: list[int] = []
+        rss: dict[str, int] = {}
+        port = int(url.rsplit(":", 1)[1])
+        t0 = time.monotonic()
+        end = t0 + args.duration
+
+        async def client_loop(worker: int) -> None:
+            rng = random.Random(args.seed * 1000 + worker)
+            while time.monotonic() < end:
+                i = rng.randrange(len(prompts))
+                kind = rng.choices(KINDS, WEIGHTS)[0]
+                try:
+                    if kind == "greedy":
+                        out = await generate(client, prompts[i], greedy)
+                        if out["output_ids"] != refs[i]:
+                            mismatches.append(i)
+                    elif kind == "sampled":
+                        p = {"temperature": 0.8, "max_new_tokens": args.max_new_tokens}
+                        if rng.random() < 0.5:
+                            p["seed"] = rng.randrange(2**32)
+                        await generate(client, prompts[i], p)
+                    else:
+                        await streamed(client, prompts[i], greedy, kind)
+                    counts[kind] += 1
+                except Exception as exc:  # noqa: BLE001 - every failure is counted and shown
+                    failures.append(f"{kind}: {exc!r}")
+
+        async def sampler() -> None:
+            await asyncio.sleep(min(args.warmup, args.duration / 2))
+            rss["warm_kb"] = tree_rss_kb(port)
+
+        await asyncio.gather(sampler(), *(client_loop(w) for w in range(args.streams)))
+        rss["end_kb"] = tree_rss_kb(port)
+        elapsed = time.monotonic() - t0
+        for _ in range(120):  # aborted/disconnected requests drain
+            info = (await client.get("/server_info")).json()
+            if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0:
+                break
+            await asyncio.sleep(0.5)
+        flushed = (await client.post("/flush_cache")).json()
+        info = (await client.get("/server_info")).json()
+    growth = rss["end_kb"] / rss["warm_kb"] - 1.0
+    return {
+        "elapsed_s": elapsed, "requests": counts, "failures": failures[:20],
+        "num_failures": len(failures), "greedy_mismatches": len(mismatches),
+        "rss_warm_mb": rss["warm_kb"] / 1024, "rss_end_mb": rss["end_kb"] / 1024,
+        "rss_growth": growth, "flush": flushed,
+        "kv_free": info["kv_free"], "kv_capacity": info["kv_capacity"],
+        "ok": not failures and not mismatches and growth < 0.05
+        and info["kv_free"] == info["kv_capacity"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--duration", type=float, default=600)
+    p.add_argument("--warmup", type=float, default=60, help="seconds before the first RSS")
+    p.add_argument("--streams", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=48)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=19)
+    p.add_argument("--server-args",
+                   default="--speculative-algorithm NGRAM --max-running-requests 64")
+    p.add_argument("--output", default="results/soak.json")
+    args = p.parse_args(argv)
+    tok = load_bench_tokenizer(None)
+    reqs = sample_requests("sharegpt", args.num_prompts, tok, args.seed, args.max_new_tokens)
+    prompts = [r.input_ids or chat_prompt_ids(tok, r.messages) for r in reqs]
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    with server(shlex.split(args.server_args), Path(args.output).with_suffix(".server.log")) \
+            as url:
+        result = asyncio.run(soak(url, args, prompts))
+    write_json(args.output, {"config": vars(args), "machine": machine_info(), **result})
+    print(json.dumps({k: v for k, v in result.items() if k != "failures"}, indent=1))
+    for f in result["failures"]:
+        print("failure:", f)
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,174 @@
+"""bench_serving at several concurrencies, for one or more server configurations, each server
+started and stopped here (one at a time), so a sweep is one command and leaves nothing running.
+
+    python -m benchmark.sweep_serving --concurrency 1 4 8 16 32 64 --max-new-tokens 128 \\
+        --config none= --config NGRAM="--speculative-algorithm NGRAM" \\
+        --output results/sweep_serving.json
+
+Every configuration sees the same prompts at a given concurrency (`--num-prompts` per level:
+at least `--prompts-per-slot` × concurrency). Prints a table last (output tok/s, TTFT, ITL p99,
+and each configuration's ratio to the first one at the same concurrency), writes the JSON and a
+plot beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmark.bench_serving import BenchConfig, run_benchmark
+from benchmark.common import format_table, machine_info, write_json
+from benchmark.datasets import load_bench_tokenizer, sample_requests
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def server(args: list[str], log_path: Path, timeout_s: float = 300) -> Iterator[str]:
+    """A `launch_server` child on a free port; SIGTERM (then SIGKILL) on exit, whatever happens."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "launch_server", "--port", str(port), *args]
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited during start-up; log: {log_path}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server not healthy after {timeout_s}s; log: {log_path}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def parse_config(text: str) -> tuple[str, list[str]]:
+    label, _, args = text.partition("=")
+    if not label:
+        raise argparse.ArgumentTypeError(f"--config wants LABEL=ARGS, got {text!r}")
+    return label, shlex.split(args)
+
+
+def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
+    tokenizer = load_bench_tokenizer(None)
+    results: dict[str, Any] = {}
+    for label, server_args in args.config:
+        results[label] = {"server_args": server_args, "levels": {}}
+        log = Path(args.output).with_suffix(f".{label}.log")
+        with server([*server_args, *shlex.split(args.common_args)], log) as url:
+            for c in args.concurrency:
+                n = max(args.num_prompts, args.prompts_per_slot * c)
+                reqs = sample_requests(args.dataset, n, tokenizer, args.seed, args.max_new_tokens,
+                                       split=args.split)
+                cfg = BenchConfig(base_url=url, max_concurrency=c, seed=args.seed,
+                                  disable_tqdm=True, warmup_requests=min(c, 4))
+                out = asyncio.run(run_benchmark(reqs, cfg, tokenizer))
+                m = out["metrics"]
+                results[label]["levels"][str(c)] = {"metrics": m,
+                                                   "server_info": out["server_info"]}
+                print(f"{label} c={c}: {m['output_throughput']:.1f} tok/s, "
+                      f"{m['completed']}/{n} ok", flush=True)
+    return results
+
+
+def report(results: dict[str, Any]) -> str:
+    labels = list(results)
+    base = labels[0]
+    rows = []
+    for label in labels:
+        for c, lvl in results[label]["levels"].items():
+            m = lvl["metrics"]
+            ref = results[base]["levels"].get(c, {}).get("metrics", {}).get("output_throughput")
+            ratio = m["output_throughput"] / ref if ref else float("nan")
+            acc = (lvl.get("server_info") or {}).get("avg_spec_accept_length")
+            ttft, itl = m["ttft_ms"], m["itl_ms"]
+            rows.append([label, c, f"{m['output_throughput']:.1f}", f"{ratio:.2f}x",
+                         f"{ttft['median']:.0f}", f"{ttft['p99']:.0f}",
+                         f"{itl['median']:.0f}", f"{itl['p99']:.0f}",
+                         f"{m['completed']}/{m['completed'] + m['failed']}",
+                         "" if acc is None else f"{acc:.2f}"])
+    return format_table(["config", "conc", "out tok/s", f"vs {base}", "TTFT med ms",
+                         "TTFT p99 ms", "ITL med ms", "ITL p99 ms", "ok", "accept len"], rows)
+
+
+def plot(results: dict[str, Any], path: Path) -> Path | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+    for label, res in results.items():
+        cs = [int(c) for c in res["levels"]]
+        ms = [lvl["metrics"] for lvl in res["levels"].values()]
+        ax[0].plot(cs, [m["output_throughput"] for m in ms], marker="o", label=label)
+        ax[1].plot(cs, [m["itl_ms"]["p99"] for m in ms], marker="o", label=label)
+    for a, title in zip(ax, ("output tok/s", "ITL p99 ms")):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("concurrency")
+        a.set_title(title)
+        a.grid(alpha=0.3)
+    ax[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", type=parse_config, action="append", required=True,
+                   help="LABEL=SERVER ARGS (repeat; the first is the baseline of the ratios)")
+    p.add_argument("--common-args", default="", help="server args for every configuration")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
+    p.add_argument("--dataset", default="sharegpt")
+    p.add_argument("--split", default="all")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--prompts-per-slot", type=int, default=2)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--output", default="results/sweep_serving.json")
+    args = p.parse_args(argv)
+    os.makedirs(Path(args.output).parent, exist_ok=True)
+    results = run_sweep(args)
+    path = write_json(args.output, {"config": {**vars(args), "config": args.config},
+                                    "machine": machine_info(), "results": results})
+    png = plot(results, Path(args.output).with_suffix(".png"))
+    print(f"sweep_serving  json={path}  plot={png}")
+    print(report(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

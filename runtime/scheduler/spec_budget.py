@@ -1,0 +1,114 @@
+"""How many draft-tree nodes each decoding request gets this step: load-aware speculation.
+
+A step's forward costs T(rows), rows summed over the batch (each request's root plus its draft
+nodes). Its yield is the tokens it produces: per request 1 + the accepted drafts. Speculation
+pays only while the extra expected tokens outgrow the extra cost, and on a compute-bound engine
+T grows almost linearly past a few rows, so a busy batch should draft little or nothing.
+
+The policy (`plan_drafts`) maximises expected tokens per unit of step time:
+
+    rate(sizes) = sum_i E_i(n_i) / T(sum_i n_i)
+
+with request i's nodes n_i in [1, cap_i]. E_i is the chain model: the k-th draft node is accepted
+with probability a_i^k, so a node's marginal yield is a_i^(n_i) and E_i(n) = sum_{k<n} a_i^k.
+Nodes are handed out greedily in order of marginal yield (the order that maximises the yield of
+every total); the best total is kept (T is measured, not convex, so every total is scored).
+With no draft worth its cost, every request gets 1 node: plain decoding.
+
+`a_i` comes from the request's own verify outcomes (`Acceptance`): accepted drafts over accepted
+drafts plus rejections (the maximum-likelihood rate of a geometric run), decayed so it follows
+the text; trees are treated as chains of the same effective rate. Draft-model cost is not in T:
+NGRAM drafts in microseconds; EAGLE's head steps are extra (so the policy is optimistic for it).
+
+T(n)/T(1) is a measured curve per engine (`VERIFY_COST`), documented with its command.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class VerifyCost:
+    """T(n)/T(1) of one forward over n rows; piecewise linear between the measured points,
+    linear past the last one (the compute-bound slope)."""
+
+    rows: tuple[int, ...]
+    ratios: tuple[float, ...]
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        assert self.rows[0] == 1 and self.ratios[0] == 1.0, "the curve starts at T(1)/T(1) = 1"
+        assert list(self.rows) == sorted(set(self.rows)) and len(self.rows) == len(self.ratios)
+        assert len(self.rows) >= 2, "a curve needs two points to extrapolate"
+
+    def __call__(self, n: int) -> float:
+        rows, ratios = self.rows, self.ratios
+        if n <= rows[0]:
+            return ratios[0] * n / rows[0]
+        j = min(bisect.bisect_left(rows, n), len(rows) - 1)
+        x0, x1, y0, y1 = rows[j - 1], rows[j], ratios[j - 1], ratios[j]
+        return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+
+
+# Measured curves: `python -m benchmark.bench_one_batch --engines <engine> --verify-prefix 256
+# --verify-ns 1,2,3,4,6,8,12,16,24,32,48,64 --batch-sizes 1` (docs/benchmarks.md, "Load-aware
+# speculation"). Ratios travel between machines better than milliseconds do.
+VERIFY_COST = {
+    "cpu": VerifyCost((1, 2, 3, 4, 6, 8, 16, 32, 64),
+                      (1.0, 1.21, 1.40, 1.33, 2.16, 2.27, 4.26, 8.1, 15.5),
+                      "CPU engine, default model, 256-token prefix (bench_one_batch)"),
+    "torch": VerifyCost((1, 2, 4, 8, 16, 32, 64),
+                        (1.0, 1.06, 1.04, 1.15, 1.38, 2.08, 3.36),
+                        "torch engine, default model fp32, 512-token prefix (bench_one_batch)"),
+}
+
+
+@dataclass(slots=True)
+class Acceptance:
+    """A request's running draft-acceptance rate: decayed counts of accepted drafts and of
+    rejections (a verify step that accepted fewer drafts than it was shown)."""
+
+    accepted: float = 1.0  # prior: one accept, one reject (a = 0.5) until the request shows
+    rejected: float = 1.0
+    decay: float = 0.9  # ~10 drafting steps of memory: acceptance comes in bursts
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return  # nothing drafted (no n-gram match, or no budget): nothing learned
+        self.accepted = self.decay * self.accepted + accepted
+        self.rejected = self.decay * self.rejected + (1.0 if accepted < drafted else 0.0)
+
+
+def plan_drafts(rates: list[float], caps: list[int], cost: VerifyCost) -> list[int]:
+    """Nodes per request (root included, 1 = no draft, <= caps[i]) maximising expected tokens
+    per unit of step time under `cost`; see the module docstring."""
+    sizes = [1] * len(rates)
+    if not sizes:
+        return sizes
+    rows, tokens = len(sizes), float(len(sizes))
+    best_rate, best_rows = tokens / cost(rows), rows
+    order: list[tuple[float, int]] = []  # nodes in hand-out order (heap of marginal yields)
+    heap = [(-a, i) for i, a in enumerate(rates) if caps[i] > 1 and a > 0.0]
+    heapq.heapify(heap)
+    while heap:
+        neg_gain, i = heapq.heappop(heap)
+        sizes[i] += 1
+        rows += 1
+        tokens -= neg_gain
+        order.append((-neg_gain, i))
+        rate = tokens / cost(rows)
+        if rate > best_rate:
+            best_rate, best_rows = rate, rows
+        if sizes[i] < caps[i]:
+            heapq.heappush(heap, (neg_gain * rates[i], i))  # next node: a_i^(n_i)
+    out = [1] * len(rates)
+    for _, i in order[: best_rows - len(rates)]:
+        out[i] += 1
+    return out
