@@ -197,7 +197,8 @@ def finish(fmt: Fmt, tiles: np.ndarray) -> np.ndarray:
     n = tiles.shape[0]
     pairs = n // 2
     tbb = TILE_BLOCK_BYTES[fmt]
-    head = tiles[: 2 * pairs].reshape(pairs, 2, -1, tbb).transpose(0, 2, 1, 3)
+    kb = tiles.shape[1] // tbb  # K blocks per tile (explicit: pairs may be 0)
+    head = tiles[: 2 * pairs].reshape(pairs, 2, kb, tbb).transpose(0, 2, 1, 3)
     return np.concatenate([np.ascontiguousarray(head).reshape(-1),
                            tiles[2 * pairs:].reshape(-1)])
 

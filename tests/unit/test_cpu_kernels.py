@@ -131,6 +131,16 @@ KERNEL_TOL = 2e-6
 DIGIT_TOL = {1: 3e-2, 2: 3e-4, 3: 3e-6}
 
 
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_a_single_tile_packs_and_multiplies(fmt):
+    """N <= 16: one tile and no pair to interleave (a draft head's small projections)."""
+    lin, w = make_linear(fmt, 5, 64)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3))
+    ref = quantized_activations(x, 3) @ w.T
+    y = ext().linear(lin, x, levels=3).double()
+    assert (y - ref).abs().max() <= KERNEL_TOL * ref.abs().max()
+
+
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "generic"])
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS + FLOAT_FORMATS)
 @pytest.mark.parametrize("digits", [1, 2, 3])

@@ -97,9 +97,21 @@ def test_draft_matmul_dtype_resolves_per_device_and_cpu(monkeypatch):
     assert eagle.draft_matmul_dtype("float32", cpu) == torch.float32
     assert eagle.draft_matmul_dtype("bfloat16", cpu) == torch.bfloat16
     assert eagle.draft_matmul_dtype("bfloat16", cuda) == torch.float32  # nothing is prepacked
-    for native, want in ((True, torch.bfloat16), (False, torch.float32)):
-        monkeypatch.setattr(eagle, "cpu_has_native_bf16", lambda native=native: native)
-        assert eagle.draft_matmul_dtype("auto", cpu) == want
+    assert eagle.draft_matmul_dtype("q4_0", cpu) == "q4_0"
+    assert eagle.draft_matmul_dtype("q8_0", cuda) == torch.float32
+    from kernels import cpu as cpu_ext
+
+    if cpu_ext.available()[0]:  # auto: q8_0 blocks on the CPU engine's kernels
+        assert eagle.draft_matmul_dtype("auto", cpu) == "q8_0"
+    monkeypatch.setenv("SPECSERVE_DISABLE_CPU_EXT", "1")
+    cpu_ext._load.cache_clear()
+    try:
+        for native, want in ((True, torch.bfloat16), (False, torch.float32)):
+            monkeypatch.setattr(eagle, "cpu_has_native_bf16", lambda native=native: native)
+            assert eagle.draft_matmul_dtype("auto", cpu) == want
+    finally:
+        monkeypatch.delenv("SPECSERVE_DISABLE_CPU_EXT")
+        cpu_ext._load.cache_clear()
     assert ServerArgs().speculative_draft_matmul_dtype == "auto"
     args = parse_args(["--speculative-algorithm", "EAGLE3", "--speculative-draft-matmul-dtype",
                        "float32"]).resolve()
