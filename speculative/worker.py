@@ -21,6 +21,7 @@ living in the first fresh slots) with the tokens that follow them (accepted draf
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,8 @@ from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.sampling.penalties import RowHistory, apply_penalties
 from runtime.sampling.sampler import SamplingBatchInfo, expand, process_logits
 from runtime.sampling.seeded import seed_to_int64, seeded_sample
-from speculative.base import Drafter, SpecConfig, SpecReq, TargetRows
+from speculative.base import Drafter, SpecReq, TargetRows
+from speculative.options import SpecConfig
 from speculative.tree import DraftTree
 from speculative.verify import (
     QMode,
@@ -85,7 +87,7 @@ class SpeculativeWorker:
         """(tree nodes, root included, this request may draft this step; whether it is backed
         off, i.e. may draft only what its drafter is confident of)."""
         fresh = e.slots.numel() - e.prefix_len
-        if not self.cfg.adaptive:
+        if self.cfg.disable_adaptive:
             return fresh, False
         st = self.req_states.setdefault(e.rid, SpecReqState())
         if st.accept_ema >= self.MIN_ACCEPT_PER_STEP:
@@ -100,7 +102,7 @@ class SpeculativeWorker:
 
     def _adapt(self, rid: str, drafted: int, accepted: int) -> None:
         st = self.req_states.get(rid)
-        if st is None or not self.cfg.adaptive or drafted == 0:
+        if st is None or self.cfg.disable_adaptive or drafted == 0:
             return  # no draft (no n-gram match): nothing learned, nothing paid
         st.accept_ema += self.EMA_WEIGHT * (accepted - st.accept_ema)
 
@@ -110,7 +112,9 @@ class SpeculativeWorker:
             budget, backed_off = self._budget(e)
             reqs.append(SpecReq(e.rid, e.tokens, budget, e.state.params,
                                 prefix_slots=e.slots[: e.prefix_len], backed_off=backed_off))
+        t0 = time.perf_counter()
         trees = self.drafter.propose(reqs)
+        draft_s = time.perf_counter() - t0
         masks, positions, slots, tokens = [], [], [], []
         for e, tree, r in zip(entries, trees, reqs):
             n = tree.num_nodes
@@ -130,9 +134,11 @@ class SpeculativeWorker:
                 ForwardMode.TARGET_VERIFY, tokens, slots, [e.prefix_len for e in entries],
                 positions=positions, custom_masks=masks, logits="all", capture_layers=capture,
             )
-        out = self.runner.forward(batch, return_final_hidden=self.drafter.needs_final_hidden)
+        out = self.drafter.target_forward(batch, trees, self.drafter.needs_final_hidden)
         results = self._verify(entries, trees, out.logits)  # logits [sum n, vocab]
-        reads_hidden = self.drafter.reads_target_hidden
+        reads_hidden = self.drafter.wants_committed_rows
+        # the step's drafting time, shared out over its requests (the scheduler sums it)
+        draft_share = draft_s / len(entries)
         out_tokens, infos, rows = [], [], []
         off = 0
         for e, tree, res in zip(entries, trees, results):
@@ -140,11 +146,13 @@ class SpeculativeWorker:
             drafted, accepted = tree.num_nodes - 1, len(res.accepted_tokens)
             self._adapt(e.rid, drafted, accepted)
             out_tokens.append(res.output_tokens)
-            infos.append({"drafted": drafted, "accepted": accepted})
+            infos.append({"drafted": drafted, "accepted": accepted, "draft_s": draft_share})
             if reads_hidden:  # root + accepted path: rows off + node, KV now in path order
                 kept = e.slots[: e.prefix_len + len(res.accepted_nodes)]
                 rows.append(TargetRows(e.rid, e.prefix_len, kept,
-                                       off + torch.tensor(res.accepted_nodes), res.output_tokens))
+                                       off + torch.tensor(res.accepted_nodes), res.output_tokens,
+                                       [e.tokens[-1], *res.accepted_tokens],
+                                       list(res.accepted_nodes)))
             off += tree.num_nodes
         if reads_hidden:
             self.drafter.draft_extend(rows, out)

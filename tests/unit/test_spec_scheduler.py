@@ -51,7 +51,7 @@ class OracleMixDrafter(Drafter):
 def spec_harness(tiny, drafter_factory, num_draft_tokens=6, **cfg):  # noqa: F811
     h = Harness(tiny, num_draft_tokens=num_draft_tokens, **cfg)
     runner = tiny[1]
-    spec_cfg = SpecConfig("TEST", num_draft_tokens, adaptive=False)
+    spec_cfg = SpecConfig("TEST", num_draft_tokens, disable_adaptive=True)
     h.worker = RunnerWorker(runner, SpeculativeWorker(spec_cfg, drafter_factory(spec_cfg, runner),
                                                       runner))
     h.sched.run_batch = h.worker.run
