@@ -9,7 +9,12 @@ import importlib as _importlib
 import os as _os
 
 import runtime  # noqa: F401 - first: sets the OpenMP wait policy before torch loads
-from speculative.drafters import eagle, ngram  # noqa: F401 - registers EAGLE, EAGLE3, NGRAM
+from speculative.drafters import (  # noqa: F401 - each registers its algorithm(s)
+    eagle,
+    early_exit,
+    ngram,
+    standalone,
+)
 
 for _name in filter(None, (m.strip() for m in _os.environ.get("SPECSERVE_PLUGINS", "").split(","))):
     _importlib.import_module(_name)

@@ -49,6 +49,9 @@ class SpecReq:
     # drafts kept failing (the worker's backoff): draft only when confident, which only a
     # drafter with `drafts_when_backed_off` is asked to judge (the others get budget 1)
     backed_off: bool = False
+    # [>= budget] the request's fresh KV slots: tree node i's target KV is written to slot i by
+    # the verify pass (a chain drafter writes node j's draft KV there too)
+    fresh_slots: torch.Tensor | None = None
 
 
 @dataclass(slots=True)

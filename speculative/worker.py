@@ -111,7 +111,8 @@ class SpeculativeWorker:
         for e in entries:
             budget, backed_off = self._budget(e)
             reqs.append(SpecReq(e.rid, e.tokens, budget, e.state.params,
-                                prefix_slots=e.slots[: e.prefix_len], backed_off=backed_off))
+                                prefix_slots=e.slots[: e.prefix_len], backed_off=backed_off,
+                                fresh_slots=e.slots[e.prefix_len :]))
         t0 = time.perf_counter()
         trees = self.drafter.propose(reqs)
         draft_s = time.perf_counter() - t0
