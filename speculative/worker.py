@@ -64,6 +64,10 @@ class SpeculativeWorker:
         self.drafter = drafter
         self.runner = runner
         self.req_states: dict[str, SpecReqState] = {}
+        # drafts accepted per drafting step over all requests: a new request starts from it,
+        # so a drafter that rarely lands (a weak draft model) does not cost every new
+        # request the ~15 steps its own average needs to fall below the threshold
+        self.prior_accept = 1.0
 
     def release(self, rid: str) -> None:
         self.req_states.pop(rid, None)
@@ -72,6 +76,7 @@ class SpeculativeWorker:
     def reset(self) -> None:
         """Forget everything learned (called on flush_cache, when no request runs)."""
         self.req_states.clear()
+        self.prior_accept = 1.0
         self.drafter.reset()
 
     # Backoff. On this CPU a verify pass of 8 nodes costs ~1.2x a decode step (docs/benchmarks.md),
@@ -81,6 +86,7 @@ class SpeculativeWorker:
     # decoding with a full-tree probe every PROBE_EVERY steps (~2.5% overhead when nothing fits).
     MIN_ACCEPT_PER_STEP = 0.2
     EMA_WEIGHT = 0.1
+    PRIOR_WEIGHT = 0.02
     PROBE_EVERY = 8
 
     def _budget(self, e: SpecEntry) -> tuple[int, bool]:
@@ -89,7 +95,9 @@ class SpeculativeWorker:
         fresh = e.slots.numel() - e.prefix_len
         if self.cfg.disable_adaptive:
             return fresh, False
-        st = self.req_states.setdefault(e.rid, SpecReqState())
+        st = self.req_states.get(e.rid)
+        if st is None:
+            st = self.req_states[e.rid] = SpecReqState(accept_ema=self.prior_accept)
         if st.accept_ema >= self.MIN_ACCEPT_PER_STEP:
             return fresh, False
         st.steps_since_probe += 1
@@ -105,6 +113,7 @@ class SpeculativeWorker:
         if st is None or self.cfg.disable_adaptive or drafted == 0:
             return  # no draft (no n-gram match): nothing learned, nothing paid
         st.accept_ema += self.EMA_WEIGHT * (accepted - st.accept_ema)
+        self.prior_accept += self.PRIOR_WEIGHT * (accepted - self.prior_accept)
 
     def step(self, entries: list[SpecEntry]) -> tuple[list[list[int]], list[dict]]:
         reqs = []

@@ -23,17 +23,19 @@ the target's (and its vocabulary be the target's size), and it must handle the t
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from kernels.cpu.packing import FORMAT_NAMES
 from runtime.model_loader.config import ModelConfig
 from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
 from runtime.models.llama import ModelOutput
 from speculative.base import TargetRows, register_algorithm
 from speculative.drafters.chain import Chain, ChainDrafter
-from speculative.options import DraftTreeOptions, ResolveContext, SpecConfig, flag
+from speculative.options import DraftTreeOptions, ResolveContext, SpecConfig, flag, option
 
 logger = logging.getLogger(__name__)
 
@@ -67,16 +69,25 @@ def check_draft_compatible(draft_dir: str, target_dir: str, target_context: int)
                               "pass --context-length <= that")
 
 
+@dataclass(frozen=True)
+class StandaloneOptions(DraftTreeOptions):
+    draft_weight_format: str = option(
+        "auto", "STANDALONE on the CPU engine: the draft model's weight format (auto: a GGUF's "
+        "own blocks; q4_1 for a float checkpoint, whose every weight a draft step reads). Drafts "
+        "only: the target verifies every token, so output is unchanged",
+        choices=("auto", *FORMAT_NAMES))
+
+
 @register_algorithm("STANDALONE")
 class StandaloneDrafter(ChainDrafter):
-    options = DraftTreeOptions
+    options = StandaloneOptions
     vllm_methods = ("draft_model", "standalone")
     mirrors_kv = True
     default_num_steps = {"cpu": 3, "torch": 4}
     shipped_draft = DEFAULT_DRAFT_MODEL
 
     @classmethod
-    def resolve_options(cls, opts: DraftTreeOptions, ctx: ResolveContext) -> DraftTreeOptions:
+    def resolve_options(cls, opts: StandaloneOptions, ctx: ResolveContext) -> StandaloneOptions:
         import dataclasses
 
         if not opts.draft_model_path:
@@ -96,10 +107,15 @@ class StandaloneDrafter(ChainDrafter):
             raise DraftModelError(f"STANDALONE needs {flag('draft_model_path')}")
         draft_dir = str(resolve_model_path(cfg.draft_model_path))
         check_draft_compatible(draft_dir, runner.model_config.model_dir, runner.context_length)
+        fmt = "torch"
+        if runner.engine == "cpu":
+            fmt = cfg.draft_weight_format
+            if fmt == "auto":
+                fmt = "auto" if (Path(draft_dir) / "gguf_blocks.safetensors").exists() else "q4_1"
         self.draft = ModelRunner(RunnerConfig(
             draft_dir, runner.device.type, str(runner.dtype).removeprefix("torch."),
             max_total_tokens=runner.kv_capacity, context_length=runner.context_length,
-            weight_format="auto" if runner.engine == "cpu" else "torch",
+            weight_format=fmt, num_threads=torch.get_num_threads(),
         ))
         assert self.draft.kv_capacity == runner.kv_capacity, "the draft KV mirrors the target's"
         self.draft_layers = self.draft.model_config.num_hidden_layers

@@ -55,6 +55,7 @@ def truth(target):
 def make_cfg(algo, target, draft="half", steps=3, **kw):
     if algo == "STANDALONE":
         kw["draft_model_path"] = str(target[2][draft])
+        kw.setdefault("draft_weight_format", "f32")  # the draft exactly as written
     else:
         kw.setdefault("early_exit_layer", 2)
     return SpecConfig(algo, steps + 1, num_steps=steps, disable_adaptive=True, **kw)
@@ -161,7 +162,8 @@ def test_early_exit_verify_resumed_from_draft_hidden_states_is_bit_exact(target)
 def test_sampled_chains_follow_the_target_distribution(tiny_vocab, joints, algo,  # noqa: F811
                                                        seeded, tmp_path):
     d, runner = tiny_vocab
-    kw = ({"draft_model_path": str(init_draft_from_target(d, tmp_path / "dr", [1]))}
+    kw = ({"draft_model_path": str(init_draft_from_target(d, tmp_path / "dr", [1])),
+           "draft_weight_format": "f32"}
           if algo == "STANDALONE" else {"early_exit_layer": 1})
     cfg = SpecConfig(algo, 4, num_steps=3, disable_adaptive=True, **kw)
     outs, info = run_samples(tiny_vocab, lambda _c, r: create_drafter(cfg, r), seeded=seeded,
