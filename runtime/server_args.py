@@ -137,15 +137,16 @@ class BaseServerArgs:
         cls = ALGORITHMS[algo]
         mine = option_fields(cls.options)
         for name, (f, algos) in all_options().items():
-            if name not in mine and getattr(self, PREFIX + name) != f.default:
+            # a class built before a plugin registered lacks its fields: they hold defaults
+            if name not in mine and getattr(self, PREFIX + name, f.default) != f.default:
                 raise ValueError(f"{flag(name)} applies to --speculative-algorithm "
                                  f"{' / '.join(algos)}, not {algo}")
-        opts = cls.options(**{n: getattr(self, PREFIX + n) for n in mine})
+        opts = cls.options(**{n: getattr(self, PREFIX + n, f.default) for n, f in mine.items()})
         ctx = ResolveContext(self._engine(), resolve_device(self.device).type,
                              self.model_path in ("default", None))
         opts = cls.resolve_options(opts, ctx)
         return {"speculative_algorithm": algo,
-                **{PREFIX + n: getattr(opts, n) for n in mine}}
+                **{PREFIX + n: getattr(opts, n) for n in mine if hasattr(self, PREFIX + n)}}
 
     def _engine(self) -> str:
         from runtime.model_runner.model_runner import resolve_device, resolve_engine

@@ -92,6 +92,11 @@ class Drafter(ABC):
     # the drafter keeps KV of its own at the target's slot indices (a draft model): it gets
     # `draft_extend` for every committed chunk even without reading target hidden states
     mirrors_kv: bool = False
+    # backoff (speculative/worker.py): a request whose drafts are accepted less than this many
+    # tokens per drafting step on average stops drafting, except one probe every
+    # `probe_every` steps. Break-even grows with the draft's cost per step.
+    min_accept_per_step: ClassVar[float] = 0.2
+    probe_every: ClassVar[int] = 8
     # whether `propose` judges a backed-off request's draft itself (`SpecReq.backed_off`); if
     # not, a backed-off request gets budget 1 (no draft) except on the worker's probe steps
     drafts_when_backed_off: bool = False

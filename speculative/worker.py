@@ -83,11 +83,11 @@ class SpeculativeWorker:
     # so drafting pays while more than ~0.2 draft tokens are accepted per step on average.
     # Acceptance is bursty (nothing for a while, then a long copied run), so the average is slow
     # (about the last 10-20 drafting steps) and the decision binary: the full tree, or plain
-    # decoding with a full-tree probe every PROBE_EVERY steps (~2.5% overhead when nothing fits).
-    MIN_ACCEPT_PER_STEP = 0.2
+    # decoding with a full-tree probe every `probe_every` steps (~2.5% overhead when nothing
+    # fits). The threshold and the probe interval are the drafter's (`Drafter.min_accept_per_step`,
+    # `probe_every`): a draft model's steps cost more than a trie lookup.
     EMA_WEIGHT = 0.1
-    PRIOR_WEIGHT = 0.02
-    PROBE_EVERY = 8
+    PRIOR_WEIGHT = 0.1
 
     def _budget(self, e: SpecEntry) -> tuple[int, bool]:
         """(tree nodes, root included, this request may draft this step; whether it is backed
@@ -98,10 +98,10 @@ class SpeculativeWorker:
         st = self.req_states.get(e.rid)
         if st is None:
             st = self.req_states[e.rid] = SpecReqState(accept_ema=self.prior_accept)
-        if st.accept_ema >= self.MIN_ACCEPT_PER_STEP:
+        if st.accept_ema >= self.drafter.min_accept_per_step:
             return fresh, False
         st.steps_since_probe += 1
-        if st.steps_since_probe >= self.PROBE_EVERY:
+        if st.steps_since_probe >= self.drafter.probe_every:
             st.steps_since_probe = 0
             return fresh, False
         if self.drafter.drafts_when_backed_off:

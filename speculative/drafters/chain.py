@@ -50,6 +50,11 @@ class ChainDrafter(Drafter):
     """A drafter whose drafts come from a model's logits, one chain node per step."""
 
     q_mode = QMode.IID
+    # a draft step costs ~0.15-0.35 of a target decode step on the CPU engine (the draft's LM
+    # head alone is the target's), so S drafts pay only when about half a draft per step lands
+    # (docs/benchmarks.md, "Every method"); probes are rarer for the same reason
+    min_accept_per_step = 0.5
+    probe_every = 32
     # (num_steps) when --speculative-num-steps is unset, by engine
     default_num_steps: dict[str, int] = {"cpu": 3, "torch": 3}
 

@@ -101,6 +101,8 @@ class EarlyExitDrafter(ChainDrafter):
             return self.runner.forward(batch, return_final_hidden)
         fed, self._fed = self._fed, []
         assert len(fed) == len(trees), "target_forward must follow this step's propose"
+        if all(t.num_nodes == 1 for t in trees):  # nobody drafted: nothing to resume from
+            return self.runner.forward(batch, return_final_hidden)
         # the nodes the draft never fed: the last node of each chain (the root if no draft)
         tokens, slots, prefix = [], [], []
         start = 0

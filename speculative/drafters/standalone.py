@@ -4,17 +4,17 @@ The draft is any model we load as a target (an HF directory or a .gguf of the Ll
 run by a second `ModelRunner` in the model-runner process on the same engine. Its KV pool has
 the target's capacity and is addressed by the SAME slot indices: the draft KV of position t
 lives in the slot holding the target KV of position t, so the scheduler's allocator, radix
-cache, retraction and aborts cover the draft's KV with no bookkeeping of their own (a radix hit
-reuses the draft KV the cached request computed).
+cache, retraction and aborts cover the draft's KV with no bookkeeping of their own; the draft KV
+of a cached prefix is recomputed, not shared (below).
 
 Which committed positions have draft KV (`_valid[rid]`, a prefix of the request's positions):
-every prefill chunk is run through the draft (`draft_extend`, mirrors_kv). A speculative step
-feeds the chain's nodes 0 .. S-1 (the root and all drafts but the last) into the request's
-fresh slots, where the commit keeps the accepted ones; the last draft, when accepted, and a root
-that was not drafted from (backed off) have none yet: the next step's first draft forward
-catches them up (one EXTEND of the missing positions + the new root), so catching up costs no
-forward of its own. A cached prefix whose last position was such a node holds a stale draft
-row: that can only cost acceptance, never correctness (the target verifies every token).
+none after a (re)admission — prefill chunks do not run the draft, and a radix-hit prefix may
+hold no draft KV or another request's, so none is trusted. A speculative step's first draft
+forward catches up every committed position without draft KV plus the root (one EXTEND), then
+feeds the chain's nodes 1 .. S-1 into the request's fresh slots, where the commit keeps the
+accepted ones; the last draft, when accepted, and a root that was not drafted from (backed
+off) are caught up by the next drafting step. So a request that never drafts (backed off)
+never pays for the draft's prefill, and catching up costs no forward of its own.
 
 Checked at start-up, one line each: the draft's tokenizer must map tokens to the same ids as
 the target's (and its vocabulary be the target's size), and it must handle the target's context.
@@ -121,6 +121,7 @@ class StandaloneDrafter(ChainDrafter):
         self.draft_layers = self.draft.model_config.num_hidden_layers
         self._valid: dict[str, int] = {}  # rid -> committed positions with draft KV
         self._fed: dict[str, int] = {}  # rid -> chain nodes fed in its last step
+        self._prefilled: dict[str, int] = {}  # rid -> positions prefilled (chunk by chunk)
 
     def describe(self) -> str:
         return (f"chains of {self.cfg.num_steps} drafts from {self.cfg.draft_model_path} "
@@ -148,26 +149,27 @@ class StandaloneDrafter(ChainDrafter):
             if c.depth > 0:
                 self._valid[c.req.rid] = len(c.req.tokens) - 1  # caught up to the root
 
-    @torch.inference_mode()
     def draft_extend(self, rows: list[TargetRows], out: ModelOutput) -> None:
-        prefill = [r for r in rows if r.tree_nodes is None]
         for r in rows:
+            if r.tree_nodes is None:
+                # a prefill chunk: nothing runs now (a request that never drafts, e.g. backed
+                # off, never pays for the draft's prefill); the first draft step catches up.
+                # A new admission (not the next chunk of the same prefill) trusts no cached
+                # slot: its radix-hit prefix may hold no draft KV or another request's.
+                cont = self._prefilled.get(r.rid) == r.prefix_len
+                self._valid[r.rid] = min(self._valid.get(r.rid, 0), r.prefix_len) if cont else 0
+                self._prefilled[r.rid] = r.prefix_len + len(r.tokens)
+                continue
             fed = self._fed.get(r.rid, 0)
-            if r.tree_nodes is not None and fed > 0:
-                # verified: root + accepted drafts; the fed ones have draft KV in place
+            if fed > 0:  # verified: root + accepted drafts; the fed ones have draft KV in place
                 self._valid[r.rid] = r.prefix_len + min(len(r.tree_nodes), fed)
-        if not prefill:
-            return
-        batch = ForwardBatch.build(ForwardMode.EXTEND, [r.tokens for r in prefill],
-                                   [r.slots for r in prefill], [r.prefix_len for r in prefill])
-        self.draft.forward(batch)
-        for r in prefill:
-            self._valid[r.rid] = r.prefix_len + len(r.tokens)
 
     def release(self, rid: str) -> None:
         self._valid.pop(rid, None)
         self._fed.pop(rid, None)
+        self._prefilled.pop(rid, None)
 
     def reset(self) -> None:
         self._valid.clear()
         self._fed.clear()
+        self._prefilled.clear()

@@ -61,3 +61,27 @@ def init_draft_from_target(target_dir: str | Path, out_dir: str | Path,
         if (target_dir / name).exists():
             shutil.copy(target_dir / name, out / name)
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from runtime.model_loader.default_model import resolve_model_path
+
+    p = argparse.ArgumentParser(prog="python -m speculative.train.draft_init",
+                                description="Write a draft model made of some of the target's "
+                                "layers (untrained) as an HF directory.")
+    p.add_argument("--target-model", default="default", help="target model dir, .gguf or default")
+    p.add_argument("--num-layers", type=int, default=4, help="layers kept, spread evenly")
+    p.add_argument("--output", required=True)
+    args = p.parse_args(argv)
+    target = resolve_model_path(args.target_model)
+    n = json.loads((Path(target) / "config.json").read_text())["num_hidden_layers"]
+    layers = spread_layers(n, args.num_layers)
+    out = init_draft_from_target(target, args.output, layers)
+    print(f"wrote {out} (target layers {layers})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
