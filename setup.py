@@ -7,7 +7,7 @@ setup(
     version="0.1.0",
     description="LLM serving runtime with lossless speculative decoding (EAGLE, NGRAM, ...)",
     python_requires=">=3.10",
-    packages=find_packages(include=["runtime*", "speculative*", "kernels*", "launch*"]),
+    packages=find_packages(include=["runtime*", "speculative*", "kernels*", "launch*", "corpora*"]),
     py_modules=["launch_server"],
     install_requires=[
         # torch is installed first, pinned, by the Makefile (a CPU build on CPU machines);

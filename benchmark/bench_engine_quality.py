@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from benchmark.common import format_table, machine_info, write_json
-from benchmark.datasets import chat_prompt_ids, sample_requests
+from corpora.datasets import chat_prompt_ids, sample_requests
 from runtime.model_loader.default_model import resolve_model_path
 from runtime.model_loader.tokenizer import load_tokenizer
 from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode

@@ -29,7 +29,7 @@ import time
 from benchmark.common import format_table, machine_info, write_json
 from runtime.sampling.sampling_params import SamplingParams
 from speculative.base import SpecConfig, SpecReq
-from speculative.ngram import NgramDrafter
+from speculative.drafters.ngram import NgramDrafter
 from speculative.ngram_cache import NgramCache, NgramConfig
 
 
@@ -67,7 +67,7 @@ def run_case(
         drafter = NgramDrafter(SpecConfig(
             "NGRAM", num_draft_tokens=cfg.num_draft_tokens, ngram_capacity=cfg.capacity,
             ngram_max_trie_depth=cfg.max_trie_depth, ngram_match_type=cfg.match_type,
-            ngram_match_sizing=cfg.size_by_match), runner=None)
+            ngram_disable_match_sizing=not cfg.size_by_match), runner=None)
         cache = drafter.cache
     else:
         cache = NgramCache(cfg)

@@ -37,7 +37,7 @@ import httpx
 from benchmark.bench_one_batch import bench_decode
 from benchmark.bench_serving import BenchConfig, run_benchmark
 from benchmark.common import format_table, machine_info, write_json
-from benchmark.datasets import DATASETS, load_bench_tokenizer, sample_requests
+from corpora.datasets import DATASETS, load_bench_tokenizer, sample_requests
 from runtime.model_loader.default_model import embedded_gguf_path, resolve_model_path
 
 logger = logging.getLogger(__name__)

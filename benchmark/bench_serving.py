@@ -32,7 +32,8 @@ import httpx
 from tqdm import tqdm
 
 from benchmark.common import machine_info, write_json
-from benchmark.datasets import (
+from benchmark.serving_metrics import RequestRecord, compute_metrics, format_report
+from corpora.datasets import (
     DATASETS,
     SPLITS,
     BenchRequest,
@@ -41,7 +42,6 @@ from benchmark.datasets import (
     load_bench_tokenizer,
     sample_requests,
 )
-from benchmark.serving_metrics import RequestRecord, compute_metrics, format_report
 
 logger = logging.getLogger(__name__)
 WARMUP_MAX_NEW_TOKENS = 16

@@ -63,14 +63,6 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from benchmark.common import machine_info, write_json
-from benchmark.datasets import (
-    SPLITS,
-    BenchRequest,
-    DatasetError,
-    chat_prompt_ids,
-    load_bench_tokenizer,
-    sample_requests,
-)
 from benchmark.spec_metrics import (
     BASELINE,
     SELF_REPEAT_N,
@@ -91,6 +83,14 @@ from benchmark.spec_metrics import (
     summary_table,
 )
 from benchmark.spec_runner import EngineTarget, HttpTarget, Target, render_prompts, run_requests
+from corpora.datasets import (
+    SPLITS,
+    BenchRequest,
+    DatasetError,
+    chat_prompt_ids,
+    load_bench_tokenizer,
+    sample_requests,
+)
 
 logger = logging.getLogger("bench_speculative")
 DATASETS = ("sharegpt", "rewrite", "custom")
@@ -437,7 +437,7 @@ def parse_temperatures(text: str) -> list[float]:
 
 def validate_configs(args: argparse.Namespace) -> list[SpecRunConfig]:
     """Parse `--configs` and check every one against ServerArgs before minutes are spent."""
-    from launch.server_args import ServerArgs
+    from runtime.server_args import ServerArgs
 
     configs = parse_spec_configs(args.configs or ["NGRAM"])
     for cfg in configs:

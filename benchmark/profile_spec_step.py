@@ -23,15 +23,14 @@ import torch
 from tqdm import tqdm
 
 from benchmark.common import format_table, write_json
-from benchmark.datasets import SPLITS, chat_prompt_ids, load_bench_tokenizer, sample_requests
 from benchmark.spec_metrics import parse_spec_config
+from corpora.datasets import SPLITS, chat_prompt_ids, load_bench_tokenizer, sample_requests
 
 WARMUP_PROMPTS = 2
 
 
 def serve(label: str, server_args: dict, prompts: list[tuple[list[int], int]],
           threads: int) -> dict:
-    from launch.server_args import ServerArgs
     from runtime.messages import GenerateReq
     from runtime.model_loader.tokenizer import load_tokenizer
     from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
@@ -39,6 +38,7 @@ def serve(label: str, server_args: dict, prompts: list[tuple[list[int], int]],
     from runtime.sampling.sampling_params import SamplingParams
     from runtime.scheduler.scheduler import Scheduler, SchedulerConfig
     from runtime.scheduler.stop import StopChecker
+    from runtime.server_args import ServerArgs
     from speculative.base import create_drafter
     from speculative.worker import SpeculativeWorker
 

@@ -32,9 +32,9 @@ import torch
 from tqdm import tqdm
 
 from benchmark.common import format_table, write_json
-from benchmark.datasets import chat_prompt_ids, load_bench_tokenizer, sample_requests
 from benchmark.spec_metrics import parse_spec_config
-from launch.server_args import ServerArgs
+from corpora.datasets import chat_prompt_ids, load_bench_tokenizer, sample_requests
+from runtime.server_args import ServerArgs
 from speculative.base import SpecConfig
 from speculative.ngram_context import ContextIndex
 
@@ -87,7 +87,7 @@ def replay(items: list[tuple[list[int], list[int]]], spec: SpecConfig, max_draft
     from runtime.sampling.sampling_params import SamplingParams
     from runtime.scheduler.scheduler import draft_sizes
     from speculative.base import SpecReq
-    from speculative.ngram import NgramDrafter
+    from speculative.drafters.ngram import NgramDrafter
     from speculative.verify import verify_greedy
     from speculative.worker import SpecEntry, SpeculativeWorker
 
@@ -112,7 +112,7 @@ def replay(items: list[tuple[list[int], list[int]]], spec: SpecConfig, max_draft
         pos, last_accepted, req_cost = 1, 0, 0.0
         while pos < len(out):
             fresh = draft_sizes([last_accepted], base, max_draft_tokens,
-                                spec.ngram_match_sizing)[0]
+                                not spec.ngram_disable_match_sizing)[0]
             prefix = len(history) - 1
             entry = SpecEntry(rid, history, prefix, torch.empty(prefix + fresh), state)
             budget, backed_off = worker._budget(entry)

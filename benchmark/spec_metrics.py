@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from benchmark.common import format_table
-from launch.server_args import ServerArgs
+from runtime.server_args import ServerArgs
 
 SPEC_PREFIX = "speculative_"
 BASELINE_LABEL = "baseline"
@@ -114,6 +114,7 @@ class SpecCounters:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_pos: tuple[int, ...] = ()  # [k] = verify steps that accepted >= k + 1 drafts
+    draft_s: float = 0.0  # drafting time (a step's, shared out over its requests)
 
     @classmethod
     def from_server_info(cls, info: dict[str, Any] | None) -> SpecCounters | None:
@@ -126,6 +127,7 @@ class SpecCounters:
             accepted_tokens=int(info.get("spec_decode_num_accepted_tokens", 0)),
             accepted_per_pos=tuple(int(x) for x in
                                    info.get("spec_decode_num_accepted_tokens_per_pos") or ()),
+            draft_s=float(info.get("spec_draft_s", 0.0)),
         )
 
     def minus(self, before: SpecCounters | None) -> SpecCounters:
@@ -137,6 +139,7 @@ class SpecCounters:
             self.verify_steps - before.verify_steps, self.draft_tokens - before.draft_tokens,
             self.accepted_tokens - before.accepted_tokens,
             tuple(a - b for a, b in zip(self.accepted_per_pos, prev)),
+            self.draft_s - before.draft_s,
         )
 
 
@@ -171,7 +174,8 @@ def spec_metrics(completion_tokens: int, counters: SpecCounters | None) -> dict[
     steps = counters.verify_steps if counters else 0
     if not steps:
         return {"verify_steps": steps, "accept_length": None, "accept_rate_per_pos": [],
-                "draft_tokens_per_step": None, "accepted_per_step": None, "accept_rate": None}
+                "draft_tokens_per_step": None, "accepted_per_step": None, "accept_rate": None,
+                "draft_ms_per_step": None}
     assert counters is not None
     return {
         "verify_steps": steps,
@@ -180,6 +184,8 @@ def spec_metrics(completion_tokens: int, counters: SpecCounters | None) -> dict[
         "draft_tokens_per_step": counters.draft_tokens / steps,
         "accepted_per_step": counters.accepted_tokens / steps,
         "accept_rate": counters.accepted_tokens / max(counters.draft_tokens, 1),
+        # per request-step: at concurrency 1 the drafting time of each verify step
+        "draft_ms_per_step": 1e3 * counters.draft_s / steps,
     }
 
 
@@ -366,7 +372,7 @@ def summary_table(result: dict[str, Any]) -> str:
     """Baseline and candidates side by side, per dataset, concurrency and temperature (T); HF
     rows (greedy, T = 0) last."""
     headers = ["dataset", "conc", "T", "config", "out tok/s", "req tok/s (med)", "speedup",
-               "req speedup (med)", "accept len", "draft/step",
+               "req speedup (med)", "accept len", "draft/step", "draft ms/step",
                *(f"acc@{k + 1}" for k in range(TABLE_POSITIONS)), "mismatch", "vs HF PLD"]
     rows = []
     datasets = list(dict.fromkeys(r["dataset"] for r in result["runs"]))
@@ -383,6 +389,7 @@ def summary_table(result: dict[str, Any]) -> str:
             _num(m["median_request_tokens_per_s"]), _num(m.get("speedup"), "{:.2f}x"),
             _num(m.get("median_request_speedup"), "{:.2f}x"),
             _num(m.get("accept_length")), _num(m.get("draft_tokens_per_step")),
+            _num(m.get("draft_ms_per_step")),
             *(_num(rates[k] if k < len(rates) else None) for k in range(TABLE_POSITIONS)),
             "-" if mism is None else f"{mism}/{m['completed']}",
             _num(m.get("vs_hf_prompt_lookup"), "{:.2f}x"),
@@ -394,7 +401,7 @@ def summary_table(result: dict[str, Any]) -> str:
             rows.append([
                 dataset, 1, fmt_temperature(0.0), label, _num(h["output_tokens_per_s"]),
                 _num(h["median_request_tokens_per_s"]), _num(h.get("speedup"), "{:.2f}x"),
-                "-", "-", "-", *(["-"] * TABLE_POSITIONS),
+                "-", "-", "-", "-", *(["-"] * TABLE_POSITIONS),
                 "-" if mism is None else f"{mism}/{h['completed']}", "-",
             ])
     return format_table(headers, rows)

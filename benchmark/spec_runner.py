@@ -14,8 +14,8 @@ from urllib.parse import urlparse
 import httpx
 from tqdm import tqdm
 
-from benchmark.datasets import BenchRequest
 from benchmark.spec_metrics import SpecRecord
+from corpora.datasets import BenchRequest
 
 logger = logging.getLogger("bench_speculative")
 

@@ -16,12 +16,13 @@ import time
 
 import uvicorn
 
-from launch.processes import Backend, StartupError
-from launch.server_args import ServerArgs, parse_args
+from launch.server_args import parse_args
 from runtime.entrypoints.http_server import create_app
 from runtime.errors import SpecserveError
 from runtime.proc_utils import setup_logging
+from runtime.processes import Backend, StartupError
 from runtime.sampling.sampling_params import SamplingParams
+from runtime.server_args import ServerArgs
 from runtime.tokenizer.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger("specserve")

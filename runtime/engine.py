@@ -11,14 +11,15 @@ runs on a private event loop thread in the caller's process.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from launch.processes import Backend
-from launch.server_args import ServerArgs
+from runtime.processes import Backend
 from runtime.sampling.sampling_params import SamplingParams
+from runtime.server_args import server_args_class
 from runtime.tokenizer.tokenizer_manager import GenerateChunk, TokenizerManager
 
 logger = logging.getLogger(__name__)
@@ -30,7 +31,14 @@ def chunk_to_dict(chunk: GenerateChunk) -> dict[str, Any]:
 
 class Engine:
     def __init__(self, **server_args: Any) -> None:
-        self.server_args = ServerArgs(**server_args).resolve()
+        """Keyword arguments are `ServerArgs` fields (every `--flag` with underscores, the
+        speculative ones included), plus `speculative_config`: a vLLM-style dict (or its JSON)
+        mapped onto the speculative options."""
+        cls = server_args_class()
+        unknown = sorted(set(server_args) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise TypeError(f"Engine() got unknown argument(s) {unknown}")
+        self.server_args = cls(**server_args).resolve()
         self.backend = Backend(self.server_args)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="engine-loop",

@@ -1,4 +1,20 @@
-"""Speculative decoding: draft trees, verification, and the registered algorithms."""
+"""Speculative decoding: draft trees, verification, and the registered algorithms.
+
+Each algorithm is one module under `speculative/drafters/` (imported here, which registers it);
+an algorithm outside this package registers by naming its module in the environment variable
+SPECSERVE_PLUGINS (comma-separated module names), which every process imports with this package.
+"""
+
+import importlib as _importlib
+import os as _os
 
 import runtime  # noqa: F401 - first: sets the OpenMP wait policy before torch loads
-from speculative import eagle, ngram  # noqa: F401 - registers EAGLE, EAGLE3, NGRAM
+from speculative.drafters import (  # noqa: F401 - each registers its algorithm(s)
+    eagle,
+    early_exit,
+    ngram,
+    standalone,
+)
+
+for _name in filter(None, (m.strip() for m in _os.environ.get("SPECSERVE_PLUGINS", "").split(","))):
+    _importlib.import_module(_name)

@@ -6,59 +6,32 @@ masks, commits the accepted path's KV and calls `observe` so the drafter can upd
 A drafter that reads the target's hidden states (EAGLE heads) declares which (`capture_layers`,
 `needs_final_hidden`); every target forward then returns them and `draft_extend` receives the
 rows that became committed: each prefill chunk, and after verification the root + accepted path.
-Adding an algorithm means one file with a `Drafter` subclass decorated with
-`@register_algorithm("NAME")`, plus its import line in `speculative/__init__.py`.
+Adding an algorithm means one file: a `Drafter` subclass decorated with
+`@register_algorithm("NAME")` whose `options` dataclass declares its flags
+(speculative/options.py) and whose `resolve_options` fills its "auto" values, plus the file's
+import line in `speculative/__init__.py` (or, outside this package, its module named in
+`SPECSERVE_PLUGINS`). ServerArgs, argparse, `--help`, `Engine(**kwargs)`, `/server_info` and
+`speculative_config` are derived from the registry.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from speculative.options import ResolveContext, SpecConfig, SpecOptions, flag
 from speculative.tree import DraftTree
 from speculative.verify import QMode
 
 if TYPE_CHECKING:
+    from runtime.model_runner.forward_batch import ForwardBatch
     from runtime.models.llama import ModelOutput
     from runtime.sampling.sampling_params import SamplingParams
-
-
-@dataclass(frozen=True)
-class SpecConfig:
-    algorithm: str
-    num_draft_tokens: int  # tree nodes per request INCLUDING the root
-    # NGRAM
-    ngram_capacity: int = 1_000_000
-    ngram_max_trie_depth: int = 18
-    ngram_min_match_window: int = 1
-    ngram_max_bfs_breadth: int = 10
-    ngram_min_bfs_breadth: int = 1
-    ngram_match_type: str = "BFS"
-    ngram_external_corpus_path: str | None = None
-    ngram_match_sizing: bool = True  # tree size grows with the context match length
-    # short matches draft from the request's own prompt and output first (ngram_context.py)
-    ngram_own_context: bool = True
-    # EAGLE / EAGLE3 (speculative/eagle.py): head checkpoint, tree depth S and branching k
-    draft_model_path: str | None = None
-    num_steps: int = 3
-    eagle_topk: int = 4
-    # EAGLE-1/2: a reduced draft vocabulary (speculative/token_map.py), None = the whole one
-    token_map: str | None = None
-    # sampling: verify top-k trees with q ignored (SGLang's target-only) instead of drafting
-    # children from q without replacement and verifying with q
-    eagle_target_only: bool = False
-    # CPU: the head's matmuls in "float32" / "bfloat16" / "auto" (bf16 where the CPU has bf16
-    # dot products); drafts only, so lossless either way
-    draft_matmul_dtype: str = "auto"
-    # LOSSY when below 1.0 (SGLang's --speculative-accept-threshold-single / -acc)
-    accept_threshold_single: float = 1.0
-    accept_threshold_acc: float = 1.0
-    # shrink a request's draft budget after consecutive fully rejected drafts
-    adaptive: bool = True
 
 
 @dataclass(slots=True)
@@ -76,15 +49,20 @@ class SpecReq:
     # drafts kept failing (the worker's backoff): draft only when confident, which only a
     # drafter with `drafts_when_backed_off` is asked to judge (the others get budget 1)
     backed_off: bool = False
+    # [>= budget] the request's fresh KV slots: tree node i's target KV is written to slot i by
+    # the verify pass (a chain drafter writes node j's draft KV there too)
+    fresh_slots: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
 class TargetRows:
     """One request's rows of a target forward that are now committed, for `draft_extend`.
 
-    Row j sits at position prefix_len + j: its hidden state is row `hidden_rows[j]` of the
-    forward's `ModelOutput`, its KV is in `slots[prefix_len + j]`, and `next_tokens[j]` is the
-    token at position prefix_len + j + 1 (the last one may be the token just sampled).
+    Row j sits at position prefix_len + j: its token is `tokens[j]`, its hidden state is row
+    `hidden_rows[j]` of the forward's `ModelOutput`, its KV is in `slots[prefix_len + j]`, and
+    `next_tokens[j]` is the token at position prefix_len + j + 1 (the last one may be the token
+    just sampled). After a verify step the rows are the root and the accepted drafts, which
+    were tree nodes `tree_nodes` (root 0 first); after a prefill chunk `tree_nodes` is None.
     """
 
     rid: str
@@ -92,15 +70,33 @@ class TargetRows:
     slots: torch.Tensor  # [prefix_len + n] int64, prefix first
     hidden_rows: torch.Tensor  # [n] int64
     next_tokens: list[int]  # [n]
+    tokens: list[int]  # [n]
+    tree_nodes: list[int] | None = None  # [n]
 
 
 class Drafter(ABC):
+    # the algorithm's options (a frozen dataclass of `option(...)` fields, speculative/options.py)
+    options: ClassVar[type] = SpecOptions
+    # tree nodes per step, root included, when --speculative-num-draft-tokens is unset, by
+    # engine ("cpu": the C++ engine, "torch": the reference engine)
+    default_num_draft_tokens: ClassVar[dict[str, int] | None] = None
+    # vLLM `speculative_config` method names that mean this algorithm
+    vllm_methods: ClassVar[tuple[str, ...]] = ()
+    algorithm: ClassVar[str] = ""  # set by `register_algorithm`
     # how verification treats the drafter's distribution (speculative/verify.py) for trees that
     # carry `draft_probs`; a tree without them is verified ONE_HOT
     q_mode: QMode = QMode.ONE_HOT
     # what every target forward must also return for `draft_extend` (nothing by default)
     capture_layers: tuple[int, ...] = ()
     needs_final_hidden: bool = False
+    # the drafter keeps KV of its own at the target's slot indices (a draft model): it gets
+    # `draft_extend` for every committed chunk even without reading target hidden states
+    mirrors_kv: bool = False
+    # backoff (speculative/worker.py): a request whose drafts are accepted less than this many
+    # tokens per drafting step on average stops drafting, except one probe every
+    # `probe_every` steps. Break-even grows with the draft's cost per step.
+    min_accept_per_step: ClassVar[float] = 0.2
+    probe_every: ClassVar[int] = 8
     # whether `propose` judges a backed-off request's draft itself (`SpecReq.backed_off`); if
     # not, a backed-off request gets budget 1 (no draft) except on the worker's probe steps
     drafts_when_backed_off: bool = False
@@ -108,6 +104,42 @@ class Drafter(ABC):
     def __init__(self, cfg: SpecConfig, runner) -> None:
         self.cfg = cfg
         self.runner = runner
+
+    @classmethod
+    def resolve_options(cls, opts: Any, ctx: ResolveContext) -> Any:
+        """`opts` (an instance of `cls.options`) with "auto" values made concrete and checked;
+        raise ValueError with the flag's name on a bad value. The default fills the tree size
+        from `default_num_draft_tokens` and checks the options every algorithm shares."""
+        n = opts.num_draft_tokens
+        if n is None:
+            if not cls.default_num_draft_tokens:
+                raise ValueError(f"{flag('num_draft_tokens')} is required for this algorithm")
+            n = cls.default_num_draft_tokens.get(ctx.engine,
+                                                 max(cls.default_num_draft_tokens.values()))
+        if n < 1:
+            raise ValueError(f"{flag('num_draft_tokens')} must be >= 1")
+        for name in ("accept_threshold_single", "accept_threshold_acc"):
+            if not 0.0 < getattr(opts, name) <= 1.0:
+                raise ValueError(f"{flag(name)} must be in (0, 1]")
+        for f in dataclasses.fields(opts):
+            allowed = f.metadata.get("choices")
+            if allowed and getattr(opts, f.name) not in allowed:
+                raise ValueError(f"{flag(f.name)} must be one of {allowed}, got "
+                                 f"{getattr(opts, f.name)!r}")
+        return dataclasses.replace(opts, num_draft_tokens=n)
+
+    @classmethod
+    def algorithm_name(cls) -> str:
+        return cls.algorithm or cls.__name__
+
+    @classmethod
+    def chain_options(cls, k: int) -> dict[str, Any]:
+        """The options of a chain of k drafts (vLLM's `num_speculative_tokens`)."""
+        return {"num_draft_tokens": k + 1}
+
+    def describe(self) -> str:
+        """One line for the start-up log: what this drafter drafts."""
+        return f"{self.cfg.num_draft_tokens} draft tokens per step (root included)"
 
     @abstractmethod
     def propose(self, reqs: list[SpecReq]) -> list[DraftTree]:
@@ -117,9 +149,20 @@ class Drafter(ABC):
     def reads_target_hidden(self) -> bool:
         return self.needs_final_hidden or bool(self.capture_layers)
 
+    @property
+    def wants_committed_rows(self) -> bool:
+        return self.reads_target_hidden or self.mirrors_kv
+
     def draft_extend(self, rows: list[TargetRows], out: ModelOutput) -> None:  # noqa: B027
         """Committed rows of a target forward run with this drafter's `capture_layers` /
-        `needs_final_hidden`; called only when `reads_target_hidden`."""
+        `needs_final_hidden`; called only when `wants_committed_rows`."""
+
+    def target_forward(self, batch: ForwardBatch, trees: list[DraftTree],
+                       return_final_hidden: bool) -> ModelOutput:
+        """The verify (or plain decode) forward of a speculative step. A drafter whose draft
+        pass already computed part of it (the target's own early layers) overrides this to
+        reuse that work; the result must be bit for bit the plain forward's."""
+        return self.runner.forward(batch, return_final_hidden)
 
     def observe(self, rid: str, tokens: list[int], num_new: int) -> None:  # noqa: B027
         """The request's history grew by its last `num_new` tokens (prompt first time)."""
@@ -137,7 +180,9 @@ ALGORITHMS: dict[str, type[Drafter]] = {}
 def register_algorithm(name: str) -> Callable[[type[Drafter]], type[Drafter]]:
     def deco(cls: type[Drafter]) -> type[Drafter]:
         assert name not in ALGORITHMS, f"speculative algorithm {name} registered twice"
+        assert name == name.upper(), f"algorithm names are upper case: {name}"
         ALGORITHMS[name] = cls
+        cls.algorithm = name
         return cls
 
     return deco

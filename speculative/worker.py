@@ -21,6 +21,7 @@ living in the first fresh slots) with the tokens that follow them (accepted draf
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,8 @@ from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.sampling.penalties import RowHistory, apply_penalties
 from runtime.sampling.sampler import SamplingBatchInfo, expand, process_logits
 from runtime.sampling.seeded import seed_to_int64, seeded_sample
-from speculative.base import Drafter, SpecConfig, SpecReq, TargetRows
+from speculative.base import Drafter, SpecReq, TargetRows
+from speculative.options import SpecConfig
 from speculative.tree import DraftTree
 from speculative.verify import (
     QMode,
@@ -62,6 +64,10 @@ class SpeculativeWorker:
         self.drafter = drafter
         self.runner = runner
         self.req_states: dict[str, SpecReqState] = {}
+        # drafts accepted per drafting step over all requests: a new request starts from it,
+        # so a drafter that rarely lands (a weak draft model) does not cost every new
+        # request the ~15 steps its own average needs to fall below the threshold
+        self.prior_accept = 1.0
 
     def release(self, rid: str) -> None:
         self.req_states.pop(rid, None)
@@ -70,28 +76,32 @@ class SpeculativeWorker:
     def reset(self) -> None:
         """Forget everything learned (called on flush_cache, when no request runs)."""
         self.req_states.clear()
+        self.prior_accept = 1.0
         self.drafter.reset()
 
     # Backoff. On this CPU a verify pass of 8 nodes costs ~1.2x a decode step (docs/benchmarks.md),
     # so drafting pays while more than ~0.2 draft tokens are accepted per step on average.
     # Acceptance is bursty (nothing for a while, then a long copied run), so the average is slow
     # (about the last 10-20 drafting steps) and the decision binary: the full tree, or plain
-    # decoding with a full-tree probe every PROBE_EVERY steps (~2.5% overhead when nothing fits).
-    MIN_ACCEPT_PER_STEP = 0.2
+    # decoding with a full-tree probe every `probe_every` steps (~2.5% overhead when nothing
+    # fits). The threshold and the probe interval are the drafter's (`Drafter.min_accept_per_step`,
+    # `probe_every`): a draft model's steps cost more than a trie lookup.
     EMA_WEIGHT = 0.1
-    PROBE_EVERY = 8
+    PRIOR_WEIGHT = 0.1
 
     def _budget(self, e: SpecEntry) -> tuple[int, bool]:
         """(tree nodes, root included, this request may draft this step; whether it is backed
         off, i.e. may draft only what its drafter is confident of)."""
         fresh = e.slots.numel() - e.prefix_len
-        if not self.cfg.adaptive:
+        if self.cfg.disable_adaptive:
             return fresh, False
-        st = self.req_states.setdefault(e.rid, SpecReqState())
-        if st.accept_ema >= self.MIN_ACCEPT_PER_STEP:
+        st = self.req_states.get(e.rid)
+        if st is None:
+            st = self.req_states[e.rid] = SpecReqState(accept_ema=self.prior_accept)
+        if st.accept_ema >= self.drafter.min_accept_per_step:
             return fresh, False
         st.steps_since_probe += 1
-        if st.steps_since_probe >= self.PROBE_EVERY:
+        if st.steps_since_probe >= self.drafter.probe_every:
             st.steps_since_probe = 0
             return fresh, False
         if self.drafter.drafts_when_backed_off:
@@ -100,17 +110,21 @@ class SpeculativeWorker:
 
     def _adapt(self, rid: str, drafted: int, accepted: int) -> None:
         st = self.req_states.get(rid)
-        if st is None or not self.cfg.adaptive or drafted == 0:
+        if st is None or self.cfg.disable_adaptive or drafted == 0:
             return  # no draft (no n-gram match): nothing learned, nothing paid
         st.accept_ema += self.EMA_WEIGHT * (accepted - st.accept_ema)
+        self.prior_accept += self.PRIOR_WEIGHT * (accepted - self.prior_accept)
 
     def step(self, entries: list[SpecEntry]) -> tuple[list[list[int]], list[dict]]:
         reqs = []
         for e in entries:
             budget, backed_off = self._budget(e)
             reqs.append(SpecReq(e.rid, e.tokens, budget, e.state.params,
-                                prefix_slots=e.slots[: e.prefix_len], backed_off=backed_off))
+                                prefix_slots=e.slots[: e.prefix_len], backed_off=backed_off,
+                                fresh_slots=e.slots[e.prefix_len :]))
+        t0 = time.perf_counter()
         trees = self.drafter.propose(reqs)
+        draft_s = time.perf_counter() - t0
         masks, positions, slots, tokens = [], [], [], []
         for e, tree, r in zip(entries, trees, reqs):
             n = tree.num_nodes
@@ -130,9 +144,11 @@ class SpeculativeWorker:
                 ForwardMode.TARGET_VERIFY, tokens, slots, [e.prefix_len for e in entries],
                 positions=positions, custom_masks=masks, logits="all", capture_layers=capture,
             )
-        out = self.runner.forward(batch, return_final_hidden=self.drafter.needs_final_hidden)
+        out = self.drafter.target_forward(batch, trees, self.drafter.needs_final_hidden)
         results = self._verify(entries, trees, out.logits)  # logits [sum n, vocab]
-        reads_hidden = self.drafter.reads_target_hidden
+        reads_hidden = self.drafter.wants_committed_rows
+        # the step's drafting time, shared out over its requests (the scheduler sums it)
+        draft_share = draft_s / len(entries)
         out_tokens, infos, rows = [], [], []
         off = 0
         for e, tree, res in zip(entries, trees, results):
@@ -140,11 +156,13 @@ class SpeculativeWorker:
             drafted, accepted = tree.num_nodes - 1, len(res.accepted_tokens)
             self._adapt(e.rid, drafted, accepted)
             out_tokens.append(res.output_tokens)
-            infos.append({"drafted": drafted, "accepted": accepted})
+            infos.append({"drafted": drafted, "accepted": accepted, "draft_s": draft_share})
             if reads_hidden:  # root + accepted path: rows off + node, KV now in path order
                 kept = e.slots[: e.prefix_len + len(res.accepted_nodes)]
                 rows.append(TargetRows(e.rid, e.prefix_len, kept,
-                                       off + torch.tensor(res.accepted_nodes), res.output_tokens))
+                                       off + torch.tensor(res.accepted_nodes), res.output_tokens,
+                                       [e.tokens[-1], *res.accepted_tokens],
+                                       list(res.accepted_nodes)))
             off += tree.num_nodes
         if reads_hidden:
             self.drafter.draft_extend(rows, out)

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from launch.server_args import EAGLE_ALGORITHMS, EAGLE_TREE_DEFAULTS
 from runtime.ipc import Receiver, Sender, ipc_addr
 from runtime.messages import (
     TO_RUNNER,
@@ -112,7 +111,8 @@ class RunnerWorker:
             history = st.prompt_ids + st.output_ids
             nxt = history[e.prefix_len + 1 : e.prefix_len + n + 1]
             assert len(nxt) == n, f"{e.rid}: no token follows its prefill chunk"
-            rows.append(TargetRows(e.rid, e.prefix_len, s, torch.arange(off, off + n), nxt))
+            rows.append(TargetRows(e.rid, e.prefix_len, s, torch.arange(off, off + n), nxt,
+                                   list(e.new_token_ids)))
             off += n
         return rows
 
@@ -133,6 +133,7 @@ class RunnerWorker:
             return self._run_spec(msg, states, slots, t0)
         drafter = self.spec.drafter if self.spec is not None else None
         reads_hidden = drafter is not None and drafter.reads_target_hidden
+        wants_rows = drafter is not None and drafter.wants_committed_rows
         batch = ForwardBatch.build(
             mode,
             [e.new_token_ids for e in msg.reqs],
@@ -155,7 +156,7 @@ class RunnerWorker:
             for i, st, tok in zip(rows, sel, tokens):
                 self._append(msg.reqs[i].rid, st, [tok])
                 out[i] = [tok]
-        if reads_hidden:
+        if wants_rows:
             drafter.draft_extend(self._prefill_rows(msg, states, slots), fwd)
         return BatchResult(
             batch_id=msg.batch_id, next_token_ids=out, forward_s=time.perf_counter() - t0
@@ -168,17 +169,9 @@ def _create_spec(server_args, runner: ModelRunner) -> SpeculativeWorker | None:
         return None
     from speculative.base import create_drafter
 
-    spec = SpeculativeWorker(spec_cfg, create_drafter(spec_cfg, runner), runner)
-    logger.info("speculative decoding: %s, %d draft tokens per step (root included)",
-                spec_cfg.algorithm, spec_cfg.num_draft_tokens)
-    if spec_cfg.algorithm in EAGLE_ALGORITHMS:
-        tree = (spec_cfg.num_steps, spec_cfg.eagle_topk, spec_cfg.num_draft_tokens)
-        auto = tree == EAGLE_TREE_DEFAULTS.get(runner.device.type)
-        logger.info("EAGLE tree: %d steps, top-k %d, %d nodes%s; sampling: %s",
-                    *tree, f" (the {runner.device.type} default)" if auto else "",
-                    "top-k trees, q ignored (target-only)" if spec_cfg.eagle_target_only
-                    else "children drawn from q, verified with q")
-    return spec
+    drafter = create_drafter(spec_cfg, runner)
+    logger.info("speculative decoding: %s, %s", spec_cfg.algorithm, drafter.describe())
+    return SpeculativeWorker(spec_cfg, drafter, runner)
 
 
 def run_model_runner_process(server_args, ipc_dir: str, parent_pid: int) -> None:

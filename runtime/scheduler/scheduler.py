@@ -129,7 +129,8 @@ class Scheduler:
                        "prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0}
         # speculative counters (vLLM names): verify steps, draft tokens, accepted, per position
         self.spec_totals = {"spec_verify_steps": 0, "spec_decode_num_draft_tokens": 0,
-                            "spec_decode_num_accepted_tokens": 0, "spec_tokens_from_verify": 0}
+                            "spec_decode_num_accepted_tokens": 0, "spec_tokens_from_verify": 0,
+                            "spec_draft_s": 0.0}  # drafting time, shared out over requests
         self.spec_accepted_per_pos: list[int] = []
 
     # ---- messages from the tokenizer side ------------------------------------------------
@@ -398,6 +399,7 @@ class Scheduler:
         t["spec_decode_num_draft_tokens"] += spec["drafted"]
         t["spec_decode_num_accepted_tokens"] += spec["accepted"]
         t["spec_tokens_from_verify"] += num_tokens
+        t["spec_draft_s"] += spec.get("draft_s", 0.0)
         acc = spec["accepted"]
         if len(self.spec_accepted_per_pos) < acc:
             self.spec_accepted_per_pos += [0] * (acc - len(self.spec_accepted_per_pos))

@@ -30,7 +30,7 @@ def evaluate_head(
     algorithm: str = "EAGLE3", extra_server_args: dict | None = None,
 ) -> dict:
     """{"accept_length", "verify_steps", "completion_tokens", "accept_rate_per_pos", ...}."""
-    from benchmark.datasets import chat_prompt_ids, load_bench_tokenizer, sample_requests
+    from corpora.datasets import chat_prompt_ids, load_bench_tokenizer, sample_requests
     from runtime.engine import Engine
 
     tokenizer = load_bench_tokenizer(None if target_model == "default" else target_model)

@@ -2,7 +2,7 @@
 
 A draft head should predict the target's own next token, so the training text is the target's
 answers, not the recorded ShareGPT ones. Prompts are the first user turns of the `train` split
-(`benchmark.datasets.split_of`: never the held-out conversations the benchmarks use), with the
+(`corpora.datasets.split_of`: never the held-out conversations the benchmarks use), with the
 chat template applied; answers come from our own `runtime.Engine` with continuous batching.
 
 Output: `regen.jsonl`, one line per finished answer:
@@ -65,7 +65,7 @@ def read_regen(path: str | Path) -> list[dict]:
 
 def train_prompts(tokenizer, num: int, seed: int, max_new_tokens: int) -> list[dict]:
     """The first `num` ShareGPT `train`-split chat prompts in the seed's order, as token ids."""
-    from benchmark.datasets import chat_prompt_ids, sample_requests
+    from corpora.datasets import chat_prompt_ids, sample_requests
 
     reqs = sample_requests("sharegpt", num, tokenizer, seed=seed, split="train",
                            max_new_tokens=max_new_tokens)
@@ -74,7 +74,7 @@ def train_prompts(tokenizer, num: int, seed: int, max_new_tokens: int) -> list[d
 
 def regenerate(cfg: RegenConfig) -> Path:
     """Run (or resume) stage 1; returns the path of `regen.jsonl`."""
-    from benchmark.datasets import load_bench_tokenizer
+    from corpora.datasets import load_bench_tokenizer
     from runtime.engine import Engine
 
     out_dir = Path(cfg.output)
@@ -144,13 +144,13 @@ def write_teacher_forced(target_model: str, output: str | Path, num: int, seed: 
     human/ChatGPT text instead of the target's. Records have `temperature: null`, so accuracy
     metrics (which compare with the actual next token) skip them. Written to `teacher.jsonl`
     (overwritten: it is a pure function of the arguments)."""
-    from benchmark.datasets import (
+    from corpora.datasets import (
         _in_split,  # the one place the split is applied
         chat_prompt_ids,
         load_bench_tokenizer,
         load_sharegpt,
     )
-    from benchmark.rewrite_prompts import distinct_in_random_order
+    from corpora.rewrite_prompts import distinct_in_random_order
 
     tokenizer = load_bench_tokenizer(None if target_model == "default" else target_model)
     convs = _in_split(load_sharegpt(min_turns=2), "train")

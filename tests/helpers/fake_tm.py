@@ -18,7 +18,6 @@ from pathlib import Path
 
 import msgspec
 
-from launch.server_args import ServerArgs
 from runtime.messages import (
     TO_SCHEDULER,
     AbortReq,
@@ -28,6 +27,7 @@ from runtime.messages import (
     InfoOut,
     TokenOut,
 )
+from runtime.server_args import ServerArgs
 from runtime.tokenizer.tokenizer_manager import TokenizerManager
 from tests.helpers.tiny_models import EOS_ID, TINY_VOCAB_SIZE, write_tiny_tokenizer_files
 

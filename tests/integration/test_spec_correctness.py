@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from benchmark.datasets import sample_requests
+from corpora.datasets import sample_requests
 from runtime.model_loader.default_model import resolve_model_path
 from runtime.model_loader.tokenizer import load_tokenizer
 from tests.helpers.near_tie import NearTieJudge

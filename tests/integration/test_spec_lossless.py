@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from benchmark.datasets import sample_requests
+from corpora.datasets import sample_requests
 from runtime.model_loader.default_model import resolve_model_path
 from runtime.model_loader.tokenizer import load_tokenizer
 from runtime.model_runner.runner_process import RunnerWorker

@@ -10,7 +10,6 @@ from fastapi import FastAPI, Request
 
 from benchmark import bench_speculative
 from benchmark.bench_speculative import attach_comparisons, parse_args
-from benchmark.datasets import BenchRequest
 from benchmark.plots import plot_speculative
 from benchmark.spec_metrics import (
     ConfigError,
@@ -26,6 +25,7 @@ from benchmark.spec_metrics import (
     summary_table,
 )
 from benchmark.spec_runner import fill_record, render_prompts, run_requests, sampling_params
+from corpora.datasets import BenchRequest
 from tests.helpers.live_server import live_server
 
 

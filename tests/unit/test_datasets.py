@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from benchmark import rewrite_prompts
-from benchmark.datasets import (
+from corpora import rewrite_prompts
+from corpora.datasets import (
     DatasetError,
     load_sharegpt,
     sample_requests,

@@ -45,7 +45,7 @@ def test_eagle_sampling_matches_target_distribution(tiny_vocab, joints, heads, a
     target_only = mode == "target_only"
     torch.manual_seed(0)  # unseeded requests draw from the global RNG
     cfg = SpecConfig(algo, NODES, draft_model_path=str(heads[algo]), num_steps=STEPS,
-                     eagle_topk=TOPK, eagle_target_only=target_only, adaptive=False)
+                     eagle_topk=TOPK, eagle_target_only=target_only, disable_adaptive=True)
     drafter = create_drafter(cfg, runner)
     with_q = []
     propose = drafter.propose

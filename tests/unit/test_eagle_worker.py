@@ -10,12 +10,12 @@ import random
 import pytest
 import torch
 
-from launch.server_args import ServerArgs
 from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
 from runtime.model_runner.runner_process import RunnerWorker
+from runtime.server_args import ServerArgs
 from speculative.base import SpecConfig, create_drafter
-from speculative.eagle import Eagle3Drafter, EagleDrafter
+from speculative.drafters.eagle import Eagle3Drafter, EagleDrafter
 from speculative.models.base import HeadOutput
 from speculative.worker import SpeculativeWorker
 from tests.helpers.eagle_checkpoints import write_eagle1_checkpoint, write_eagle3_checkpoint
@@ -103,7 +103,7 @@ def hints_of(ps, outs) -> dict[tuple[int, int], int]:
 def eagle_harness(target, ckpt, algo, *, hints=None, steps=3, topk=4, n=8, **sched):
     runner = target[1]
     cfg = SpecConfig(algo, n, draft_model_path=str(ckpt), num_steps=steps, eagle_topk=topk,
-                     adaptive=False)
+                     disable_adaptive=True)
     if hints is None:
         drafter = create_drafter(cfg, runner)
     else:
@@ -224,6 +224,7 @@ def test_server_args_choose_the_eagle_tree_and_check_it(target, heads):
                    speculative_num_draft_tokens=8).resolve()
     with pytest.raises(ValueError, match="needs --speculative-draft-model-path"):
         ServerArgs(**{**base, "speculative_draft_model_path": None}).resolve()
-    wrong = SpecConfig("EAGLE3", 8, draft_model_path=str(heads["EAGLE"]))
+    wrong = SpecConfig("EAGLE3", 8, draft_model_path=str(heads["EAGLE"]), num_steps=3,
+                       eagle_topk=4)
     with pytest.raises(ValueError, match="needs a eagle3 head"):
         create_drafter(wrong, target[1])

@@ -6,7 +6,7 @@ import random
 
 from runtime.sampling.sampling_params import SamplingParams
 from speculative.base import SpecConfig, SpecReq
-from speculative.ngram import NgramDrafter
+from speculative.drafters.ngram import NgramDrafter
 from speculative.ngram_context import OWN_CONTEXT_MAX_MATCH, ContextIndex, own_context_tree
 
 
@@ -84,7 +84,7 @@ def test_own_context_tree_puts_siblings_first_then_chains_then_the_fill():
 
 
 def _drafter(own: bool) -> NgramDrafter:
-    return NgramDrafter(SpecConfig("NGRAM", num_draft_tokens=8, ngram_own_context=own),
+    return NgramDrafter(SpecConfig("NGRAM", num_draft_tokens=8, ngram_disable_own_context=not own),
                         runner=None)
 
 

@@ -125,7 +125,7 @@ def test_abort_mid_speculation_returns_kv_and_drafter_state(tiny_vocab, heads, a
     n = 6
     kw = {} if algo == "NGRAM" else {"draft_model_path": str(heads[algo]), "num_steps": 2,
                                      "eagle_topk": 3}
-    spec = SpecConfig(algo, n, adaptive=False, **kw)
+    spec = SpecConfig(algo, n, disable_adaptive=True, **kw)
     drafter = create_drafter(spec, runner)
     h = Harness(tiny_vocab, num_draft_tokens=n, max_running_requests=4)
     h.worker = RunnerWorker(runner, SpeculativeWorker(spec, drafter, runner))
@@ -184,7 +184,7 @@ def test_eagle_drafts_after_a_radix_hit_equal_drafts_without_one(tiny_vocab, hea
     runner = tiny_vocab[1]
     prompt = copy_heavy(1, seed=3)[0] * 2
     spec = SpecConfig(algo, 6, draft_model_path=str(heads[algo]), num_steps=2, eagle_topk=3,
-                      adaptive=False)
+                      disable_adaptive=True)
     drafter = create_drafter(spec, runner)
     trees = record_trees(drafter)
     h = Harness(tiny_vocab, num_draft_tokens=6)

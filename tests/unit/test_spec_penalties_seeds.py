@@ -89,15 +89,15 @@ def spec_run(tiny_vocab, heads, algo, ps, params, seeds, ref, **cfg):  # noqa: F
     runner = tiny_vocab[1]
     n = 6
     if algo == "ORACLE":
-        spec = SpecConfig("TEST", n, adaptive=False)
+        spec = SpecConfig("TEST", n, disable_adaptive=True)
         truth = {tuple(p): r for p, r in zip(ps, ref)}
         drafter = SmallVocabOracle(spec, runner, truth, seed=3)
     elif algo == "NGRAM":
-        spec = SpecConfig("NGRAM", n, adaptive=False)
+        spec = SpecConfig("NGRAM", n, disable_adaptive=True)
         drafter = create_drafter(spec, runner)
     else:
         spec = SpecConfig(algo, n, draft_model_path=str(heads[algo]), num_steps=2, eagle_topk=3,
-                          adaptive=False)
+                          disable_adaptive=True)
         drafter = create_drafter(spec, runner)
     h = Harness(tiny_vocab, num_draft_tokens=n, **cfg)
     h.worker = RunnerWorker(runner, SpeculativeWorker(spec, drafter, runner))

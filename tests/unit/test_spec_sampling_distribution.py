@@ -166,7 +166,7 @@ def run_samples(tiny_vocab, drafter_cls, *, seeded: bool, budget: int = 5,
     torch.manual_seed(0)  # unseeded requests draw from the global RNG: reproducible runs
     h = Harness(tiny_vocab, capacity=60000, num_draft_tokens=budget, max_running_requests=512,
                 chunked_prefill_size=4096)
-    cfg = SpecConfig("TEST", budget, adaptive=False)
+    cfg = SpecConfig("TEST", budget, disable_adaptive=True)
     h.worker = RunnerWorker(runner, SpeculativeWorker(cfg, drafter_cls(cfg, runner), runner))
     h.sched.run_batch = h.worker.run
     h.sched.stop.eos = set()

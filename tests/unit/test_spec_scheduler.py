@@ -51,7 +51,7 @@ class OracleMixDrafter(Drafter):
 def spec_harness(tiny, drafter_factory, num_draft_tokens=6, **cfg):  # noqa: F811
     h = Harness(tiny, num_draft_tokens=num_draft_tokens, **cfg)
     runner = tiny[1]
-    spec_cfg = SpecConfig("TEST", num_draft_tokens, adaptive=False)
+    spec_cfg = SpecConfig("TEST", num_draft_tokens, disable_adaptive=True)
     h.worker = RunnerWorker(runner, SpeculativeWorker(spec_cfg, drafter_factory(spec_cfg, runner),
                                                       runner))
     h.sched.run_batch = h.worker.run
@@ -216,9 +216,9 @@ def test_backoff_leaves_confident_drafts_to_drafters_that_judge_them(judges):
     assert w._budget(entry) == (8, False)  # optimistic start
     for _ in range(30):  # drafts keep failing: the request backs off
         w._adapt("r", 7, 0)
-    got = [w._budget(entry) for _ in range(2 * w.PROBE_EVERY)]
+    got = [w._budget(entry) for _ in range(2 * w.drafter.probe_every)]
     probes = [g for g in got if g == (8, False)]
-    assert len(probes) == 2  # a full-tree probe every PROBE_EVERY steps either way
+    assert len(probes) == 2  # a full-tree probe every probe_every steps either way
     rest = {g for g in got if g != (8, False)}
     assert rest == ({(8, True)} if judges else {(1, False)})
     w._adapt("r", 15, 15)  # a confident draft that was accepted lifts the backoff

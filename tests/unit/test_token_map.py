@@ -13,12 +13,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from launch.server_args import ServerArgs, parse_args
+from launch.server_args import parse_args
 from runtime.layers.linear import Linear
 from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
 from runtime.model_runner.runner_process import RunnerWorker
+from runtime.server_args import ServerArgs
 from speculative.base import SpecConfig, create_drafter
-from speculative.eagle import EagleDrafter
+from speculative.drafters.eagle import EagleDrafter
 from speculative.models.eagle_head import lm_head_rows
 from speculative.token_map import load_token_map
 from speculative.worker import SpeculativeWorker
@@ -167,21 +168,23 @@ def test_flag_reaches_spec_config_and_is_checked(target, heads, hot_map, tmp_pat
     with pytest.raises(ValueError, match="EAGLE-3 heads carry their own draft vocabulary"):
         ServerArgs(**base, speculative_algorithm="EAGLE3",
                    speculative_token_map=hot_map[0]).resolve()
-    with pytest.raises(ValueError, match="not to --speculative-algorithm NGRAM"):
-        ServerArgs(**base, speculative_algorithm="NGRAM",
+    with pytest.raises(ValueError, match="token-map applies to .*not NGRAM"):
+        ServerArgs(model_path=str(target[0]), device="cpu", speculative_algorithm="NGRAM",
                    speculative_token_map=hot_map[0]).resolve()
     for bad, match in ((str(tmp_path / "hot.bin"), "unknown format"),
                        (str(tmp_path / "hot.json"), "no such file")):
         with pytest.raises(ValueError, match=match):
             ServerArgs(**base, speculative_algorithm="EAGLE", speculative_token_map=bad).resolve()
-    cfg = SpecConfig("EAGLE3", 8, draft_model_path=str(heads["EAGLE3"]), token_map=hot_map[0])
+    cfg = SpecConfig("EAGLE3", 8, draft_model_path=str(heads["EAGLE3"]), token_map=hot_map[0],
+                    num_steps=3, eagle_topk=4)
     with pytest.raises(ValueError, match="applies to EAGLE-1/2 heads"):
         create_drafter(cfg, target[1])
 
 
 def test_restricted_head_logits_are_the_hot_columns(target, heads, hot_map):
     runner = target[1]
-    cfg = SpecConfig("EAGLE", 8, draft_model_path=str(heads["EAGLE"]), token_map=hot_map[0])
+    cfg = SpecConfig("EAGLE", 8, draft_model_path=str(heads["EAGLE"]), token_map=hot_map[0],
+                    num_steps=3, eagle_topk=4)
     drafter = create_drafter(cfg, runner)
     hot = torch.tensor(hot_map[1])
     assert drafter.to_target.tolist() == hot_map[1]
@@ -198,7 +201,7 @@ def test_greedy_with_token_map_equals_plain_decoding(target, truth, heads, hot_m
     runner = target[1]
     n = 8
     cfg = SpecConfig("EAGLE", n, draft_model_path=str(heads["EAGLE"]), num_steps=3,
-                     eagle_topk=4, token_map=hot_map[0], adaptive=False)
+                     eagle_topk=4, token_map=hot_map[0], disable_adaptive=True)
     if steered:
         drafter = SteeredEagle(cfg, runner)
         drafter.hints = hints_of(ps, ref)
@@ -238,7 +241,7 @@ def test_sampling_with_token_map_matches_target_distribution(tiny_vocab, joints,
     (tmp_path / "hot.json").write_text(json.dumps({"token_ids": hot}))
     steps, topk, nodes, samples = 2, 3, 6, 1000
     cfg = SpecConfig("EAGLE", nodes, draft_model_path=str(head), num_steps=steps,
-                     eagle_topk=topk, token_map=str(tmp_path / "hot.json"), adaptive=False)
+                     eagle_topk=topk, token_map=str(tmp_path / "hot.json"), disable_adaptive=True)
     drafter = create_drafter(cfg, runner)
     cold = torch.tensor([t not in hot for t in range(VOCAB)])
     q_rows = []

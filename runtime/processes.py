@@ -15,11 +15,11 @@ import time
 
 import zmq
 
-from launch.server_args import ServerArgs
 from runtime.ipc import Receiver, ipc_addr, make_ipc_dir
 from runtime.messages import TO_TOKENIZER, ReadyOut
 from runtime.model_runner.runner_process import run_model_runner_process
 from runtime.scheduler.scheduler_process import run_scheduler_process
+from runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Benchmark prompts: ShareGPT, random token ids, custom JSONL, and copy-heavy "rewrite" prompts.
 
-    python -m benchmark.datasets --dataset rewrite --num 5 --split heldout
+    python -m corpora.datasets --dataset rewrite --num 5 --split heldout
 
 - `sharegpt`: the first human turn of a ShareGPT conversation as a chat prompt; the token length
   of the answer that follows is the reference output length (pruned like SGLang's benchmark:
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
-from benchmark import rewrite_prompts
+from corpora import rewrite_prompts
 
 logger = logging.getLogger(__name__)
 

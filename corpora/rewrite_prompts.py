@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
-    from benchmark.datasets import Conversation, Tokenizer
+    from corpora.datasets import Conversation, Tokenizer
 
 MIN_PASSAGE_TOKENS, MAX_PASSAGE_TOKENS = 60, 400
 # Character bounds that surely contain every 60-400-token passage, checked before tokenizing.

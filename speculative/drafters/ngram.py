@@ -9,23 +9,72 @@ builds).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import OrderedDict
+from dataclasses import dataclass
 
-from speculative.base import Drafter, SpecConfig, SpecReq, register_algorithm
+from speculative.base import Drafter, SpecReq, register_algorithm
 from speculative.ngram_cache import NgramCache, NgramConfig, tree_size_for_match
 from speculative.ngram_context import OWN_CONTEXT_MAX_MATCH, ContextIndex, own_context_tree
+from speculative.options import ResolveContext, SpecConfig, SpecOptions, flag, option
 from speculative.tree import DraftTree
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class NgramOptions(SpecOptions):
+    ngram_capacity: int = option(1_000_000, "NGRAM: most trie nodes kept (least recently used "
+                                 "evicted)")
+    ngram_max_trie_depth: int = option(18, "NGRAM: longest n-gram stored and suffix matched",
+                                       vllm="prompt_lookup_max")
+    ngram_min_match_window: int = option(1, "NGRAM: shortest context suffix that counts as a "
+                                         "match", vllm="prompt_lookup_min")
+    ngram_max_bfs_breadth: int = option(10, "NGRAM: tree breadth at depth 1 (BFS)")
+    ngram_min_bfs_breadth: int = option(1, "NGRAM: tree breadth at the deepest level (BFS)")
+    ngram_match_type: str = option("BFS", "NGRAM: BFS (most recent continuations) or PROB "
+                                   "(most frequent)", choices=("BFS", "PROB"))
+    ngram_external_corpus_path: str | None = option(
+        None, "NGRAM: JSONL/text corpus preloaded into the trie")
+    ngram_max_draft_tokens: int | None = option(
+        None, "NGRAM: tree nodes (root included) a request may draft while the step's total "
+        "stays within it, i.e. when it decodes alone: on a long context match with match "
+        "sizing, else after a step that accepted a whole default-size draft (default: 2x "
+        "--speculative-num-draft-tokens; equal to it turns deep drafts off)")
+    ngram_disable_match_sizing: bool = option(
+        False, "NGRAM: draft the whole budget whenever the context matches, instead of sizing "
+        "each tree by the match length (longer match, larger tree; a backed-off request drafts "
+        "again on a long match)")
+    ngram_disable_own_context: bool = option(
+        False, "NGRAM: on a 1- or 2-token context match, draft from the trie alone, instead of "
+        "from the request's own prompt and output first (the trie fills what is left)")
+
+
 @register_algorithm("NGRAM")
 class NgramDrafter(Drafter):
+    options = NgramOptions
+    # torch engine (fp32, weight-bandwidth-bound): a verify pass of 8 nodes costs ~1.15x a
+    # decode step. CPU engine: ~5x faster decode, so each node is dearer (T(4)/T(1) ~1.5,
+    # T(8)/T(1) ~2.4); on train-split rewrite/ShareGPT prompts 4 nodes beat 6, 8 and 12
+    # (docs/benchmarks.md).
+    default_num_draft_tokens = {"cpu": 4, "torch": 8}
+    vllm_methods = ("ngram", "prompt_lookup")
+
+    @classmethod
+    def resolve_options(cls, opts: NgramOptions, ctx: ResolveContext) -> NgramOptions:
+        opts = super().resolve_options(opts, ctx)
+        n, deep = opts.num_draft_tokens, opts.ngram_max_draft_tokens
+        deep = 2 * n if deep is None else deep
+        if deep < n:
+            raise ValueError(f"{flag('ngram_max_draft_tokens')} must be >= "
+                             f"{flag('num_draft_tokens')} ({n}), got {deep}")
+        return dataclasses.replace(opts, ngram_max_draft_tokens=deep)
+
     def __init__(self, cfg: SpecConfig, runner) -> None:
         super().__init__(cfg, runner)
         # with match sizing, a backed-off request still drafts on a confident (long) match
-        self.drafts_when_backed_off = cfg.ngram_match_sizing
+        self.drafts_when_backed_off = not cfg.ngram_disable_match_sizing
         self.cache = NgramCache(NgramConfig(
             capacity=cfg.ngram_capacity,
             max_trie_depth=cfg.ngram_max_trie_depth,
@@ -34,10 +83,10 @@ class NgramDrafter(Drafter):
             min_bfs_breadth=cfg.ngram_min_bfs_breadth,
             match_type=cfg.ngram_match_type,
             num_draft_tokens=cfg.num_draft_tokens,
-            size_by_match=cfg.ngram_match_sizing,
+            size_by_match=not cfg.ngram_disable_match_sizing,
         ))
         # per-request token positions for own-context drafts, LRU-bounded like the trie's states
-        self.own_context = cfg.ngram_own_context
+        self.own_context = not cfg.ngram_disable_own_context
         self._contexts: OrderedDict[str, ContextIndex] = OrderedDict()
         self._max_contexts = self.cache.cfg.max_tracked_requests
         if cfg.ngram_external_corpus_path:
@@ -82,7 +131,7 @@ class NgramDrafter(Drafter):
         if not 1 <= m <= OWN_CONTEXT_MAX_MATCH or len(tokens) <= 1:
             return tokens, parents
         size = r.budget
-        if self.cfg.ngram_match_sizing:
+        if not self.cfg.ngram_disable_match_sizing:
             size = tree_size_for_match(m, self.cfg.num_draft_tokens, r.budget)
         starts = index.continuations(r.tokens, m, size - 1)
         if not starts:

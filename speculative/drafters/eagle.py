@@ -38,8 +38,10 @@ reduced vocabulary: its logits cover the map's hot ids and `to_target` is those 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -50,10 +52,18 @@ from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.models.llama import ModelOutput
 from runtime.sampling.sampler import SamplingBatchInfo, process_logits
 from runtime.sampling.seeded import gumbel_noise
-from speculative.base import Drafter, SpecConfig, SpecReq, TargetRows, register_algorithm
+from speculative.base import Drafter, SpecReq, TargetRows, register_algorithm
 from speculative.eagle_tree import SampledTree, TopKTree, level_widths, topk_children
 from speculative.models import Eagle3Head, EagleHead, load_draft_head
 from speculative.models.base import HeadOutput
+from speculative.options import (
+    DraftTreeOptions,
+    ResolveContext,
+    SpecConfig,
+    check_tree_shape,
+    flag,
+    option,
+)
 from speculative.token_map import load_token_map
 from speculative.tree import DraftTree
 from speculative.verify import QMode
@@ -84,6 +94,24 @@ def draft_matmul_dtype(name: str, device: torch.device) -> torch.dtype | str:
 TOKEN_MAP_EAGLE3_ERROR = ("--speculative-token-map applies to EAGLE-1/2 heads; EAGLE-3 heads carry "
                           "their own draft vocabulary (d2t)")
 
+# the EAGLE-3 head trained for the default model (speculative/train, model card in its README)
+DEFAULT_EAGLE3_HEAD = (Path(__file__).resolve().parents[2] / "assets"
+                       / "eagle3-smollm2-135m-instruct")
+# (num_steps, topk, num_draft_tokens) when unset, by device type. CPU: every draft step costs a
+# head layer plus an LM-head matmul, and a verify node ~1 ms (~5% of a decode step), so a
+# shallow, narrow tree pays off: with the shipped head (acceptance at depth 3 ~0.05), 2 steps of
+# top-2 and 4 nodes beat 3 steps of top-4 and 8 nodes (1.29x against 1.14x) on train-split
+# ShareGPT prompts (docs/benchmarks.md, "EAGLE-3 tree on the CPU"). CUDA: SGLang's Llama default.
+EAGLE_TREE_DEFAULTS = {"cpu": (2, 2, 4), "cuda": (5, 4, 8)}
+
+
+@dataclass(frozen=True)
+class EagleOptions(DraftTreeOptions):
+    token_map: str | None = option(
+        None, "EAGLE-1/2: draft only over these target token ids (SGLang's hot token map: .pt "
+        "read with weights_only, .safetensors, .json or .npy); lossless, EAGLE-3 heads carry "
+        "their own draft vocabulary")
+
 
 @dataclass(slots=True)
 class HeadState:
@@ -106,6 +134,47 @@ class _Growing:
 class EagleDrafter(Drafter):
     q_mode = QMode.WITHOUT_REPLACEMENT  # for the sampled trees; top-k trees carry no q
     head_kind = "eagle"
+    options = EagleOptions
+    vllm_methods = ("eagle",)
+    shipped_head: Path | None = None
+
+    @classmethod
+    def resolve_options(cls, opts: EagleOptions, ctx: ResolveContext) -> EagleOptions:
+        """The head checkpoint (the shipped one with the default model) and the tree shape:
+        unset values from the device's default; top-k 1 is a chain."""
+        draft = opts.draft_model_path
+        if not draft:
+            shipped = cls.shipped_head is not None and (cls.shipped_head / "config.json").exists()
+            if not (ctx.default_model and shipped):
+                raise ValueError(f"--speculative-algorithm {cls.algorithm_name()} needs "
+                                 f"{flag('draft_model_path')} (an EAGLE head checkpoint); only "
+                                 "the default model with EAGLE3 has a shipped head")
+            draft = str(cls.shipped_head)
+        if opts.token_map is not None:
+            if cls.head_kind == "eagle3":
+                raise ValueError(TOKEN_MAP_EAGLE3_ERROR)
+            from speculative.token_map import check_token_map_path
+
+            check_token_map_path(opts.token_map)
+        auto = EAGLE_TREE_DEFAULTS.get(ctx.device, EAGLE_TREE_DEFAULTS["cpu"])
+        steps, topk, n = check_tree_shape(opts.num_steps, opts.eagle_topk, opts.num_draft_tokens,
+                                          auto)
+        opts = dataclasses.replace(opts, num_steps=steps, eagle_topk=topk, num_draft_tokens=n,
+                                   draft_model_path=draft)
+        return super().resolve_options(opts, ctx)
+
+    @classmethod
+    def chain_options(cls, k: int) -> dict:
+        return {"num_steps": k, "eagle_topk": 1, "num_draft_tokens": k + 1}
+
+    def describe(self) -> str:
+        cfg = self.cfg
+        tree = (cfg.num_steps, cfg.eagle_topk, cfg.num_draft_tokens)
+        auto = tree == EAGLE_TREE_DEFAULTS.get(self.runner.device.type)
+        return (f"tree of {tree[0]} steps, top-k {tree[1]}, {tree[2]} nodes"
+                f"{f' (the {self.runner.device.type} default)' if auto else ''}; sampling: "
+                + ("top-k trees, q ignored (target-only)" if cfg.eagle_target_only
+                   else "children drawn from q, verified with q"))
 
     def __init__(self, cfg: SpecConfig, runner) -> None:
         super().__init__(cfg, runner)
@@ -314,3 +383,5 @@ class EagleDrafter(Drafter):
 @register_algorithm("EAGLE3")
 class Eagle3Drafter(EagleDrafter):
     head_kind = "eagle3"
+    vllm_methods = ("eagle3",)
+    shipped_head = DEFAULT_EAGLE3_HEAD

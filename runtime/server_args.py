@@ -1,0 +1,179 @@
+"""`ServerArgs`: the one configuration dataclass.
+
+Its fields are the server's own (declared here, each with its `--help` text) plus every option
+of every registered speculative algorithm, taken from the algorithm's options dataclass
+(speculative/options.py) — so a new algorithm's flags, `Engine(**kwargs)` keywords and
+`/server_info` keys appear without touching this file. argparse lives in launch/server_args.py
+and reads the same fields. "auto" values are resolved in `resolve()`, which returns a new object
+and never mutates the original.
+
+The class is built from the registry when first asked for (`server_args_class()`; the module
+attribute `ServerArgs` is that class), and rebuilt if an algorithm registers later (a plugin).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from kernels.cpu import ACTIVATION_DIGITS, DEFAULT_ACTIVATION_DIGITS
+
+
+def _arg(default: Any, help: str, choices: tuple | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices, "group": "server"})
+
+
+@dataclass(frozen=True)
+class BaseServerArgs:
+    """The server's own options; `ServerArgs` adds the speculative ones."""
+
+    model_path: str = _arg("default", "HF model directory (Llama/Mistral/Qwen2/Qwen3), a .gguf "
+                           "file, or 'default' (the embedded SmolLM2-135M-Instruct)")
+    host: str = _arg("127.0.0.1", "address to bind; 127.0.0.1 keeps the server local")
+    port: int = _arg(30000, "HTTP port")
+    api_key: str | None = _arg(None, "require 'Authorization: Bearer <key>' on every endpoint "
+                               "but /health")
+    dtype: str = _arg("auto", "torch engine weights/KV dtype: auto (fp32 on CPU, bf16 on CUDA), "
+                      "float32, bfloat16, float16 (the CPU engine keeps its weights packed and "
+                      "computes in float32)", ("auto", "float32", "bfloat16", "float16"))
+    weight_format: str = _arg(
+        "auto", "auto: on the CPU, the C++ engine (kernels/cpu) with the checkpoint's own format "
+        "(a GGUF's Q4_1/Q8_0 blocks, an HF checkpoint's float dtype), batch-invariant so "
+        "speculative output equals plain output bit for bit; elsewhere the torch engine. torch: "
+        "the torch reference engine. f32|bf16|f16|q8_0|q4_0|q4_1: the CPU engine with every "
+        "linear converted to that format (q* formats quantize: lossy)")
+    activation_digits: int = _arg(
+        DEFAULT_ACTIVATION_DIGITS, "CPU engine, block formats: int8 digits per activation (3: "
+        "~22 bits, logits within ~1e-4 of float32; 2: ~15 bits; 1: int8 activations like "
+        "llama.cpp, fastest verify, least accurate)", ACTIVATION_DIGITS)
+    device: str = _arg("auto", "auto, cpu or cuda", ("auto", "cpu", "cuda"))
+    attention_backend: str = _arg("auto", "auto (cpu with the CPU engine, else torch_native), "
+                                  "torch_native or cpu", ("auto", "torch_native", "cpu"))
+    max_running_requests: int = _arg(32, "most requests decoding at once")
+    max_total_tokens: int | None = _arg(None, "KV cache capacity in tokens (default: sized from "
+                                        "context length)")
+    context_length: int | None = _arg(None, "longest prompt + output per request (default: the "
+                                      "model's)")
+    chunked_prefill_size: int = _arg(512, "most prompt tokens prefilled in one step; longer "
+                                     "prompts are split")
+    schedule_policy: str = _arg("fcfs", "fcfs (arrival order) or lpm (longest cached prefix "
+                                "first)", ("fcfs", "lpm"))
+    disable_radix_cache: bool = _arg(False, "do not reuse KV of shared prompt prefixes")
+    enable_metrics: bool = _arg(False, "serve Prometheus metrics at /metrics")
+    log_level: str = _arg("info", "debug, info, warning or error",
+                          ("debug", "info", "warning", "error"))
+    chat_template: str | None = _arg(None, "a Jinja chat template file (or inline template) "
+                                     "overriding the model's")
+    max_request_bytes: int = _arg(4 * 1024 * 1024, "largest accepted HTTP request body (413 "
+                                  "above)")
+    served_model_name: str | None = _arg(None, "model name reported by /v1/models (default: "
+                                         "the model dir name)")
+    num_threads: int | None = _arg(None, "torch threads in the model-runner process (default: "
+                                   "all cores)")
+    speculative_algorithm: str | None = field(default=None, metadata={
+        "help": "speculative decoding algorithm (none when unset); each algorithm's own options "
+        "are listed in its group below", "choices": None, "group": "speculative"})
+    speculative_config: str | None = field(default=None, metadata={
+        "help": "vLLM-style speculative config as JSON, e.g. '{\"method\": \"draft_model\", "
+        "\"model\": PATH, \"num_speculative_tokens\": 3}' or '{\"method\": \"ngram\", "
+        "\"prompt_lookup_max\": 4}'; mapped onto the --speculative-* options", "choices": None,
+        "group": "speculative"})
+
+    def spec_config(self):
+        """The speculative configuration (None without speculation); call on resolved args."""
+        from speculative.options import SpecConfig
+
+        return SpecConfig.from_server_args(self)
+
+    def resolve(self):
+        """Return a copy with "auto"/None values made concrete and every value checked."""
+        from runtime.model_loader.default_model import resolve_model_path
+        from runtime.model_runner.model_runner import WEIGHT_FORMATS
+
+        for f in dataclasses.fields(BaseServerArgs):
+            allowed = f.metadata.get("choices")
+            if f.name == "weight_format":
+                allowed = WEIGHT_FORMATS
+            if allowed and getattr(self, f.name) not in allowed:
+                raise ValueError(f"--{f.name.replace('_', '-')} must be one of {allowed}")
+        for name in ("max_running_requests", "chunked_prefill_size", "max_request_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        args = self
+        if self.speculative_config is not None:
+            args = args._apply_speculative_config()
+        spec = args._resolve_speculative() if args.speculative_algorithm is not None else {}
+        model_dir = str(resolve_model_path(self.model_path))
+        name = self.served_model_name or (
+            "SmolLM2-135M-Instruct" if self.model_path in ("default", None)
+            else os.path.basename(os.path.normpath(self.model_path))
+        )
+        threads = self.num_threads or os.cpu_count() or 1
+        return dataclasses.replace(
+            args, model_path=model_dir, served_model_name=name, num_threads=threads, **spec
+        )
+
+    def _apply_speculative_config(self):
+        from speculative.options import PREFIX, apply_speculative_config
+
+        given = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                 if f.name.startswith(PREFIX) and f.name != "speculative_config"
+                 and getattr(self, f.name) != f.default}
+        over = apply_speculative_config(given, self.speculative_config)
+        unknown = [k for k in over if not hasattr(self, k)]
+        assert not unknown, f"speculative_config mapped onto unknown fields {unknown}"
+        return dataclasses.replace(self, speculative_config=None, **over)
+
+    def _resolve_speculative(self) -> dict:
+        """The algorithm's options with its "auto" values filled (`Drafter.resolve_options`);
+        an option of another algorithm set away from its default is an error."""
+        from runtime.model_runner.model_runner import resolve_device
+        from speculative.base import ALGORITHMS, check_algorithm
+        from speculative.options import PREFIX, ResolveContext, all_options, flag, option_fields
+
+        algo = check_algorithm(self.speculative_algorithm)
+        cls = ALGORITHMS[algo]
+        mine = option_fields(cls.options)
+        for name, (f, algos) in all_options().items():
+            # a class built before a plugin registered lacks its fields: they hold defaults
+            if name not in mine and getattr(self, PREFIX + name, f.default) != f.default:
+                raise ValueError(f"{flag(name)} applies to --speculative-algorithm "
+                                 f"{' / '.join(algos)}, not {algo}")
+        opts = cls.options(**{n: getattr(self, PREFIX + n, f.default) for n, f in mine.items()})
+        ctx = ResolveContext(self._engine(), resolve_device(self.device).type,
+                             self.model_path in ("default", None))
+        opts = cls.resolve_options(opts, ctx)
+        return {"speculative_algorithm": algo,
+                **{PREFIX + n: getattr(opts, n) for n in mine if hasattr(self, PREFIX + n)}}
+
+    def _engine(self) -> str:
+        from runtime.model_runner.model_runner import resolve_device, resolve_engine
+
+        return resolve_engine(self.weight_format, resolve_device(self.device), self.dtype)
+
+
+_built: tuple[tuple, type] | None = None
+
+
+def server_args_class() -> type:
+    """`BaseServerArgs` plus one field per speculative option of the registered algorithms."""
+    global _built
+    from speculative.base import ALGORITHMS
+    from speculative.options import server_arg_fields
+
+    key = tuple(ALGORITHMS)
+    if _built is None or _built[0] != key:
+        cls = dataclasses.make_dataclass(
+            "ServerArgs", server_arg_fields(), bases=(BaseServerArgs,), frozen=True,
+            namespace={"__module__": __name__,
+                       "__doc__": "Server options + every speculative algorithm's options."})
+        _built = (key, cls)
+    return _built[1]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ServerArgs":
+        return server_args_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,1 @@
+"""One module per speculative algorithm (each registers itself with `register_algorithm`)."""

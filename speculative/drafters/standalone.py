@@ -1,0 +1,175 @@
+"""STANDALONE (SGLang's name): a separate, smaller draft model with the target's tokenizer.
+
+The draft is any model we load as a target (an HF directory or a .gguf of the Llama family),
+run by a second `ModelRunner` in the model-runner process on the same engine. Its KV pool has
+the target's capacity and is addressed by the SAME slot indices: the draft KV of position t
+lives in the slot holding the target KV of position t, so the scheduler's allocator, radix
+cache, retraction and aborts cover the draft's KV with no bookkeeping of their own; the draft KV
+of a cached prefix is recomputed, not shared (below).
+
+Which committed positions have draft KV (`_valid[rid]`, a prefix of the request's positions):
+none after a (re)admission — prefill chunks do not run the draft, and a radix-hit prefix may
+hold no draft KV or another request's, so none is trusted. A speculative step's first draft
+forward catches up every committed position without draft KV plus the root (one EXTEND), then
+feeds the chain's nodes 1 .. S-1 into the request's fresh slots, where the commit keeps the
+accepted ones; the last draft, when accepted, and a root that was not drafted from (backed
+off) are caught up by the next drafting step. So a request that never drafts (backed off)
+never pays for the draft's prefill, and catching up costs no forward of its own.
+
+Checked at start-up, one line each: the draft's tokenizer must map tokens to the same ids as
+the target's (and its vocabulary be the target's size), and it must handle the target's context.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kernels.cpu.packing import FORMAT_NAMES
+from runtime.model_loader.config import ModelConfig
+from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
+from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
+from runtime.models.llama import ModelOutput
+from speculative.base import TargetRows, register_algorithm
+from speculative.drafters.chain import Chain, ChainDrafter
+from speculative.options import DraftTreeOptions, ResolveContext, SpecConfig, flag, option
+
+logger = logging.getLogger(__name__)
+
+# the draft distilled for the default model (python -m speculative.train --algorithm
+# STANDALONE; model card in its README)
+DEFAULT_DRAFT_MODEL = (Path(__file__).resolve().parents[2] / "assets"
+                       / "draft-smollm2-135m-instruct")
+
+
+class DraftModelError(ValueError):
+    """A draft model that cannot serve this target."""
+
+
+def check_draft_compatible(draft_dir: str, target_dir: str, target_context: int) -> None:
+    """Raise DraftModelError (one line) if the draft cannot draft for the target."""
+    from runtime.model_loader.tokenizer import load_tokenizer
+
+    dcfg, tcfg = ModelConfig.from_dir(draft_dir), ModelConfig.from_dir(target_dir)
+    if dcfg.vocab_size != tcfg.vocab_size:
+        raise DraftModelError(f"draft model {draft_dir} is not vocabulary-compatible with the "
+                              f"target: {dcfg.vocab_size} token ids against {tcfg.vocab_size}")
+    dvocab, tvocab = load_tokenizer(draft_dir).get_vocab(), load_tokenizer(target_dir).get_vocab()
+    if dvocab != tvocab:
+        differ = sum(1 for t, i in tvocab.items() if dvocab.get(t) != i) + len(
+            set(dvocab) - set(tvocab))
+        raise DraftModelError(f"draft model {draft_dir} is not vocabulary-compatible with the "
+                              f"target: its tokenizer maps {differ} tokens differently")
+    if dcfg.max_position_embeddings < target_context:
+        raise DraftModelError(f"draft model {draft_dir} handles {dcfg.max_position_embeddings} "
+                              f"positions, fewer than the target's context of {target_context}; "
+                              "pass --context-length <= that")
+
+
+@dataclass(frozen=True)
+class StandaloneOptions(DraftTreeOptions):
+    draft_weight_format: str = option(
+        "auto", "STANDALONE on the CPU engine: the draft model's weight format (auto: a GGUF's "
+        "own blocks; q4_1 for a float checkpoint, whose every weight a draft step reads). Drafts "
+        "only: the target verifies every token, so output is unchanged",
+        choices=("auto", *FORMAT_NAMES))
+
+
+@register_algorithm("STANDALONE")
+class StandaloneDrafter(ChainDrafter):
+    options = StandaloneOptions
+    vllm_methods = ("draft_model", "standalone")
+    mirrors_kv = True
+    default_num_steps = {"cpu": 3, "torch": 4}
+    shipped_draft = DEFAULT_DRAFT_MODEL
+
+    @classmethod
+    def resolve_options(cls, opts: StandaloneOptions, ctx: ResolveContext) -> StandaloneOptions:
+        import dataclasses
+
+        if not opts.draft_model_path:
+            shipped = (cls.shipped_draft / "config.json").exists()
+            if not (ctx.default_model and shipped):
+                raise ValueError(f"--speculative-algorithm STANDALONE needs "
+                                 f"{flag('draft_model_path')} (a draft model: HF directory or "
+                                 ".gguf); only the default model has a shipped draft")
+            opts = dataclasses.replace(opts, draft_model_path=str(cls.shipped_draft))
+        return super().resolve_options(opts, ctx)
+
+    def __init__(self, cfg: SpecConfig, runner) -> None:
+        super().__init__(cfg, runner)
+        from runtime.model_loader.default_model import resolve_model_path
+
+        if not cfg.draft_model_path:
+            raise DraftModelError(f"STANDALONE needs {flag('draft_model_path')}")
+        draft_dir = str(resolve_model_path(cfg.draft_model_path))
+        check_draft_compatible(draft_dir, runner.model_config.model_dir, runner.context_length)
+        fmt = "torch"
+        if runner.engine == "cpu":
+            fmt = cfg.draft_weight_format
+            if fmt == "auto":
+                fmt = "auto" if (Path(draft_dir) / "gguf_blocks.safetensors").exists() else "q4_1"
+        self.draft = ModelRunner(RunnerConfig(
+            draft_dir, runner.device.type, str(runner.dtype).removeprefix("torch."),
+            max_total_tokens=runner.kv_capacity, context_length=runner.context_length,
+            weight_format=fmt, num_threads=torch.get_num_threads(),
+        ))
+        assert self.draft.kv_capacity == runner.kv_capacity, "the draft KV mirrors the target's"
+        self.draft_layers = self.draft.model_config.num_hidden_layers
+        self._valid: dict[str, int] = {}  # rid -> committed positions with draft KV
+        self._fed: dict[str, int] = {}  # rid -> chain nodes fed in its last step
+        self._prefilled: dict[str, int] = {}  # rid -> positions prefilled (chunk by chunk)
+
+    def describe(self) -> str:
+        return (f"chains of {self.cfg.num_steps} drafts from {self.cfg.draft_model_path} "
+                f"({self.draft_layers} layers, {self.draft.engine} engine)")
+
+    def _step(self, chains: list[Chain], j: int) -> torch.Tensor:
+        tokens, slots, prefix = [], [], []
+        mode = ForwardMode.EXTEND if j == 0 else ForwardMode.DECODE
+        for c in chains:
+            committed = len(c.req.tokens) - 1
+            if j == 0:  # catch up the committed positions without draft KV, then the root
+                start = min(self._valid.get(c.req.rid, committed), committed)
+                tokens.append(c.req.tokens[start:])
+                prefix.append(start)
+            else:
+                tokens.append([c.tokens[j]])
+                prefix.append(committed + j)
+            slots.append(torch.cat([c.req.prefix_slots, c.req.fresh_slots[: j + 1]]))
+        batch = ForwardBatch.build(mode, tokens, slots, prefix)
+        return self.draft.forward(batch).logits
+
+    def _end(self, chains: list[Chain]) -> None:
+        for c in chains:
+            self._fed[c.req.rid] = c.depth
+            if c.depth > 0:
+                self._valid[c.req.rid] = len(c.req.tokens) - 1  # caught up to the root
+
+    def draft_extend(self, rows: list[TargetRows], out: ModelOutput) -> None:
+        for r in rows:
+            if r.tree_nodes is None:
+                # a prefill chunk: nothing runs now (a request that never drafts, e.g. backed
+                # off, never pays for the draft's prefill); the first draft step catches up.
+                # A new admission (not the next chunk of the same prefill) trusts no cached
+                # slot: its radix-hit prefix may hold no draft KV or another request's.
+                cont = self._prefilled.get(r.rid) == r.prefix_len
+                self._valid[r.rid] = min(self._valid.get(r.rid, 0), r.prefix_len) if cont else 0
+                self._prefilled[r.rid] = r.prefix_len + len(r.tokens)
+                continue
+            fed = self._fed.get(r.rid, 0)
+            if fed > 0:  # verified: root + accepted drafts; the fed ones have draft KV in place
+                self._valid[r.rid] = r.prefix_len + min(len(r.tree_nodes), fed)
+
+    def release(self, rid: str) -> None:
+        self._valid.pop(rid, None)
+        self._fed.pop(rid, None)
+        self._prefilled.pop(rid, None)
+
+    def reset(self) -> None:
+        self._valid.clear()
+        self._fed.clear()
+        self._prefilled.clear()

@@ -1,0 +1,222 @@
+"""STANDALONE (a separate draft model) and EARLY_EXIT (the target's own first layers) on tiny
+models, through the scheduler and the runner worker on the exact CPU engine: greedy output is
+plain decoding's token for token (batch 1 and concurrency 8, chunked prefill, radix hits,
+retraction, aborts) with no near-tie exemption; a draft that IS the target is accepted
+everywhere (so the draft KV the drafters keep is right, not merely harmless); the resumed
+verify pass equals the full one bit for bit; sampled output follows the target's distribution
+(chains drawn from q, verified with q; seeded requests); bad drafts fail at start-up with one
+clear line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from runtime.messages import AbortReq
+from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
+from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
+from runtime.model_runner.runner_process import RunnerWorker
+from runtime.server_args import ServerArgs
+from speculative.base import SpecConfig, SpecReq, create_drafter
+from speculative.drafters.standalone import DraftModelError
+from speculative.train.draft_init import init_draft_from_target, spread_layers
+from speculative.worker import SpeculativeWorker
+from tests.helpers.tiny_models import write_tiny_model
+from tests.unit.test_scheduler import Harness, prompts, reference
+from tests.unit.test_spec_sampling_distribution import (  # noqa: F401 - fixtures
+    joints,
+    pair_fits,
+    run_samples,
+    tiny_vocab,
+)
+
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dm")
+    d = write_tiny_model(root / "t", "llama", seed=7, num_hidden_layers=4)
+    runner = ModelRunner(RunnerConfig(str(d), "cpu", "float32", max_total_tokens=4096))
+    assert runner.engine == "cpu", "these tests pin the exact CPU engine"
+    drafts = {"half": init_draft_from_target(d, root / "half", [0, 3]),
+              "same": init_draft_from_target(d, root / "same", [0, 1, 2, 3])}
+    return d, runner, drafts
+
+
+@pytest.fixture(scope="module")
+def truth(target):
+    ps = prompts(50, seed=21)
+    return ps, reference(target[:2], ps, ignore_eos=True, max_new_tokens=NEW)
+
+
+def make_cfg(algo, target, draft="half", steps=3, **kw):
+    if algo == "STANDALONE":
+        kw["draft_model_path"] = str(target[2][draft])
+        kw.setdefault("draft_weight_format", "f32")  # the draft exactly as written
+    else:
+        kw.setdefault("early_exit_layer", 2)
+    return SpecConfig(algo, steps + 1, num_steps=steps, disable_adaptive=True, **kw)
+
+
+def harness(target, cfg, **sched):
+    runner = target[1]
+    h = Harness(target[:2], num_draft_tokens=cfg.num_draft_tokens, **sched)
+    drafter = create_drafter(cfg, runner)
+    h.worker = RunnerWorker(runner, SpeculativeWorker(cfg, drafter, runner))
+    h.sched.run_batch = h.worker.run
+    return h, drafter
+
+
+def accept_length(h) -> float:
+    t = h.sched.spec_totals
+    return t["spec_tokens_from_verify"] / max(t["spec_verify_steps"], 1)
+
+
+@pytest.mark.parametrize("algo", ["STANDALONE", "EARLY_EXIT"])
+@pytest.mark.parametrize("concurrency", [1, 8])
+def test_greedy_output_equals_plain_decoding_on_50_prompts(target, truth, algo, concurrency):
+    ps, ref = truth
+    h, _ = harness(target, make_cfg(algo, target), max_running_requests=concurrency,
+                   chunked_prefill_size=32)
+    for i, p in enumerate(ps):
+        h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=NEW)
+    h.run()
+    for i, r in enumerate(ref):
+        assert h.outputs[f"r{i}"] == r, f"prompt {i} differs from plain decoding"
+    assert h.sched.spec_totals["spec_verify_steps"] > 0
+    assert h.sched.spec_totals["spec_decode_num_accepted_tokens"] > 0, "nothing was accepted"
+    h.sched.check_no_leak()
+
+
+@pytest.mark.parametrize("algo,draft", [("STANDALONE", "same"), ("EARLY_EXIT", None)])
+def test_a_draft_equal_to_the_target_is_accepted_everywhere(target, truth, algo, draft):
+    """STANDALONE with the target itself as the draft must accept every draft: any position
+    whose draft KV was missing or stale (catch-up, the last accepted draft, prefill chunks,
+    radix hits) would show as a rejection. EARLY_EXIT at the last layer but one accepts less,
+    but its resumed verify must still be exact (the greedy test)."""
+    ps, ref = truth
+    cfg = make_cfg(algo, target, draft=draft or "half",
+                   **({} if algo == "STANDALONE" else {"early_exit_layer": 3}))
+    h, _ = harness(target, cfg, max_running_requests=4, chunked_prefill_size=16)
+    for i, p in enumerate(ps[:16]):
+        h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=NEW)
+    h.run()
+    assert [h.outputs[f"r{i}"] for i in range(16)] == ref[:16]
+    t = h.sched.spec_totals
+    if algo == "STANDALONE":
+        assert t["spec_decode_num_accepted_tokens"] == t["spec_decode_num_draft_tokens"], t
+        assert accept_length(h) > 3.5
+    h.sched.check_no_leak()
+
+
+@pytest.mark.parametrize("algo", ["STANDALONE", "EARLY_EXIT"])
+def test_radix_hits_retraction_and_aborts_keep_output_and_free_kv(target, truth, algo):
+    ps, ref = truth
+    h, drafter = harness(target, make_cfg(algo, target, draft="same"), max_running_requests=8,
+                         capacity=200, chunked_prefill_size=16, decode_reserve_ratio=0.0)
+    base = ps[0]
+    for i, p in enumerate(ps[:10]):
+        h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=NEW)
+    h.submit("hit", base + ref[0][:5], ignore_eos=True, max_new_tokens=NEW)
+    h.submit("gone", ps[11], ignore_eos=True, max_new_tokens=NEW)
+    for _ in range(4):
+        h.sched.step()
+    h.sched.handle(AbortReq(rid="gone"))
+    h.run()
+    assert h.sched.totals["retracted"] > 0, "capacity was meant to force retractions"
+    assert [h.outputs[f"r{i}"] for i in range(10)] == ref[:10]
+    hit_ref = reference(target[:2], [base + ref[0][:5]], ignore_eos=True, max_new_tokens=NEW)[0]
+    assert h.outputs["hit"] == hit_ref
+    assert h.finish["gone"]["type"] == "abort"
+    h.sched.check_no_leak()  # one allocator covers both pools: the draft KV mirrors its slots
+    if algo == "STANDALONE":  # finished requests are released with the next batch
+        assert set(drafter._valid) <= {"hit"}, "released requests left draft state"
+
+
+def test_early_exit_verify_resumed_from_draft_hidden_states_is_bit_exact(target):
+    runner = target[1]
+    drafter = create_drafter(make_cfg("EARLY_EXIT", target, early_exit_layer=2), runner)
+    assert drafter.resume
+    prompt = list(range(5, 25))
+    slots = torch.arange(1, len(prompt) + 4)  # 19 committed + 4 fresh
+    runner.forward(ForwardBatch.build(ForwardMode.EXTEND, [prompt[:-1]], [slots[:19]], [0]))
+    req = SpecReq("a", prompt, 4, None, prefix_slots=slots[:19], fresh_slots=slots[19:])
+    tree = drafter.propose([req])[0]
+    assert tree.num_nodes == 4
+    batch = lambda: ForwardBatch.build(  # noqa: E731 - one batch per forward
+        ForwardMode.TARGET_VERIFY, [tree.tokens.tolist()], [slots], [19],
+        positions=[19 + tree.depth], custom_masks=[tree.ancestor_mask], logits="all")
+    resumed = drafter.target_forward(batch(), [tree], False).logits
+    full = runner.forward(batch()).logits
+    assert torch.equal(resumed, full)
+    # and the draft's own tokens are the early exit's greedy choices
+    exit_logits = runner.forward(batch(), layers=(0, 2)).logits
+    assert tree.tokens[1:].tolist() == exit_logits.argmax(-1)[:3].tolist()
+
+
+@pytest.mark.parametrize("algo", ["STANDALONE", "EARLY_EXIT"])
+@pytest.mark.parametrize("seeded", [False, True])
+def test_sampled_chains_follow_the_target_distribution(tiny_vocab, joints, algo,  # noqa: F811
+                                                       seeded, tmp_path):
+    d, runner = tiny_vocab
+    kw = ({"draft_model_path": str(init_draft_from_target(d, tmp_path / "dr", [1])),
+           "draft_weight_format": "f32"}
+          if algo == "STANDALONE" else {"early_exit_layer": 1})
+    cfg = SpecConfig(algo, 4, num_steps=3, disable_adaptive=True, **kw)
+    outs, info = run_samples(tiny_vocab, lambda _c, r: create_drafter(cfg, r), seeded=seeded,
+                             budget=4)
+    per_pos = info["spec_decode_num_accepted_tokens_per_pos"]
+    assert len(per_pos) >= 2 and per_pos[1] > 0, f"no depth-2 draft accepted: {per_pos}"
+    for k, fit in enumerate(pair_fits(outs, joints)):
+        assert fit.passed, f"tokens {k + 1},{k + 2}: {fit}"
+
+
+def test_an_incompatible_or_short_draft_fails_at_start_up_with_one_line(target, tmp_path):
+    d, runner, _ = target
+    other = write_tiny_model(tmp_path / "o", "llama", seed=1, vocab_size=300)
+    with pytest.raises(DraftModelError, match="not vocabulary-compatible") as exc:
+        create_drafter(SpecConfig("STANDALONE", 4, num_steps=3, draft_model_path=str(other)),
+                       runner)
+    assert "\n" not in str(exc.value)
+    short = init_draft_from_target(d, tmp_path / "short", [0])
+    cfg = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 16}))
+    with pytest.raises(DraftModelError, match="fewer than the target's context") as exc:
+        create_drafter(SpecConfig("STANDALONE", 4, num_steps=3, draft_model_path=str(short)),
+                       runner)
+    assert "\n" not in str(exc.value)
+
+
+def test_server_args_resolve_chains_and_reject_what_does_not_apply(target):
+    d = str(target[0])
+    args = ServerArgs(model_path=d, speculative_algorithm="STANDALONE",
+                      speculative_draft_model_path=str(target[2]["half"]),
+                      speculative_num_steps=4).resolve()
+    assert (args.speculative_num_draft_tokens, args.speculative_eagle_topk) == (5, 1)
+    args = ServerArgs(model_path=d, speculative_config={
+        "method": "draft_model", "model": str(target[2]["half"]),
+        "num_speculative_tokens": 2}).resolve()
+    assert (args.speculative_algorithm, args.speculative_num_steps) == ("STANDALONE", 2)
+    args = ServerArgs(model_path=d, speculative_config={"method": "early_exit",
+                                                        "early_exit_layer": 2}).resolve()
+    assert args.speculative_algorithm == "EARLY_EXIT" and args.speculative_early_exit_layer == 2
+    with pytest.raises(ValueError, match="needs --speculative-draft-model-path"):
+        ServerArgs(model_path=d, speculative_algorithm="STANDALONE").resolve()
+    with pytest.raises(ValueError, match="drafts chains"):
+        ServerArgs(model_path=d, speculative_algorithm="EARLY_EXIT",
+                   speculative_eagle_topk=4).resolve()
+    with pytest.raises(ValueError, match="early-exit-layer applies to"):
+        ServerArgs(model_path=d, speculative_algorithm="NGRAM",
+                   speculative_early_exit_layer=3).resolve()
+    with pytest.raises(ValueError, match=r"must be in \[1, 3\]"):
+        create_drafter(make_cfg("EARLY_EXIT", target, early_exit_layer=4), target[1])
+
+
+def test_spread_layers_keeps_first_and_last():
+    assert spread_layers(30, 4) == [0, 10, 19, 29]
+    assert spread_layers(4, 1) == [0]
+    with pytest.raises(ValueError):
+        spread_layers(4, 5)
