@@ -34,7 +34,7 @@ def serve(label: str, server_args: dict, prompts: list[tuple[list[int], int]],
     from runtime.messages import GenerateReq
     from runtime.model_loader.tokenizer import load_tokenizer
     from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
-    from runtime.model_runner.runner_process import RunnerWorker
+    from runtime.model_runner.runner_process import RunnerWorker, single_torch_thread
     from runtime.sampling.sampling_params import SamplingParams
     from runtime.scheduler.scheduler import Scheduler, SchedulerConfig
     from runtime.scheduler.stop import StopChecker
@@ -45,11 +45,12 @@ def serve(label: str, server_args: dict, prompts: list[tuple[list[int], int]],
     torch.set_num_threads(threads)
     args = ServerArgs(**server_args).resolve()
     runner = ModelRunner(RunnerConfig(args.model_path, "cpu", "float32",
-                                      max_total_tokens=8192))
+                                      max_total_tokens=8192, num_threads=threads))
     spec_cfg = args.spec_config()
     spec = None
     if spec_cfg is not None:
         spec = SpeculativeWorker(spec_cfg, create_drafter(spec_cfg, runner), runner)
+    single_torch_thread(runner)  # as the runner process does
     worker = RunnerWorker(runner, spec)
     stop = StopChecker(load_tokenizer(args.model_path), [], 8192)
     sched = Scheduler(SchedulerConfig.from_server_args(args), runner.kv_capacity, stop,

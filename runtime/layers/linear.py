@@ -58,16 +58,17 @@ class Linear(nn.Module):
         self.compute_dtype = torch.float32  # of the packed weight
         self.blocks = None  # kernels/cpu PackedLinear, when packed in a block format
 
-    def pack(self, compute_dtype: torch.dtype | str = torch.float32) -> bool:
+    def pack(self, compute_dtype: torch.dtype | str = torch.float32,
+             threads: int | None = None) -> bool:
         """Prepack for oneDNN (CPU fp32 layers only), multiplying in `compute_dtype` (float32,
         or bfloat16 for inexact uses), or quantize into "q8_0" / "q4_0" blocks for the CPU
         extension (inexact uses; see the module docstring). Returns whether the layer is now
-        packed."""
+        packed. `threads`: the CPU kernels' threads for block formats (default: torch's)."""
         w = self.weight
         if w.device.type != "cpu" or w.dtype != torch.float32:
             return False
         if isinstance(compute_dtype, str):
-            return self._pack_blocks(compute_dtype)
+            return self._pack_blocks(compute_dtype, threads or torch.get_num_threads())
         if not onednn_packing_available():
             return False
         assert compute_dtype in (torch.float32, torch.bfloat16), compute_dtype
@@ -84,7 +85,7 @@ class Linear(nn.Module):
         """Whether the dense weight was dropped for a packed copy (oneDNN or blocks)."""
         return self.packed is not None or self.blocks is not None
 
-    def _pack_blocks(self, fmt_name: str) -> bool:
+    def _pack_blocks(self, fmt_name: str, threads: int) -> bool:
         from kernels import cpu
         from kernels.cpu.packing import Fmt, finish, pad_bias, quantize, tile_major
         from kernels.cpu.weights import Packed
@@ -100,7 +101,7 @@ class Linear(nn.Module):
                 else torch.from_numpy(pad_bias(self.bias.data.float().numpy())))
         self.blocks = Packed(fmt, self.in_features, self.out_features, data, bias).to_ext(
             cpu.load())
-        self._threads = torch.get_num_threads()
+        self._threads = threads
         self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
         return True
 

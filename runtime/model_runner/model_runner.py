@@ -103,6 +103,8 @@ class ModelRunner:
             cfg.context_length or mc.max_position_embeddings, mc.max_position_embeddings
         )
         self.engine = resolve_engine(cfg.weight_format, self.device, cfg.dtype)
+        # threads of the CPU engine's own pool (kernels/cpu), also for drafts on its kernels
+        self.kernel_threads = cfg.num_threads or torch.get_num_threads()
         capacity = cfg.max_total_tokens or max(4 * self.context_length, 8192)
         if self.engine == "cpu":
             self.dtype = torch.float32  # activations and KV; weights keep their packed format

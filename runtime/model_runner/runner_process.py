@@ -174,6 +174,17 @@ def _create_spec(server_args, runner: ModelRunner) -> SpeculativeWorker | None:
     return SpeculativeWorker(spec_cfg, drafter, runner)
 
 
+def single_torch_thread(runner) -> None:
+    """On the CPU engine, torch's own ops (sampling, a draft head's attention and norms) run on
+    one thread: the engine's pool owns the cores, and a second pool of torch workers waking
+    beside it costs more than it saves on such small tensors (measured on an EAGLE-3 head
+    step over a 200-token prefix: 1.1-1.3 ms against 2.2-7.9 ms, docs/benchmarks.md)."""
+    if runner.engine == "cpu" and torch.get_num_threads() > 1:
+        logger.info("torch ops on 1 thread; the CPU engine's kernels on %d",
+                    runner.kernel_threads)
+        torch.set_num_threads(1)
+
+
 def run_model_runner_process(server_args, ipc_dir: str, parent_pid: int) -> None:
     die_with_parent()
     setup_logging(server_args.log_level, "runner")
@@ -191,6 +202,7 @@ def run_model_runner_process(server_args, ipc_dir: str, parent_pid: int) -> None
             num_threads=server_args.num_threads,
         ))
         spec = _create_spec(server_args, runner)  # a draft head that does not fit fails here
+        single_torch_thread(runner)
     except Exception as exc:  # noqa: BLE001 - reported to the scheduler, then we exit
         send.send(RunnerError(message=f"model runner failed to start: {exc}"))
         raise
@@ -202,7 +214,7 @@ def run_model_runner_process(server_args, ipc_dir: str, parent_pid: int) -> None
         "device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
         "architecture": mc.architecture, "num_layers": mc.num_hidden_layers,
         "engine": runner.engine, "weight_formats": runner.weight_formats,
-        "threads": torch.get_num_threads(), "runner_pid": os.getpid(),
+        "threads": runner.kernel_threads, "runner_pid": os.getpid(),
     }))
     while True:
         msg = recv.recv(timeout_ms=1000)

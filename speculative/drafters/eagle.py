@@ -205,7 +205,8 @@ class EagleDrafter(Drafter):
             logger.info("EAGLE drafts over %d of %d tokens (%s)", hot.numel(), self.vocab_size,
                         cfg.token_map)
         self.matmul_dtype = draft_matmul_dtype(cfg.draft_matmul_dtype, self.head.kv_pool.device)
-        if self.head.pack_weights(self.matmul_dtype):
+        if self.head.pack_weights(self.matmul_dtype,
+                                   getattr(runner, "kernel_threads", None)):
             logger.info("EAGLE head linears prepacked, multiplying in %s",
                         str(self.matmul_dtype).removeprefix("torch."))
         self.backend = self.head.create_backend()

@@ -115,7 +115,7 @@ class StandaloneDrafter(ChainDrafter):
         self.draft = ModelRunner(RunnerConfig(
             draft_dir, runner.device.type, str(runner.dtype).removeprefix("torch."),
             max_total_tokens=runner.kv_capacity, context_length=runner.context_length,
-            weight_format=fmt, num_threads=torch.get_num_threads(),
+            weight_format=fmt, num_threads=getattr(runner, "kernel_threads", None),
         ))
         assert self.draft.kv_capacity == runner.kv_capacity, "the draft KV mirrors the target's"
         self.draft_layers = self.draft.model_config.num_hidden_layers

@@ -115,11 +115,13 @@ class DraftHead(nn.Module):
         scale = lc.head_dim**-0.5
         return create_attention_backend(name, self.kv_pool, lc.num_attention_heads, scale)
 
-    def pack_weights(self, compute_dtype: torch.dtype | str = torch.float32) -> int:
+    def pack_weights(self, compute_dtype: torch.dtype | str = torch.float32,
+                     threads: int | None = None) -> int:
         """Prepack the head's linears for the CPU fast path (do it after any save), multiplying
         in `compute_dtype` (bfloat16, or "q8_0" / "q4_0" blocks on the CPU extension, are
         fine here: a head only drafts)."""
-        return sum(m.pack(compute_dtype) for m in self.modules() if isinstance(m, Linear))
+        return sum(m.pack(compute_dtype, threads) for m in self.modules()
+                   if isinstance(m, Linear))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_weight is None:
