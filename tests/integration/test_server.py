@@ -126,9 +126,9 @@ BAD_INPUTS = [
     ("/generate", {"text": "hi", "sampling_params": {"top_p": 1.5}}, "top_p"),
     ("/generate", {"text": ""}, "prompt"),
     ("/generate", {"text": "word " * 9000}, "prompt"),
-    ("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 0}, "max_tokens"),
-    ("/v1/chat/completions", {"model": "m", "messages": [], "max_tokens": 5}, "messages"),
-    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [], "max_tokens": 5}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "logprobs": True}, "logprobs"),
 ]
 
