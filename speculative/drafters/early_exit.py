@@ -1,5 +1,9 @@
 """EARLY_EXIT: self-speculative decoding. The draft is the target's own first E layers, then
-its final norm and LM head (no extra weights, no extra KV).
+its final norm and LM head (no extra weights, no extra KV) — or, with an exit adapter
+(`--speculative-draft-model-path`, trained by `python -m speculative.train --algorithm
+EARLY_EXIT`; the default model's ships in assets/), a small residual MLP on layer E's output
+and the target's LM-head rows of a reduced draft vocabulary
+(`speculative/models/exit_adapter.py`): better drafts, and a cheaper output head.
 
 Drafting (speculative/drafters/chain.py): step j runs chain node j through layers [0, E) of the
 target (`ModelRunner.forward(layers=(0, E))`), writing their KV into the request's fresh slot j
@@ -18,7 +22,10 @@ layers are not batch-invariant, the verify pass recomputes all layers.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -28,6 +35,12 @@ from speculative.base import register_algorithm
 from speculative.drafters.chain import Chain, ChainDrafter
 from speculative.options import DraftTreeOptions, ResolveContext, SpecConfig, flag, option
 from speculative.tree import DraftTree
+
+logger = logging.getLogger(__name__)
+
+# the exit adapter trained for the default model (model card in its README)
+DEFAULT_EXIT_ADAPTER = (Path(__file__).resolve().parents[2] / "assets"
+                        / "early-exit-adapter-smollm2-135m-instruct")
 
 
 @dataclass(frozen=True)
@@ -47,13 +60,30 @@ class EarlyExitDrafter(ChainDrafter):
     vllm_methods = ("early_exit", "layer_skip", "self_speculative")
     default_num_steps = {"cpu": 2, "torch": 3}
 
+    shipped_adapter = DEFAULT_EXIT_ADAPTER
+
     @classmethod
     def resolve_options(cls, opts: EarlyExitOptions, ctx: ResolveContext) -> EarlyExitOptions:
-        if opts.draft_model_path is not None:
-            raise ValueError(f"EARLY_EXIT drafts with the target's own layers; "
-                             f"{flag('draft_model_path')} (an exit adapter) is not supported")
+        from speculative.models.exit_adapter import CONFIG_KEY, is_exit_adapter
+
         if opts.early_exit_layer is not None and opts.early_exit_layer < 1:
             raise ValueError(f"{flag('early_exit_layer')} must be >= 1")
+        path = opts.draft_model_path
+        if path is None and ctx.default_model and is_exit_adapter(cls.shipped_adapter) \
+                and opts.early_exit_layer is None:
+            path = str(cls.shipped_adapter)  # the default model's trained adapter
+        if path is not None:
+            if not is_exit_adapter(path):
+                raise ValueError(f"EARLY_EXIT: {flag('draft_model_path')} {path} is not an exit "
+                                 f"adapter (a directory whose config.json has {CONFIG_KEY}; "
+                                 "python -m speculative.train --algorithm EARLY_EXIT makes one)")
+            import json
+
+            layer = json.loads((Path(path) / "config.json").read_text())[CONFIG_KEY]["exit_layer"]
+            if opts.early_exit_layer not in (None, layer):
+                raise ValueError(f"EARLY_EXIT: the adapter {path} reads layer {layer}, not "
+                                 f"{flag('early_exit_layer')} {opts.early_exit_layer}")
+            opts = dataclasses.replace(opts, draft_model_path=path, early_exit_layer=layer)
         return super().resolve_options(opts, ctx)
 
     def __init__(self, cfg: SpecConfig, runner) -> None:
@@ -65,13 +95,38 @@ class EarlyExitDrafter(ChainDrafter):
                              f"this {num_layers}-layer target, got {exit_layer}")
         self.exit_layer = exit_layer
         self.num_layers = num_layers
+        self.adapter = None
+        if cfg.draft_model_path:
+            self.adapter = self._load_adapter(cfg, runner)
         self.resume = runner.engine == "cpu" and not cfg.early_exit_disable_verify_resume
         # per request of the last `propose`, in order: hidden after layer E of each fed node
         self._fed: list[list[torch.Tensor]] = []
 
+    def _load_adapter(self, cfg: SpecConfig, runner):
+        from speculative.drafters.eagle import draft_matmul_dtype
+        from speculative.models.exit_adapter import load_exit_adapter
+
+        adapter = load_exit_adapter(cfg.draft_model_path)
+        s, mc = adapter.shape, runner.model_config
+        if (s.num_target_layers, s.hidden_size, s.target_vocab_size) != (
+                mc.num_hidden_layers, mc.hidden_size, mc.vocab_size):
+            raise ValueError(
+                f"EARLY_EXIT: the adapter {cfg.draft_model_path} was trained for a target of "
+                f"{s.num_target_layers} layers, hidden {s.hidden_size}, vocabulary "
+                f"{s.target_vocab_size}; this one has {mc.num_hidden_layers}, {mc.hidden_size}, "
+                f"{mc.vocab_size}")
+        adapter.to(runner.device)
+        dtype = draft_matmul_dtype(cfg.draft_matmul_dtype, runner.device)
+        adapter.pack_weights(dtype, getattr(runner, "kernel_threads", None))
+        logger.info("EARLY_EXIT adapter %s: layer %d, MLP %d, draft vocabulary %d, matmuls in %s",
+                    cfg.draft_model_path, s.exit_layer, s.intermediate_size, s.draft_vocab_size,
+                    str(dtype).removeprefix("torch."))
+        return adapter
+
     def describe(self) -> str:
         return (f"chains of {self.cfg.num_steps} drafts from layer {self.exit_layer} of "
-                f"{self.num_layers}; verify "
+                f"{self.num_layers}" + (" through an exit adapter" if self.adapter else "")
+                + "; verify "
                 + ("resumes at that layer from the draft's hidden states" if self.resume
                    else "recomputes every layer"))
 
@@ -85,14 +140,18 @@ class EarlyExitDrafter(ChainDrafter):
             tokens.append([c.tokens[j]])
             slots.append(torch.cat([c.req.prefix_slots, c.req.fresh_slots[: j + 1]]))
             prefix.append(committed + j)
-        capture = (self.exit_layer,) if self.resume else ()
+        capture = (self.exit_layer,) if self.resume or self.adapter else ()
         batch = ForwardBatch.build(ForwardMode.DECODE, tokens, slots, prefix,
                                    capture_layers=capture)
+        if self.adapter is not None:  # the target's own LM head is not wanted
+            batch.logits_indices = batch.logits_indices[:0]
         out = self.runner.forward(batch, layers=(0, self.exit_layer))
+        hidden = out.captured[self.exit_layer] if capture else None  # [B, H]
         if self.resume:
-            hidden = out.captured[self.exit_layer]  # [B, H]
             for b, c in enumerate(chains):
                 self._fed[c.index].append(hidden[b])
+        if self.adapter is not None:
+            return self.adapter.full_logits(hidden)
         return out.logits
 
     def target_forward(self, batch: ForwardBatch, trees: list[DraftTree],

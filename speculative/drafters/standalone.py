@@ -35,6 +35,7 @@ from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
 from runtime.models.llama import ModelOutput
 from speculative.base import TargetRows, register_algorithm
 from speculative.drafters.chain import Chain, ChainDrafter
+from speculative.models.vocab_head import ReducedVocabHead, read_draft_vocab
 from speculative.options import DraftTreeOptions, ResolveContext, SpecConfig, flag, option
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,12 @@ class StandaloneOptions(DraftTreeOptions):
         "own blocks; q4_1 for a float checkpoint, whose every weight a draft step reads). Drafts "
         "only: the target verifies every token, so output is unchanged",
         choices=("auto", *FORMAT_NAMES))
+    draft_output_vocab: str = option(
+        "auto", "STANDALONE: the draft's output vocabulary. auto: the reduced draft vocabulary "
+        "a distilled draft ships (draft_vocab.safetensors beside its weights: the LM-head rows "
+        "of its most frequent answer tokens, a fraction of the head's cost per draft token), "
+        "else the full one; full: always the full LM head. Drafts only: output is unchanged",
+        choices=("auto", "full"))
 
 
 @register_algorithm("STANDALONE")
@@ -105,7 +112,10 @@ class StandaloneDrafter(ChainDrafter):
 
         if not cfg.draft_model_path:
             raise DraftModelError(f"STANDALONE needs {flag('draft_model_path')}")
-        draft_dir = str(resolve_model_path(cfg.draft_model_path))
+        from speculative.models.draft_asset import is_draft_asset, materialize
+
+        draft_dir = str(materialize(cfg.draft_model_path) if is_draft_asset(cfg.draft_model_path)
+                        else resolve_model_path(cfg.draft_model_path))
         check_draft_compatible(draft_dir, runner.model_config.model_dir, runner.context_length)
         fmt = "torch"
         if runner.engine == "cpu":
@@ -119,13 +129,25 @@ class StandaloneDrafter(ChainDrafter):
         ))
         assert self.draft.kv_capacity == runner.kv_capacity, "the draft KV mirrors the target's"
         self.draft_layers = self.draft.model_config.num_hidden_layers
+        self.vocab_head = None
+        ids = read_draft_vocab(draft_dir) if cfg.draft_output_vocab == "auto" else None
+        if ids is not None:
+            from speculative.drafters.eagle import draft_matmul_dtype
+
+            rows = self.draft.model.lm_head.weight[ids]
+            self.vocab_head = ReducedVocabHead(rows, ids, self.draft.vocab_size)
+            self.vocab_head.pack_weights(draft_matmul_dtype(cfg.draft_matmul_dtype,
+                                                            runner.device),
+                                         getattr(runner, "kernel_threads", None))
         self._valid: dict[str, int] = {}  # rid -> committed positions with draft KV
         self._fed: dict[str, int] = {}  # rid -> chain nodes fed in its last step
         self._prefilled: dict[str, int] = {}  # rid -> positions prefilled (chunk by chunk)
 
     def describe(self) -> str:
+        vocab = (f", output vocabulary {self.vocab_head.ids.numel()}" if self.vocab_head
+                 else "")
         return (f"chains of {self.cfg.num_steps} drafts from {self.cfg.draft_model_path} "
-                f"({self.draft_layers} layers, {self.draft.engine} engine)")
+                f"({self.draft_layers} layers, {self.draft.engine} engine{vocab})")
 
     def _step(self, chains: list[Chain], j: int) -> torch.Tensor:
         tokens, slots, prefix = [], [], []
@@ -141,7 +163,12 @@ class StandaloneDrafter(ChainDrafter):
                 prefix.append(committed + j)
             slots.append(torch.cat([c.req.prefix_slots, c.req.fresh_slots[: j + 1]]))
         batch = ForwardBatch.build(mode, tokens, slots, prefix)
-        return self.draft.forward(batch).logits
+        if self.vocab_head is None:
+            return self.draft.forward(batch).logits
+        rows = batch.logits_indices
+        batch.logits_indices = rows[:0]  # the full LM head is not wanted
+        out = self.draft.forward(batch, return_final_hidden=True)
+        return self.vocab_head(out.final_hidden[rows])
 
     def _end(self, chains: list[Chain]) -> None:
         for c in chains:

@@ -1,8 +1,12 @@
-"""`python -m speculative.train`: regenerate, capture, train and evaluate an EAGLE-3 head.
+"""`python -m speculative.train`: regenerate, capture, train and evaluate a draft for a target:
+an EAGLE-3 head, a STANDALONE draft model (distilled from the target's layers) or an EARLY_EXIT
+exit adapter.
 
     python -m speculative.train --target-model default --algorithm EAGLE3 --data sharegpt \
         --output results/eagle3 --num-prompts 4000 --regen-time-budget 2400 \
         --train-time-budget 2400
+    python -m speculative.train --algorithm STANDALONE --draft-layers 4 --output results/draft
+    python -m speculative.train --algorithm EARLY_EXIT --exit-layer 7 --output results/exit
 
 Every stage is resumable: rerun the same command (e.g. in a later session) and each stage
 continues from what `--output` already holds. `--stages` picks a subset, in order.
@@ -23,8 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m speculative.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target-model", default="default", help="target model dir (or 'default')")
-    p.add_argument("--algorithm", default="EAGLE3", choices=("EAGLE3", "EAGLE"),
-                   help="head kind; this trainer builds EAGLE-3 heads")
+    p.add_argument("--algorithm", default="EAGLE3",
+                   choices=("EAGLE3", "EAGLE", "STANDALONE", "EARLY_EXIT"),
+                   help="what to train: an EAGLE-3 head, a STANDALONE draft model, an EARLY_EXIT "
+                   "exit adapter (EAGLE-1/2 heads load from their published checkpoints)")
     p.add_argument("--data", default="sharegpt", choices=("sharegpt",),
                    help="prompt source (the ShareGPT train split)")
     p.add_argument("--output", required=True, help="run directory (data, checkpoints, head)")
@@ -44,9 +50,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-prompt-tokens", type=int, default=256,
                    help="prompt tail kept as context for each answer")
     g = p.add_argument_group("train")
-    g.add_argument("--draft-vocab-size", type=int, default=8192)
+    g.add_argument("--draft-vocab-size", type=int, default=8192,
+                   help="output vocabulary of the head / adapter, and of a draft model's "
+                   "training loss: the most frequent answer tokens (<= 0: the full vocabulary)")
+    g.add_argument("--draft-layers", type=int, default=4,
+                   help="STANDALONE: target layers the draft keeps (spread evenly)")
+    g.add_argument("--exit-layer", type=int, default=None,
+                   help="EARLY_EXIT: the layer the adapter reads (default: a quarter of the "
+                   "target's layers, EARLY_EXIT's serving default)")
+    g.add_argument("--adapter-size", type=int, default=1024,
+                   help="EARLY_EXIT: the adapter MLP's intermediate size")
     g.add_argument("--ttt-steps", type=int, default=3, help="unrolled draft steps")
-    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate (default 1e-3; 1e-4 for STANDALONE, whose layers "
+                   "start trained)")
     g.add_argument("--epochs", type=float, default=2.0)
     g.add_argument("--batch-tokens", type=int, default=8192)
     g.add_argument("--train-time-budget", type=float, default=None, help="seconds")
@@ -73,11 +90,27 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"error: unknown stage(s) {bad}; choose from {STAGES}", file=sys.stderr)
         return 2
-    if args.algorithm != "EAGLE3":
+    if args.algorithm == "EAGLE":
         print("error: the trainer builds EAGLE-3 heads (--algorithm EAGLE3); EAGLE-1/2 heads "
               "load from their published checkpoints", file=sys.stderr)
         return 2
     out = Path(args.output)
+    capture_layers = None  # EAGLE-3's
+    if args.algorithm == "STANDALONE":
+        capture_layers = ()
+    elif args.algorithm == "EARLY_EXIT":
+        from runtime.model_loader.config import ModelConfig
+        from runtime.model_loader.default_model import resolve_model_path
+        from speculative.train.distill import default_exit_layer
+
+        n = ModelConfig.from_dir(str(resolve_model_path(
+            None if args.target_model == "default" else args.target_model))).num_hidden_layers
+        args.exit_layer = args.exit_layer or default_exit_layer(n)
+        capture_layers = (args.exit_layer,)
+    if args.lr is None:
+        from speculative.train.distill import lr_default
+
+        args.lr = lr_default(args.algorithm)
     if "regen" in stages:
         from speculative.train.regen import RegenConfig, regenerate
 
@@ -94,28 +127,42 @@ def main(argv: list[str] | None = None) -> int:
         from speculative.train.capture import CaptureConfig, capture
 
         capture(CaptureConfig(target_model=args.target_model, output=str(out),
-                              max_prompt_tokens=args.max_prompt_tokens))
+                              max_prompt_tokens=args.max_prompt_tokens,
+                              capture_layers=capture_layers))
     if "train" in stages:
-        from speculative.train.trainer import TrainConfig, train
+        kw = dict(target_model=args.target_model, output=str(out),
+                  draft_vocab_size=args.draft_vocab_size, steps=args.ttt_steps, lr=args.lr,
+                  epochs=args.epochs, batch_tokens=args.batch_tokens,
+                  time_budget_s=args.train_time_budget, eval_every=args.eval_every,
+                  seed=args.seed, device=args.device)
+        if args.algorithm == "EAGLE3":
+            from speculative.train.trainer import TrainConfig, train
 
-        train(TrainConfig(
-            target_model=args.target_model, output=str(out),
-            draft_vocab_size=args.draft_vocab_size, steps=args.ttt_steps, lr=args.lr,
-            epochs=args.epochs, batch_tokens=args.batch_tokens,
-            time_budget_s=args.train_time_budget, eval_every=args.eval_every, seed=args.seed,
-            device=args.device))
+            train(TrainConfig(**kw))
+        else:
+            from speculative.train.distill import TRAINERS, DistillConfig
+
+            TRAINERS[args.algorithm](DistillConfig(
+                **kw, draft_layers=args.draft_layers, exit_layer=args.exit_layer,
+                adapter_size=args.adapter_size)).train()
     if "eval" in stages:
         from speculative.train.evaluate import evaluate_head, evaluate_snapshots
 
+        from speculative.train.evaluate import CHAIN_EVAL
+
         kw = dict(target_model=args.target_model, num_prompts=args.eval_prompts,
-                  max_new_tokens=args.eval_max_new_tokens, seed=args.seed)
+                  max_new_tokens=args.eval_max_new_tokens, seed=args.seed,
+                  algorithm=args.algorithm)
+        export = {"EAGLE3": "head", "STANDALONE": "draft", "EARLY_EXIT": "adapter"}[args.algorithm]
+        if args.algorithm != "EAGLE3":
+            kw["extra_server_args"] = CHAIN_EVAL
         done = evaluate_snapshots(out, every=args.eval_snapshots_every, **kw) \
             if args.eval_snapshots else []
         # the final export is also the last snapshot: do not evaluate the same weights twice
-        seen = json.loads((out / "head" / "config.json").read_text()).get(
+        seen = json.loads((out / export / "config.json").read_text()).get(
             "specserve_training", {}).get("train_tokens_seen")
         res = next((r for r in done if r["train_tokens"] == seen), None) \
-            or evaluate_head(out / "head", **kw)
+            or evaluate_head(out / export, **kw)
         (out / "eval.json").write_text(json.dumps(res, indent=2) + "\n")
         print(json.dumps(res, indent=2))
     if "report" in stages:

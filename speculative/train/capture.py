@@ -1,4 +1,4 @@
-"""Stage 2 of head training: the target's hidden states over the regenerated conversations.
+"""Stage 2 of training: the target's hidden states over the regenerated conversations.
 
 One target forward (EXTEND, in-process `ModelRunner`, no server) per batch of sequences records,
 for every token position t:
@@ -43,6 +43,10 @@ class CaptureConfig:
     max_prompt_tokens: int = 256
     batch_tokens: int = 4096
     dtype: str = "float32"
+    # the layers whose entering hidden states are stored (`feats`); None: EAGLE-3's three
+    # (`default_capture_layers`); () for a draft model's distillation (labels only); (E,) for
+    # an early-exit adapter
+    capture_layers: tuple[int, ...] | None = None
 
 
 class FeatureStore:
@@ -59,7 +63,10 @@ class FeatureStore:
 
     def arrays(self) -> tuple[np.memmap, np.memmap, np.memmap]:
         n = self.num_tokens
-        feats = np.memmap(self.root / "feats.f16", np.float16, "r", shape=(n, self.width))
+        if self.width == 0 or n == 0:  # nothing to map (an empty file cannot be mapped)
+            feats = np.zeros((n, self.width), dtype=np.float16)
+        else:
+            feats = np.memmap(self.root / "feats.f16", np.float16, "r", shape=(n, self.width))
         final = np.memmap(self.root / "final.f16", np.float16, "r", shape=(n, self.hidden))
         tokens = np.memmap(self.root / "tokens.i32", np.int32, "r", shape=(n,))
         return feats, final, tokens
@@ -91,7 +98,11 @@ def capture(cfg: CaptureConfig) -> Path:
     runner = ModelRunner(RunnerConfig(str(model_dir), device="auto", dtype=cfg.dtype,
                                       max_total_tokens=cfg.batch_tokens + 2048))
     mc = runner.model_config
-    layers = tuple(default_capture_layers(mc.num_hidden_layers))
+    layers = tuple(default_capture_layers(mc.num_hidden_layers)
+                   if cfg.capture_layers is None else cfg.capture_layers)
+    if any(not 0 <= i < mc.num_hidden_layers for i in layers):
+        raise ValueError(f"capture layers {layers} outside the target's "
+                         f"{mc.num_hidden_layers} layers")
     meta_path = root / "meta.json"
     meta = {"hidden_size": mc.hidden_size, "capture_layers": list(layers),
             "target_model": str(model_dir), "max_prompt_tokens": cfg.max_prompt_tokens}
@@ -134,6 +145,8 @@ def capture(cfg: CaptureConfig) -> Path:
                     total += len(seqs[i][1])
                     i += 1
                 feats, final = _forward(runner, [s for _, s, _ in group], layers)
+                if feats is None:
+                    feats = np.zeros((total, 0), dtype=np.float16)
                 toks = np.array([t for _, s, _ in group for t in s], dtype=np.int32)
                 handles["feats.f16"].write(feats.astype(np.float16).tobytes())
                 handles["final.f16"].write(final.astype(np.float16).tobytes())
@@ -164,5 +177,8 @@ def _forward(runner, seqs: list[list[int]], layers: tuple[int, ...]):
     batch = ForwardBatch.build(ForwardMode.EXTEND, seqs, slots, [0] * len(seqs),
                                capture_layers=layers)
     out = runner.forward(batch, return_final_hidden=True)
+    final = out.final_hidden.float().cpu().numpy()
+    if not layers:
+        return None, final
     feats = torch.cat([out.captured[i] for i in layers], dim=-1)
-    return feats.float().cpu().numpy(), out.final_hidden.float().cpu().numpy()
+    return feats.float().cpu().numpy(), final

@@ -1,6 +1,7 @@
-"""Stage 4 of head training: mean accept length through the REAL speculative worker.
+"""Stage 4 of training: mean accept length through the REAL speculative worker.
 
-An `Engine` with `--speculative-algorithm EAGLE3 --speculative-draft-model-path <head>` answers
+An `Engine` with `--speculative-algorithm EAGLE3 --speculative-draft-model-path <head>` (or
+STANDALONE with a draft model, EARLY_EXIT with an exit adapter) answers
 held-out ShareGPT prompts (`split="heldout"`: conversations the regen stage never used); the
 accept length is SGLang's definition, completion tokens / verify steps, summed over requests.
 """
@@ -22,6 +23,11 @@ logger = logging.getLogger(__name__)
 # the tree, so a fixed one keeps the curve over training comparable across sessions.
 EVAL_TREE = {"speculative_num_steps": 3, "speculative_eagle_topk": 4,
              "speculative_num_draft_tokens": 8}
+
+# Chain drafters (STANDALONE, EARLY_EXIT): chains of 3 that draft on every step (no backoff), so
+# the accept length measures the draft, not the policy.
+CHAIN_EVAL = {"speculative_num_steps": 3, "speculative_eagle_topk": 1,
+              "speculative_num_draft_tokens": 4, "speculative_disable_adaptive": True}
 
 
 def evaluate_head(

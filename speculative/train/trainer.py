@@ -262,6 +262,14 @@ def load_target_parts(target_model: str) -> tuple:
 
 
 class Trainer:
+    """The training loop every draft kind shares: data, draft vocabulary, AdamW, the learning-rate
+    schedule, time budget, checkpoints (resumable), evaluation and export. This class trains an
+    EAGLE-3 head; `speculative/train/distill.py` subclasses it for STANDALONE draft models and
+    EARLY_EXIT adapters by overriding the hooks `build_model`, `losses`, `export`."""
+
+    desc = "train EAGLE-3 head"
+    export_name = "head"  # the run directory's export: <output>/<export_name>
+
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
         self.out = Path(cfg.output)
@@ -269,22 +277,21 @@ class Trainer:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.store = FeatureStore(self.out / FEATURE_DIR)
         mc, embed, lm_head, final_norm = load_target_parts(cfg.target_model)
+        self.target_config = mc
         state = self._read_state()
         if state is not None:
             draft_ids = torch.tensor(state["draft_ids"], dtype=torch.long)
             self.coverage = state["draft_vocab_coverage"]
+        elif cfg.draft_vocab_size <= 0 or cfg.draft_vocab_size >= mc.vocab_size:
+            draft_ids, self.coverage = torch.arange(mc.vocab_size), 1.0
         else:
             draft_ids, self.coverage = choose_draft_vocab(self.store, cfg.draft_vocab_size)
-        shape = HeadShape.for_target(mc, len(draft_ids))
-        assert tuple(shape.capture_layers) == self.store.capture_layers, (
-            "features were captured at other layers than the head reads")
+        self.draft_ids = draft_ids
         torch.manual_seed(cfg.seed)
         from runtime.model_runner.model_runner import resolve_device
 
         self.device = resolve_device(cfg.device)
-        self.model = TrainableEagle3(shape, embed, draft_ids)
-        self.model.init_from_target(lm_head, final_norm)
-        self.model.lm_head.weight.requires_grad_(cfg.train_lm_head)
+        self.model = self.build_model(mc, embed, lm_head, final_norm, draft_ids)
         self.model.to(self.device)
         # [Vd, H] the target's LM-head rows of the draft vocabulary
         self.target_w = lm_head[draft_ids].contiguous().to(self.device)
@@ -309,6 +316,26 @@ class Trainer:
             sum(r["length"] for r in self.val_seqs), per_epoch, self.total_steps,
             len(draft_ids), 100 * self.coverage)
 
+    # ---- the hooks a draft kind overrides -------------------------------------------------------
+    def build_model(self, mc, embed: torch.Tensor, lm_head: torch.Tensor,
+                    final_norm: torch.Tensor, draft_ids: torch.Tensor) -> torch.nn.Module:
+        shape = HeadShape.for_target(mc, len(draft_ids))
+        assert tuple(shape.capture_layers) == self.store.capture_layers, (
+            "features were captured at other layers than the head reads")
+        model = TrainableEagle3(shape, embed, draft_ids)
+        model.init_from_target(lm_head, final_norm)
+        model.lm_head.weight.requires_grad_(self.cfg.train_lm_head)
+        return model
+
+    def losses(self, batch: dict) -> tuple[torch.Tensor, dict]:
+        """(loss, metrics) of one batch; metrics keys starting with '_' are not logged."""
+        cfg = self.cfg
+        return step_losses(self.model, batch, self.target_w, cfg.steps, cfg.step_decay,
+                           cfg.prompt_loss_weight, self.model.draft_ids)
+
+    def chain_accept(self, metrics: dict) -> tuple[float, int]:
+        return chain_accept(metrics, self.cfg.steps)
+
     # ---- checkpoints -------------------------------------------------------------------------
     def _read_state(self) -> dict | None:
         p = self.dir / "ckpt" / "state.json"
@@ -326,7 +353,7 @@ class Trainer:
                 tensors[f"{i}.{name}"] = torch.as_tensor(v).reshape(-1) if name == "step" \
                     else v.contiguous()
         save_file(tensors, str(tmp / "optimizer.safetensors"))
-        state = {**self.pos, "draft_ids": self.model.draft_ids.tolist(),
+        state = {**self.pos, "draft_ids": self.draft_ids.tolist(),
                  "draft_vocab_coverage": self.coverage, "config": asdict(self.cfg),
                  "param_groups": [{k: v for k, v in g.items() if k != "params"}
                                   for g in opt["param_groups"]]}
@@ -368,15 +395,12 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, max_batches: int = 4) -> dict:
         self.model.eval()
-        cfg = self.cfg
-        d2t = self.model.draft_ids
         sums: dict[str, float] = {}
         acc_len, acc_n, n = 0.0, 0, 0
         for g in range(min(max_batches, len(self.val_batches.groups))):
             batch = self.val_batches.load(g, self.device)
-            _, m = step_losses(self.model, batch, self.target_w, cfg.steps, cfg.step_decay,
-                               cfg.prompt_loss_weight, d2t)
-            a, k = chain_accept(m, cfg.steps)
+            _, m = self.losses(batch)
+            a, k = self.chain_accept(m)
             acc_len += a * k
             acc_n += k
             n += 1
@@ -403,10 +427,9 @@ class Trainer:
         # this run's share of the schedule: from the elapsed time at its start to the deadline
         t_start, e_start = time.monotonic(), self.pos["elapsed_s"]
         per_epoch = len(self.train_batches.groups)
-        bar = tqdm(total=self.total_steps, initial=self.pos["step"], desc="train EAGLE-3 head",
+        bar = tqdm(total=self.total_steps, initial=self.pos["step"], desc=self.desc,
                    unit="step", dynamic_ncols=True)
         last_ckpt = time.monotonic()
-        d2t = self.model.draft_ids
         self.model.train()
         stopped = "done"
         while self.pos["step"] < self.total_steps:
@@ -425,8 +448,7 @@ class Trainer:
             lr = _lr(cfg, step, self.total_steps, time_frac)
             for group in self.opt.param_groups:
                 group["lr"] = lr
-            loss, m = step_losses(self.model, batch, self.target_w, cfg.steps, cfg.step_decay,
-                                  cfg.prompt_loss_weight, d2t)
+            loss, m = self.losses(batch)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
@@ -451,7 +473,7 @@ class Trainer:
         self._eval_and_export()
         logger.info("training stopped (%s) at step %d, %d tokens", stopped, self.pos["step"],
                     self.pos["tokens"])
-        return self.out / "head"
+        return self.out / self.export_name
 
     def _eval_and_export(self) -> None:
         ev = self.evaluate()
@@ -460,7 +482,7 @@ class Trainer:
         self._log(rec)
         logger.info("eval at %d tokens: %s", self.pos["tokens"],
                     ", ".join(f"{k}={v:.3f}" for k, v in ev.items()))
-        self.export(self.out / "head")
+        self.export(self.out / self.export_name)
         self.export(self.out / "snapshots" / f"tokens-{self.pos['tokens']:09d}")
 
 

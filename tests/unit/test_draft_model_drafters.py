@@ -21,6 +21,8 @@ from runtime.model_runner.runner_process import RunnerWorker
 from runtime.server_args import ServerArgs
 from speculative.base import SpecConfig, SpecReq, create_drafter
 from speculative.drafters.standalone import DraftModelError
+from speculative.models.exit_adapter import AdapterShape, export_exit_adapter, load_exit_adapter
+from speculative.models.vocab_head import write_draft_vocab
 from speculative.train.draft_init import init_draft_from_target, spread_layers
 from speculative.worker import SpeculativeWorker
 from tests.helpers.tiny_models import write_tiny_model
@@ -43,6 +45,11 @@ def target(tmp_path_factory):
     assert runner.engine == "cpu", "these tests pin the exact CPU engine"
     drafts = {"half": init_draft_from_target(d, root / "half", [0, 3]),
               "same": init_draft_from_target(d, root / "same", [0, 1, 2, 3])}
+    # a draft with a reduced output vocabulary (as the distiller writes one)
+    drafts["vocab"] = init_draft_from_target(d, root / "vocab", [0, 3])
+    vocab = runner.model_config.vocab_size
+    write_draft_vocab(drafts["vocab"], torch.randperm(
+        vocab, generator=torch.Generator().manual_seed(3))[: vocab * 3 // 4])
     return d, runner, drafts
 
 
@@ -50,6 +57,26 @@ def target(tmp_path_factory):
 def truth(target):
     ps = prompts(50, seed=21)
     return ps, reference(target[:2], ps, ignore_eos=True, max_new_tokens=NEW)
+
+
+def write_adapter(runner, path, exit_layer, keep=0.8, seed=0, down_std=0.05):
+    """A random exit adapter over a random `keep` share of the target's vocabulary (built the
+    way the trainer exports one: the target's final norm and LM-head rows)."""
+    mc = runner.model_config
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(mc.vocab_size, generator=g)[: int(keep * mc.vocab_size)].sort().values
+    inter = 64
+    shape = AdapterShape(exit_layer, mc.num_hidden_layers, mc.hidden_size, inter, len(ids),
+                         mc.vocab_size, mc.rms_norm_eps)
+    h = mc.hidden_size
+    lm_head = runner.model.lm_head.weight.detach().float()
+    tensors = {"gate_proj.weight": torch.randn(inter, h, generator=g) * 0.2,
+               "up_proj.weight": torch.randn(inter, h, generator=g) * 0.2,
+               "down_proj.weight": torch.randn(h, inter, generator=g) * down_std,
+               "norm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+               "final_norm.weight": runner.model.norm.weight.detach().float(),
+               "lm_head.weight": lm_head[ids], "draft_ids": ids}
+    return export_exit_adapter(path, shape, tensors, dtype=torch.float32)
 
 
 def make_cfg(algo, target, draft="half", steps=3, **kw):
@@ -75,12 +102,16 @@ def accept_length(h) -> float:
     return t["spec_tokens_from_verify"] / max(t["spec_verify_steps"], 1)
 
 
-@pytest.mark.parametrize("algo", ["STANDALONE", "EARLY_EXIT"])
+@pytest.mark.parametrize("algo", ["STANDALONE", "STANDALONE+vocab", "EARLY_EXIT"])
 @pytest.mark.parametrize("concurrency", [1, 8])
 def test_greedy_output_equals_plain_decoding_on_50_prompts(target, truth, algo, concurrency):
     ps, ref = truth
-    h, _ = harness(target, make_cfg(algo, target), max_running_requests=concurrency,
-                   chunked_prefill_size=32)
+    cfg = (make_cfg("STANDALONE", target, draft="vocab") if algo == "STANDALONE+vocab"
+           else make_cfg(algo, target))
+    h, drafter = harness(target, cfg, max_running_requests=concurrency,
+                         chunked_prefill_size=32)
+    if algo == "STANDALONE+vocab":
+        assert drafter.vocab_head is not None and "output vocabulary" in drafter.describe()
     for i, p in enumerate(ps):
         h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=NEW)
     h.run()
@@ -89,6 +120,67 @@ def test_greedy_output_equals_plain_decoding_on_50_prompts(target, truth, algo, 
     assert h.sched.spec_totals["spec_verify_steps"] > 0
     assert h.sched.spec_totals["spec_decode_num_accepted_tokens"] > 0, "nothing was accepted"
     h.sched.check_no_leak()
+
+
+@pytest.mark.parametrize("concurrency", [1, 8])
+def test_early_exit_with_an_adapter_equals_plain_decoding_on_50_prompts(target, truth,
+                                                                       concurrency, tmp_path):
+    ps, ref = truth
+    path = write_adapter(target[1], tmp_path / "ad", exit_layer=2)
+    cfg = make_cfg("EARLY_EXIT", target, draft_model_path=str(path))
+    h, drafter = harness(target, cfg, max_running_requests=concurrency, chunked_prefill_size=32)
+    assert drafter.adapter is not None and "adapter" in drafter.describe()
+    for i, p in enumerate(ps):
+        h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=NEW)
+    h.run()
+    for i, r in enumerate(ref):
+        assert h.outputs[f"r{i}"] == r, f"prompt {i} differs from plain decoding"
+    assert h.sched.spec_totals["spec_decode_num_accepted_tokens"] > 0, "nothing was accepted"
+    h.sched.check_no_leak()
+
+
+def test_exit_adapter_drafts_are_its_greedy_choices_within_its_vocabulary(target, tmp_path):
+    runner = target[1]
+    path = write_adapter(runner, tmp_path / "ad", exit_layer=2, keep=0.5)
+    adapter = load_exit_adapter(path)
+    drafter = create_drafter(make_cfg("EARLY_EXIT", target, draft_model_path=str(path),
+                                      draft_matmul_dtype="float32"), runner)
+    prompt = list(range(5, 25))
+    slots = torch.arange(1, len(prompt) + 4)
+    runner.forward(ForwardBatch.build(ForwardMode.EXTEND, [prompt[:-1]], [slots[:19]], [0]))
+    req = SpecReq("a", prompt, 4, None, prefix_slots=slots[:19], fresh_slots=slots[19:])
+    tree = drafter.propose([req])[0]
+    assert tree.num_nodes == 4
+    allowed = set(adapter.draft_ids.tolist())
+    assert all(t in allowed for t in tree.tokens[1:].tolist())
+    # node j's draft = argmax of the adapter over layer 2's output for node j
+    batch = ForwardBatch.build(ForwardMode.TARGET_VERIFY, [tree.tokens.tolist()], [slots], [19],
+                               positions=[19 + tree.depth], custom_masks=[tree.ancestor_mask],
+                               logits="all", capture_layers=(2,))
+    hidden = runner.forward(batch, layers=(0, 2)).captured[2]
+    z = adapter.full_logits(hidden)
+    assert torch.isinf(z[:, [i for i in range(z.shape[1]) if i not in allowed]]).all()
+    assert tree.tokens[1:].tolist() == z.argmax(-1)[:3].tolist()
+
+
+def test_an_adapter_for_another_layer_or_target_is_refused(target, tmp_path):
+    d, runner, _ = target
+    path = write_adapter(runner, tmp_path / "ad", exit_layer=2)
+    args = ServerArgs(model_path=str(d), speculative_algorithm="EARLY_EXIT",
+                      speculative_draft_model_path=str(path)).resolve()
+    assert args.speculative_early_exit_layer == 2  # taken from the adapter
+    with pytest.raises(ValueError, match="reads layer 2, not"):
+        ServerArgs(model_path=str(d), speculative_algorithm="EARLY_EXIT",
+                   speculative_draft_model_path=str(path),
+                   speculative_early_exit_layer=3).resolve()
+    with pytest.raises(ValueError, match="is not an exit adapter"):
+        ServerArgs(model_path=str(d), speculative_algorithm="EARLY_EXIT",
+                   speculative_draft_model_path=str(target[2]["half"])).resolve()
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["specserve_exit_adapter"]["num_target_layers"] = 30
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="trained for a target of 30 layers"):
+        create_drafter(make_cfg("EARLY_EXIT", target, draft_model_path=str(path)), runner)
 
 
 @pytest.mark.parametrize("algo,draft", [("STANDALONE", "same"), ("EARLY_EXIT", None)])
@@ -157,14 +249,26 @@ def test_early_exit_verify_resumed_from_draft_hidden_states_is_bit_exact(target)
     assert tree.tokens[1:].tolist() == exit_logits.argmax(-1)[:3].tolist()
 
 
-@pytest.mark.parametrize("algo", ["STANDALONE", "EARLY_EXIT"])
+@pytest.mark.parametrize("algo", ["STANDALONE", "STANDALONE+vocab", "EARLY_EXIT",
+                                  "EARLY_EXIT+adapter"])
 @pytest.mark.parametrize("seeded", [False, True])
 def test_sampled_chains_follow_the_target_distribution(tiny_vocab, joints, algo,  # noqa: F811
                                                        seeded, tmp_path):
     d, runner = tiny_vocab
-    kw = ({"draft_model_path": str(init_draft_from_target(d, tmp_path / "dr", [1])),
-           "draft_weight_format": "f32"}
-          if algo == "STANDALONE" else {"early_exit_layer": 1})
+    if algo.startswith("STANDALONE"):
+        kw = {"draft_model_path": str(init_draft_from_target(d, tmp_path / "dr", [1])),
+              "draft_weight_format": "f32"}
+        if algo == "STANDALONE+vocab":  # q is zero outside it: the residual restores that mass
+            vocab = runner.model_config.vocab_size
+            write_draft_vocab(tmp_path / "dr", torch.randperm(
+                vocab, generator=torch.Generator().manual_seed(5))[: vocab * 7 // 10])
+            algo = "STANDALONE"
+    elif algo == "EARLY_EXIT":
+        kw = {"early_exit_layer": 1}
+    else:  # q is zero outside the adapter's vocabulary: the residual must restore that mass
+        kw = {"draft_model_path": str(write_adapter(runner, tmp_path / "ad", 1, keep=0.7,
+                                                    down_std=0.02))}
+        algo = "EARLY_EXIT"
     cfg = SpecConfig(algo, 4, num_steps=3, disable_adaptive=True, **kw)
     outs, info = run_samples(tiny_vocab, lambda _c, r: create_drafter(cfg, r), seeded=seeded,
                              budget=4)

@@ -1,0 +1,100 @@
+"""A draft model shipped without the tensors it shares with its target.
+
+A STANDALONE draft distilled by `python -m speculative.train --algorithm STANDALONE` keeps the
+target's embedding (and LM head) frozen, so most of its bytes are the target's: SmolLM2-135M's
+49152 x 576 embedding is 56 MB in bfloat16, its four trained layers 28 MB. The shipped asset
+(`assets/draft-*`) holds only the trained tensors plus the config, with a
+`specserve_shared_with_target` block naming the tensors to take from the target;
+`materialize()` writes the ordinary Hugging Face directory (every tensor, the target's tokenizer
+files) into the model cache once, keyed by the asset's contents, and the runtime loads that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+SHARED_KEY = "specserve_shared_with_target"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "chat_template.jinja")
+EXTRA_FILES = ("draft_vocab.safetensors",)  # carried by the asset as they are
+
+
+def is_draft_asset(path: str | Path) -> bool:
+    p = Path(path) / "config.json"
+    return p.is_file() and SHARED_KEY in json.loads(p.read_text())
+
+
+def pack_draft_asset(draft_dir: str | Path, asset_dir: str | Path,
+                     target: str = "default") -> Path:
+    """Write `asset_dir` from a full draft directory: every tensor except the target's."""
+    draft_dir, out = Path(draft_dir), Path(asset_dir)
+    cfg = json.loads((draft_dir / "config.json").read_text())
+    shared = ["model.embed_tokens.weight"]
+    if not cfg.get("tie_word_embeddings", False):
+        shared.append("lm_head.weight")
+    state = {k: v.contiguous() for k, v in load_file(str(draft_dir / "model.safetensors")).items()
+             if k not in shared}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg[SHARED_KEY] = {"target": target, "tensors": shared}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    for name in EXTRA_FILES:
+        if (draft_dir / name).exists():
+            shutil.copy(draft_dir / name, out / name)
+    return out
+
+
+def materialize(asset_dir: str | Path, cache: str | Path | None = None) -> Path:
+    """The full draft directory for an asset (written on first use, then reused)."""
+    from runtime.model_loader.default_model import cache_dir, resolve_model_path
+    from runtime.model_loader.hf_dir import iter_safetensors_weights
+
+    asset = Path(asset_dir)
+    cfg = json.loads((asset / "config.json").read_text())
+    info = cfg[SHARED_KEY]
+    h = hashlib.sha256()
+    for name in ("config.json", "model.safetensors", *EXTRA_FILES):
+        if (asset / name).exists():
+            with (asset / name).open("rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 22), b""):
+                    h.update(chunk)
+    out = Path(cache or cache_dir()) / f"{asset.name}-{h.hexdigest()[:12]}"
+    if (out / "model.safetensors").exists() and (out / "config.json").exists():
+        return out
+    target = resolve_model_path(None if info["target"] == "default" else info["target"])
+    state = dict(load_file(str(asset / "model.safetensors")))
+    dtype = next(iter(state.values())).dtype
+    want = set(info["tensors"])
+    tcfg = json.loads((Path(target) / "config.json").read_text())
+    for name, w in iter_safetensors_weights(str(target)):
+        if name in want:
+            state[name] = w.to(dtype).contiguous()
+    if "lm_head.weight" in want and "lm_head.weight" not in state and \
+            tcfg.get("tie_word_embeddings", False):
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    missing = want - set(state)
+    if missing:
+        raise ValueError(f"{asset}: the target {target} has no {sorted(missing)}")
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    cfg = {k: v for k, v in cfg.items() if k != SHARED_KEY}
+    cfg["specserve_materialized_from"] = str(asset)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    for name in TOKENIZER_FILES:
+        if (Path(target) / name).exists():
+            shutil.copy(Path(target) / name, tmp / name)
+    for name in EXTRA_FILES:
+        if (asset / name).exists():
+            shutil.copy(asset / name, tmp / name)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process materialized it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
