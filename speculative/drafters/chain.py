@@ -30,7 +30,8 @@ from torch import Tensor
 from runtime.sampling.sampler import SamplingBatchInfo, process_logits
 from runtime.sampling.seeded import gumbel_noise
 from speculative.base import Drafter, SpecReq
-from speculative.options import DraftTreeOptions, ResolveContext, flag
+from speculative.eagle_tree import SampledTree, TopKTree, level_widths, topk_children
+from speculative.options import DraftTreeOptions, ResolveContext, check_tree_shape, flag
 from speculative.tree import DraftTree
 from speculative.verify import QMode
 
@@ -46,10 +47,24 @@ class Chain:
     index: int  # the request's position in `propose`'s list
 
 
+@dataclass(slots=True)
+class TreeRow:
+    """One frontier node fed in a tree level: its token at `position`, attending to `kv` (the
+    committed prefix, the root's fresh slot, its ancestors' scratch slots, its own last)."""
+
+    req: SpecReq
+    token: int
+    position: int
+    kv: Tensor
+
+
 class ChainDrafter(Drafter):
     """A drafter whose drafts come from a model's logits, one chain node per step."""
 
-    q_mode = QMode.IID
+    # a chain is a tree whose nodes have one child: IID and WITHOUT_REPLACEMENT coincide there,
+    # and sampled top-k trees draw siblings without replacement
+    q_mode = QMode.WITHOUT_REPLACEMENT
+    supports_trees = False  # top-k trees need scratch KV slots for unverified tree nodes
     # a draft step costs ~0.15-0.35 of a target decode step on the CPU engine (the draft's LM
     # head alone is the target's), so S drafts pay only when about half a draft per step lands
     # (docs/benchmarks.md, "Every method"); probes are rarer for the same reason
@@ -60,6 +75,14 @@ class ChainDrafter(Drafter):
 
     @classmethod
     def resolve_options(cls, opts: DraftTreeOptions, ctx: ResolveContext) -> DraftTreeOptions:
+        if opts.eagle_topk not in (None, 1) and cls.supports_trees:  # a top-k tree
+            steps = opts.num_steps or cls.default_num_steps.get(ctx.engine, 3)
+            auto = (steps, opts.eagle_topk, 1 + steps + opts.eagle_topk - 1)
+            steps, topk, n = check_tree_shape(opts.num_steps, opts.eagle_topk,
+                                              opts.num_draft_tokens, auto)
+            opts = dataclasses.replace(opts, num_steps=steps, eagle_topk=topk,
+                                       num_draft_tokens=n)
+            return super().resolve_options(opts, ctx)
         if opts.eagle_topk not in (None, 1):
             raise ValueError(f"{cls.algorithm_name()} drafts chains: {flag('eagle_topk')} must "
                              "be 1 (or unset)")
@@ -86,6 +109,10 @@ class ChainDrafter(Drafter):
     def describe(self) -> str:
         return f"chains of {self.cfg.num_steps} drafts"
 
+    @property
+    def grows_trees(self) -> bool:
+        return (self.cfg.eagle_topk or 1) > 1
+
     # ---- the model step, per subclass ---------------------------------------------------
     def _step(self, chains: list[Chain], j: int) -> Tensor:
         """Feed node j of every chain (all have depth > j); return logits [B, V] at node j."""
@@ -97,9 +124,23 @@ class ChainDrafter(Drafter):
     def _end(self, chains: list[Chain]) -> None:  # noqa: B027
         """Called once per `propose` after the last step."""
 
+    def _tree_step(self, rows: list[TreeRow]) -> Tensor:
+        """Feed tree nodes (levels >= 1; `supports_trees` drafters): logits [len(rows), V]."""
+        raise NotImplementedError
+
+    def _tree_scratch(self) -> int:
+        """Scratch KV slots available to one `_tree_step` group (0: no trees)."""
+        return 0
+
+    def _tree_scratch_base(self) -> int:
+        """The first scratch slot."""
+        raise NotImplementedError
+
     # ---- growing ------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, reqs: list[SpecReq]) -> list[DraftTree]:
+        if self.grows_trees:
+            return self._propose_trees(reqs)
         chains = []
         for i, r in enumerate(reqs):
             assert r.fresh_slots is not None and r.fresh_slots.numel() >= r.budget, (
@@ -126,6 +167,99 @@ class ChainDrafter(Drafter):
                 probs = torch.stack([*c.probs, last])
             trees.append(DraftTree.chain(c.tokens[0], c.tokens[1:], probs))
         return trees
+
+    # ---- top-k trees --------------------------------------------------------------------------
+    def _propose_trees(self, reqs: list[SpecReq]) -> list[DraftTree]:
+        k, steps = self.cfg.eagle_topk, self.cfg.num_steps
+        chains, builders = [], []
+        for i, r in enumerate(reqs):
+            assert r.fresh_slots is not None and r.fresh_slots.numel() >= 1
+            depth = min(steps, max(r.budget, 1) - 1)
+            # step 0 (the root, caught up like a chain's) runs for every request that drafts
+            chains.append(Chain(r, 1 if depth > 0 else 0, [r.tokens[-1]], [], i))
+            if depth <= 0:
+                builders.append(None)
+            elif self._tree_sampled(r):
+                builders.append(SampledTree(r.tokens[-1], level_widths(r.budget - 1, depth, k),
+                                            self.vocab_size))
+            else:
+                builders.append(TopKTree(r.tokens[-1], k, depth))
+        self._begin(chains)
+        live = [c for c in chains if c.depth > 0]
+        frontier: dict[int, list[int]] = {}
+        if live:
+            logits = self._step(live, 0)
+            for c, row in zip(live, logits):
+                frontier[c.index] = self._tree_expand(builders[c.index], c.req, [0], row[None])
+        self._end(chains)
+        # levels >= 1, in groups of requests whose nodes fit the scratch slots
+        group: list[int] = []
+        need = 0
+        per_req = 1 + k * steps  # at most k frontier nodes per level
+        for i in sorted(frontier):
+            if group and need + per_req > self._tree_scratch():
+                self._grow_group(reqs, builders, frontier, group)
+                group, need = [], 0
+            group.append(i)
+            need += per_req
+        if group:
+            self._grow_group(reqs, builders, frontier, group)
+        trees = []
+        for r, b in zip(reqs, builders):
+            if b is None:
+                trees.append(DraftTree.chain(r.tokens[-1], []))
+            else:
+                trees.append(b.finalize(r.budget) if isinstance(b, TopKTree) else b.finalize())
+        return trees
+
+    def _grow_group(self, reqs, builders, frontier, group: list[int]) -> None:
+        slot_of: dict[tuple[int, int], int] = {}
+        next_slot = self._tree_scratch_base()
+        while True:
+            rows, keys = [], []
+            for i in group:
+                r, b = reqs[i], builders[i]
+                for u in frontier.get(i, []):
+                    slot_of[(i, u)] = next_slot
+                    next_slot += 1
+                    path = []
+                    a = u
+                    while a > 0:
+                        path.append(slot_of[(i, a)])
+                        a = b.parents[a]
+                    kv = torch.cat([r.prefix_slots, r.fresh_slots[:1],
+                                    torch.tensor(path[::-1], dtype=r.prefix_slots.dtype)])
+                    rows.append(TreeRow(r, b.tokens[u], len(r.tokens) - 1 + b.depths[u], kv))
+                    keys.append((i, u))
+            if not rows:
+                return
+            logits = self._tree_step(rows)
+            at = 0
+            for i in group:
+                nodes = frontier.get(i, [])
+                if nodes:
+                    frontier[i] = self._tree_expand(builders[i], reqs[i], nodes,
+                                                    logits[at: at + len(nodes)])
+                    at += len(nodes)
+
+    def _tree_sampled(self, r: SpecReq) -> bool:
+        """Sampled trees (verified with q) unless target-only: top-k trees verified one-hot."""
+        return (r.params is not None and not r.params.is_greedy
+                and not self.cfg.eagle_target_only)
+
+    def _tree_expand(self, builder, req: SpecReq, nodes: list[int], logits: Tensor) -> list[int]:
+        logits = logits[:, : self.vocab_size].float()
+        if isinstance(builder, TopKTree):
+            logq, toks = topk_children(logits, self.cfg.eagle_topk)
+            return builder.expand(nodes, logq.cpu(), toks.cpu())
+        info = SamplingBatchInfo.from_params([req.params] * len(nodes), logits.shape[-1],
+                                             logits.device)
+        q = process_logits(logits, info)
+        g = None
+        if req.params.seed is not None:  # the target's own noise of this level's position
+            ids = torch.arange(q.shape[-1], device=q.device)
+            g = gumbel_noise(req.params.seed, len(req.tokens) + builder.depths[nodes[0]], ids)
+        return builder.expand(nodes, q, gumbel=g)
 
     def _pick(self, active: list[Chain], logits: Tensor) -> list[int]:
         logits = logits[:, : self.vocab_size].float()

@@ -34,7 +34,7 @@ from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
 from runtime.models.llama import ModelOutput
 from speculative.base import TargetRows, register_algorithm
-from speculative.drafters.chain import Chain, ChainDrafter
+from speculative.drafters.chain import Chain, ChainDrafter, TreeRow
 from speculative.models.vocab_head import ReducedVocabHead, read_draft_vocab
 from speculative.options import DraftTreeOptions, ResolveContext, SpecConfig, flag, option
 
@@ -90,6 +90,7 @@ class StandaloneDrafter(ChainDrafter):
     options = StandaloneOptions
     vllm_methods = ("draft_model", "standalone")
     mirrors_kv = True
+    supports_trees = True
     default_num_steps = {"cpu": 3, "torch": 4}
     shipped_draft = DEFAULT_DRAFT_MODEL
 
@@ -122,12 +123,20 @@ class StandaloneDrafter(ChainDrafter):
             fmt = cfg.draft_weight_format
             if fmt == "auto":
                 fmt = "auto" if (Path(draft_dir) / "gguf_blocks.safetensors").exists() else "q4_1"
+        # top-k trees: unverified tree nodes keep their draft KV in scratch slots above the
+        # target's capacity, reused by every tree level group
+        self.scratch = 0
+        if self.grows_trees:
+            self.scratch = max(1024, 32 * (1 + cfg.eagle_topk * cfg.num_steps))
+        self.target_capacity = runner.kv_capacity
         self.draft = ModelRunner(RunnerConfig(
             draft_dir, runner.device.type, str(runner.dtype).removeprefix("torch."),
-            max_total_tokens=runner.kv_capacity, context_length=runner.context_length,
+            max_total_tokens=runner.kv_capacity + self.scratch,
+            context_length=runner.context_length,
             weight_format=fmt, num_threads=getattr(runner, "kernel_threads", None),
         ))
-        assert self.draft.kv_capacity == runner.kv_capacity, "the draft KV mirrors the target's"
+        assert self.draft.kv_capacity == runner.kv_capacity + self.scratch, (
+            "the draft KV mirrors the target's")
         self.draft_layers = self.draft.model_config.num_hidden_layers
         self.vocab_head = None
         ids = read_draft_vocab(draft_dir) if cfg.draft_output_vocab == "auto" else None
@@ -143,10 +152,32 @@ class StandaloneDrafter(ChainDrafter):
         self._fed: dict[str, int] = {}  # rid -> chain nodes fed in its last step
         self._prefilled: dict[str, int] = {}  # rid -> positions prefilled (chunk by chunk)
 
+    def _tree_scratch(self) -> int:
+        return self.scratch
+
+    def _tree_scratch_base(self) -> int:
+        return self.target_capacity + 1  # slot 0 pads; the target's are 1 .. capacity
+
+    def _tree_step(self, rows: list[TreeRow]) -> torch.Tensor:
+        batch = ForwardBatch.build(ForwardMode.DECODE, [[r.token] for r in rows],
+                                   [r.kv for r in rows], [r.kv.numel() - 1 for r in rows])
+        return self._logits(batch)
+
+    def _logits(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.vocab_head is None:
+            return self.draft.forward(batch).logits
+        rows = batch.logits_indices
+        batch.logits_indices = rows[:0]  # the full LM head is not wanted
+        out = self.draft.forward(batch, return_final_hidden=True)
+        return self.vocab_head(out.final_hidden[rows])
+
     def describe(self) -> str:
+        shape = (f"top-{self.cfg.eagle_topk} trees of depth {self.cfg.num_steps}, "
+                 f"{self.cfg.num_draft_tokens} nodes" if self.grows_trees
+                 else f"chains of {self.cfg.num_steps} drafts")
         vocab = (f", output vocabulary {self.vocab_head.ids.numel()}" if self.vocab_head
                  else "")
-        return (f"chains of {self.cfg.num_steps} drafts from {self.cfg.draft_model_path} "
+        return (f"{shape} from {self.cfg.draft_model_path} "
                 f"({self.draft_layers} layers, {self.draft.engine} engine{vocab})")
 
     def _step(self, chains: list[Chain], j: int) -> torch.Tensor:
@@ -162,13 +193,7 @@ class StandaloneDrafter(ChainDrafter):
                 tokens.append([c.tokens[j]])
                 prefix.append(committed + j)
             slots.append(torch.cat([c.req.prefix_slots, c.req.fresh_slots[: j + 1]]))
-        batch = ForwardBatch.build(mode, tokens, slots, prefix)
-        if self.vocab_head is None:
-            return self.draft.forward(batch).logits
-        rows = batch.logits_indices
-        batch.logits_indices = rows[:0]  # the full LM head is not wanted
-        out = self.draft.forward(batch, return_final_hidden=True)
-        return self.vocab_head(out.final_hidden[rows])
+        return self._logits(ForwardBatch.build(mode, tokens, slots, prefix))
 
     def _end(self, chains: list[Chain]) -> None:
         for c in chains:

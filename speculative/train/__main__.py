@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "training loss: the most frequent answer tokens (<= 0: the full vocabulary)")
     g.add_argument("--draft-layers", type=int, default=4,
                    help="STANDALONE: target layers the draft keeps (spread evenly)")
+    g.add_argument("--draft-layer-pick", default="spread", choices=("spread", "first"),
+                   help="STANDALONE: which target layers initialise the draft: spread evenly "
+                   "(the first, the last and between) or the first N")
     g.add_argument("--exit-layer", type=int, default=None,
                    help="EARLY_EXIT: the layer the adapter reads (default: a quarter of the "
                    "target's layers, EARLY_EXIT's serving default)")
@@ -143,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             from speculative.train.distill import TRAINERS, DistillConfig
 
             TRAINERS[args.algorithm](DistillConfig(
-                **kw, draft_layers=args.draft_layers, exit_layer=args.exit_layer,
+                **kw, draft_layers=args.draft_layers, draft_layer_pick=args.draft_layer_pick,
+                exit_layer=args.exit_layer,
                 adapter_size=args.adapter_size)).train()
     if "eval" in stages:
         from speculative.train.evaluate import evaluate_head, evaluate_snapshots

@@ -48,6 +48,7 @@ from speculative.train.trainer import SoftCrossEntropy, TrainConfig, Trainer
 @dataclass
 class DistillConfig(TrainConfig):
     draft_layers: int = 4  # STANDALONE: target layers kept in the draft
+    draft_layer_pick: str = "spread"  # STANDALONE: "spread" (first, last, between) or "first"
     exit_layer: int | None = None  # EARLY_EXIT: the layer the adapter reads (captured)
     adapter_size: int = 1024  # EARLY_EXIT: the adapter MLP's intermediate size
 
@@ -209,7 +210,13 @@ class DraftModelTrainer(Trainer):
 
         self.target_dir = resolve_model_path(
             None if self.cfg.target_model == "default" else self.cfg.target_model)
-        self.layers = spread_layers(mc.num_hidden_layers, self.cfg.draft_layers)
+        n, k = mc.num_hidden_layers, self.cfg.draft_layers
+        if self.cfg.draft_layer_pick == "first":
+            if not 1 <= k <= n:
+                raise ValueError(f"a draft of {k} layers from a {n}-layer target")
+            self.layers = list(range(k))
+        else:
+            self.layers = spread_layers(n, k)
         model = TrainableDraftLlama(mc, embed, len(self.layers))
         model.load_target_layers(self.target_dir, self.layers, final_norm)
         self._embed, self._lm_head = embed, lm_head

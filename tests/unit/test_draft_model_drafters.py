@@ -19,7 +19,7 @@ from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
 from runtime.model_runner.runner_process import RunnerWorker
 from runtime.server_args import ServerArgs
-from speculative.base import SpecConfig, SpecReq, create_drafter
+from speculative.base import SpecConfig, SpecReq, TargetRows, create_drafter
 from speculative.drafters.standalone import DraftModelError
 from speculative.models.exit_adapter import AdapterShape, export_exit_adapter, load_exit_adapter
 from speculative.models.vocab_head import write_draft_vocab
@@ -80,6 +80,10 @@ def write_adapter(runner, path, exit_layer, keep=0.8, seed=0, down_std=0.05):
 
 
 def make_cfg(algo, target, draft="half", steps=3, **kw):
+    if algo == "STANDALONE-tree":  # top-2 trees of depth 3, 6 nodes
+        return SpecConfig("STANDALONE", 6, num_steps=steps, eagle_topk=2, disable_adaptive=True,
+                          draft_model_path=str(target[2][draft]), draft_weight_format="f32",
+                          **kw)
     if algo == "STANDALONE":
         kw["draft_model_path"] = str(target[2][draft])
         kw.setdefault("draft_weight_format", "f32")  # the draft exactly as written
@@ -102,7 +106,8 @@ def accept_length(h) -> float:
     return t["spec_tokens_from_verify"] / max(t["spec_verify_steps"], 1)
 
 
-@pytest.mark.parametrize("algo", ["STANDALONE", "STANDALONE+vocab", "EARLY_EXIT"])
+@pytest.mark.parametrize("algo", ["STANDALONE", "STANDALONE+vocab", "STANDALONE-tree",
+                                  "EARLY_EXIT"])
 @pytest.mark.parametrize("concurrency", [1, 8])
 def test_greedy_output_equals_plain_decoding_on_50_prompts(target, truth, algo, concurrency):
     ps, ref = truth
@@ -183,7 +188,8 @@ def test_an_adapter_for_another_layer_or_target_is_refused(target, tmp_path):
         create_drafter(make_cfg("EARLY_EXIT", target, draft_model_path=str(path)), runner)
 
 
-@pytest.mark.parametrize("algo,draft", [("STANDALONE", "same"), ("EARLY_EXIT", None)])
+@pytest.mark.parametrize("algo,draft", [("STANDALONE", "same"), ("STANDALONE-tree", "same"),
+                                        ("EARLY_EXIT", None)])
 def test_a_draft_equal_to_the_target_is_accepted_everywhere(target, truth, algo, draft):
     """STANDALONE with the target itself as the draft must accept every draft: any position
     whose draft KV was missing or stale (catch-up, the last accepted draft, prefill chunks,
@@ -201,10 +207,41 @@ def test_a_draft_equal_to_the_target_is_accepted_everywhere(target, truth, algo,
     if algo == "STANDALONE":
         assert t["spec_decode_num_accepted_tokens"] == t["spec_decode_num_draft_tokens"], t
         assert accept_length(h) > 3.5
+    if algo == "STANDALONE-tree":  # the kept tree may cut the greedy path; it still lands
+        assert accept_length(h) > 2.0
     h.sched.check_no_leak()
 
 
-@pytest.mark.parametrize("algo", ["STANDALONE", "EARLY_EXIT"])
+def test_a_tree_from_a_draft_equal_to_the_target_holds_its_argmax_under_every_node(target):
+    """Every expanded node's children include the target's argmax at that node (computed by the
+    tree-masked verify forward): the draft's tree rows saw the right prefix, root and ancestors
+    (scratch slots), so with the target's own weights they reproduce its logits."""
+    runner = target[1]
+    cfg = SpecConfig("STANDALONE", 11, num_steps=3, eagle_topk=2, disable_adaptive=True,
+                     draft_model_path=str(target[2]["same"]), draft_weight_format="f32")
+    drafter = create_drafter(cfg, runner)
+    prompt = list(range(5, 25))
+    slots = torch.arange(1, len(prompt) + 11)  # 19 committed + 11 fresh
+    runner.forward(ForwardBatch.build(ForwardMode.EXTEND, [prompt[:-1]], [slots[:19]], [0]))
+    # the prompt's prefill (a chunk: the draft runs nothing now, its first step catches up)
+    drafter.draft_extend([TargetRows("a", 0, slots[:19], torch.arange(19), prompt[1:20],
+                                     prompt[:19])], None)
+    req = SpecReq("a", prompt, 11, None, prefix_slots=slots[:19], fresh_slots=slots[19:])
+    tree = drafter.propose([req])[0]
+    assert tree.num_nodes == 11 and int(tree.depth.max()) == 3
+    logits = runner.forward(ForwardBatch.build(
+        ForwardMode.TARGET_VERIFY, [tree.tokens.tolist()], [slots[:30]], [19],
+        positions=[19 + tree.depth], custom_masks=[tree.ancestor_mask], logits="all")).logits
+    expanded = 0
+    for u in range(tree.num_nodes):
+        kids = tree.children(u)
+        if kids:
+            expanded += 1
+            assert int(logits[u].argmax()) in [int(tree.tokens[c]) for c in kids], u
+    assert expanded >= 3
+
+
+@pytest.mark.parametrize("algo", ["STANDALONE", "STANDALONE-tree", "EARLY_EXIT"])
 def test_radix_hits_retraction_and_aborts_keep_output_and_free_kv(target, truth, algo):
     ps, ref = truth
     h, drafter = harness(target, make_cfg(algo, target, draft="same"), max_running_requests=8,
@@ -249,7 +286,8 @@ def test_early_exit_verify_resumed_from_draft_hidden_states_is_bit_exact(target)
     assert tree.tokens[1:].tolist() == exit_logits.argmax(-1)[:3].tolist()
 
 
-@pytest.mark.parametrize("algo", ["STANDALONE", "STANDALONE+vocab", "EARLY_EXIT",
+@pytest.mark.parametrize("algo", ["STANDALONE", "STANDALONE+vocab", "STANDALONE-tree",
+                                  "STANDALONE-tree-target-only", "EARLY_EXIT",
                                   "EARLY_EXIT+adapter"])
 @pytest.mark.parametrize("seeded", [False, True])
 def test_sampled_chains_follow_the_target_distribution(tiny_vocab, joints, algo,  # noqa: F811
@@ -262,16 +300,20 @@ def test_sampled_chains_follow_the_target_distribution(tiny_vocab, joints, algo,
             vocab = runner.model_config.vocab_size
             write_draft_vocab(tmp_path / "dr", torch.randperm(
                 vocab, generator=torch.Generator().manual_seed(5))[: vocab * 7 // 10])
-            algo = "STANDALONE"
+        if algo.startswith("STANDALONE-tree"):  # children drawn without replacement from q
+            kw.update(eagle_topk=2, eagle_target_only=algo.endswith("target-only"))
+            cfg = SpecConfig("STANDALONE", 6, num_steps=3, disable_adaptive=True, **kw)
+        algo = "STANDALONE"
     elif algo == "EARLY_EXIT":
         kw = {"early_exit_layer": 1}
     else:  # q is zero outside the adapter's vocabulary: the residual must restore that mass
         kw = {"draft_model_path": str(write_adapter(runner, tmp_path / "ad", 1, keep=0.7,
                                                     down_std=0.02))}
         algo = "EARLY_EXIT"
-    cfg = SpecConfig(algo, 4, num_steps=3, disable_adaptive=True, **kw)
+    if algo != "STANDALONE" or "eagle_topk" not in kw:
+        cfg = SpecConfig(algo, 4, num_steps=3, disable_adaptive=True, **kw)
     outs, info = run_samples(tiny_vocab, lambda _c, r: create_drafter(cfg, r), seeded=seeded,
-                             budget=4)
+                             budget=cfg.num_draft_tokens)
     per_pos = info["spec_decode_num_accepted_tokens_per_pos"]
     assert len(per_pos) >= 2 and per_pos[1] > 0, f"no depth-2 draft accepted: {per_pos}"
     for k, fit in enumerate(pair_fits(outs, joints)):
