@@ -98,3 +98,23 @@ def materialize(asset_dir: str | Path, cache: str | Path | None = None) -> Path:
     except OSError:  # another process materialized it first
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m speculative.models.draft_asset",
+                                description="Write a draft directory's shipped form: every "
+                                "tensor except those it shares with its target.")
+    p.add_argument("draft_dir")
+    p.add_argument("asset_dir")
+    p.add_argument("--target", default="default", help="the target the tensors come from")
+    args = p.parse_args(argv)
+    out = pack_draft_asset(args.draft_dir, args.asset_dir, args.target)
+    size = sum(f.stat().st_size for f in out.iterdir())
+    print(f"wrote {out} ({size / 2**20:.1f} MiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
