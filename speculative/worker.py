@@ -68,6 +68,11 @@ class SpeculativeWorker:
         # so a drafter that rarely lands (a weak draft model) does not cost every new
         # request the ~15 steps its own average needs to fall below the threshold
         self.prior_accept = 1.0
+        from runtime.scheduler.spec_budget import VERIFY_COST
+
+        self.verify_cost = VERIFY_COST.get(getattr(runner, "engine", "torch"), VERIFY_COST["torch"])
+        self.draft_cost: float | None = None  # seconds per drafting request per step (EMA)
+        self.plain_t1: float | None = None  # plain step forward seconds / C(batch) (EMA)
 
     def release(self, rid: str) -> None:
         self.req_states.pop(rid, None)
@@ -77,7 +82,7 @@ class SpeculativeWorker:
         """Forget everything learned (called on flush_cache, when no request runs)."""
         self.req_states.clear()
         self.prior_accept = 1.0
-        self.drafter.reset()
+        self.drafter.reset()  # (the measured costs are kept: they describe the machine)
 
     # Backoff. On this CPU a verify pass of 8 nodes costs ~1.2x a decode step (docs/benchmarks.md),
     # so drafting pays while more than ~0.2 draft tokens are accepted per step on average.
@@ -86,10 +91,30 @@ class SpeculativeWorker:
     # decoding with a full-tree probe every `probe_every` steps (~2.5% overhead when nothing
     # fits). The threshold and the probe interval are the drafter's (`Drafter.min_accept_per_step`,
     # `probe_every`): a draft model's steps cost more than a trie lookup.
+    #
+    # The draft's own cost, measured. A request that drafts makes the step longer by its share
+    # of the drafting time d (seconds per drafting request: `draft_cost`, an EMA of each
+    # propose's time over the requests that drafted) while it adds a accepted tokens to a
+    # batch of B that yields B tokens per plain step of T(B) seconds; drafting pays only while
+    # (B + a) / (T(B) + d) > B / T(B), i.e. a > B d / T(B) (`break_even`). T(B) = t1 * C(B)
+    # with C the engine's verify-cost curve (runtime/scheduler/spec_budget.py) and t1 an EMA of
+    # plain steps' forward time over C(B). The verify pass's own extra rows are the scheduler's
+    # load-aware budget's business (plan_drafts). The threshold is the larger of this and the
+    # drafter's floor; a backed-off request probes every `probe_every * B` steps, so a batch
+    # probes about once per `probe_every` steps whatever its size.
     EMA_WEIGHT = 0.1
     PRIOR_WEIGHT = 0.1
+    COST_WEIGHT = 0.2
 
-    def _budget(self, e: SpecEntry) -> tuple[int, bool]:
+    def break_even(self, batch_size: int) -> float:
+        """Accepted drafts per step a drafting request must average, at this batch size."""
+        floor = self.drafter.min_accept_per_step
+        if self.draft_cost is None or self.plain_t1 is None:
+            return floor
+        t_batch = self.plain_t1 * self.verify_cost(batch_size)
+        return max(floor, batch_size * self.draft_cost / t_batch)
+
+    def _budget(self, e: SpecEntry, batch_size: int = 1) -> tuple[int, bool]:
         """(tree nodes, root included, this request may draft this step; whether it is backed
         off, i.e. may draft only what its drafter is confident of)."""
         fresh = e.slots.numel() - e.prefix_len
@@ -98,10 +123,10 @@ class SpeculativeWorker:
         st = self.req_states.get(e.rid)
         if st is None:
             st = self.req_states[e.rid] = SpecReqState(accept_ema=self.prior_accept)
-        if st.accept_ema >= self.drafter.min_accept_per_step:
+        if st.accept_ema >= self.break_even(batch_size):
             return fresh, False
         st.steps_since_probe += 1
-        if st.steps_since_probe >= self.drafter.probe_every:
+        if st.steps_since_probe >= self.drafter.probe_every * batch_size:
             st.steps_since_probe = 0
             return fresh, False
         if self.drafter.drafts_when_backed_off:
@@ -118,7 +143,7 @@ class SpeculativeWorker:
     def step(self, entries: list[SpecEntry]) -> tuple[list[list[int]], list[dict]]:
         reqs = []
         for e in entries:
-            budget, backed_off = self._budget(e)
+            budget, backed_off = self._budget(e, len(entries))
             reqs.append(SpecReq(e.rid, e.tokens, budget, e.state.params,
                                 prefix_slots=e.slots[: e.prefix_len], backed_off=backed_off,
                                 fresh_slots=e.slots[e.prefix_len :]))
@@ -144,7 +169,10 @@ class SpeculativeWorker:
                 ForwardMode.TARGET_VERIFY, tokens, slots, [e.prefix_len for e in entries],
                 positions=positions, custom_masks=masks, logits="all", capture_layers=capture,
             )
+        t1 = time.perf_counter()
         out = self.drafter.target_forward(batch, trees, self.drafter.needs_final_hidden)
+        forward_s = time.perf_counter() - t1
+        self._measure(trees, draft_s, forward_s)
         results = self._verify(entries, trees, out.logits)  # logits [sum n, vocab]
         reads_hidden = self.drafter.wants_committed_rows
         # the step's drafting time, shared out over its requests (the scheduler sums it)
@@ -167,6 +195,19 @@ class SpeculativeWorker:
         if reads_hidden:
             self.drafter.draft_extend(rows, out)
         return out_tokens, infos
+
+    def _measure(self, trees: list[DraftTree], draft_s: float, forward_s: float) -> None:
+        """Update the draft-cost and plain-step EMAs (see `break_even`)."""
+        w = self.COST_WEIGHT
+        drafted = sum(1 for t in trees if t.num_nodes > 1)
+        if drafted:
+            d = draft_s / drafted
+            self.draft_cost = d if self.draft_cost is None else self.draft_cost + w * (
+                d - self.draft_cost)
+        else:
+            t = forward_s / self.verify_cost(len(trees))
+            self.plain_t1 = t if self.plain_t1 is None else self.plain_t1 + w * (
+                t - self.plain_t1)
 
     def _verify(self, entries: list[SpecEntry], trees: list[DraftTree],
                 logits: torch.Tensor) -> list[VerifyResult]:

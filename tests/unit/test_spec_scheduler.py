@@ -226,6 +226,47 @@ def test_backoff_leaves_confident_drafts_to_drafters_that_judge_them(judges):
     assert w._budget(entry) == (8, False)
 
 
+def test_backoff_counts_the_measured_draft_cost_and_batch_probes():
+    """A drafting request pays its share of the measured drafting time: it keeps drafting only
+    while its accepted drafts per step beat B * d / T(B); backed-off requests of a batch of B
+    probe every probe_every * B steps."""
+    from types import SimpleNamespace
+
+    from runtime.sampling.sampling_params import SamplingParams
+    from speculative.worker import SpecEntry
+
+    class Costly(Drafter):
+        min_accept_per_step = 0.2
+        probe_every = 4
+
+        def propose(self, reqs):
+            return [DraftTree.chain(r.tokens[-1], []) for r in reqs]
+
+    cfg = SpecConfig("TEST", 4)
+    w = SpeculativeWorker(cfg, Costly(cfg, None), None)
+    assert w.break_even(1) == 0.2  # nothing measured yet: the drafter's floor
+    one, chain = DraftTree.chain(5, []), DraftTree.chain(5, [6, 7, 8])
+    # plain steps: 10 ms at batch 1 and 2 * C(2) ms at batch 2 -> t1 = 10 ms
+    for _ in range(30):
+        w._measure([one], 0.0, 0.010)
+        w._measure([one, one], 0.0, 0.010 * w.verify_cost(2))
+    assert w.plain_t1 == pytest.approx(0.010, rel=1e-3)
+    for _ in range(30):  # 6 ms of drafting for 2 drafting requests: 3 ms each
+        w._measure([chain, chain, one], 0.006, 0.02)
+    assert w.draft_cost == pytest.approx(0.003, rel=1e-3)
+    assert w.break_even(1) == pytest.approx(0.3, rel=1e-3)  # 1 * 3 ms / 10 ms
+    b4 = 4 * 0.003 / (0.010 * w.verify_cost(4))
+    assert w.break_even(4) == pytest.approx(b4, rel=1e-3) and b4 > 0.3
+    state = SimpleNamespace(params=SamplingParams(temperature=0.0))
+    entry = SpecEntry("r", [1, 2, 3], 2, torch.arange(6), state)
+    w.req_states.clear()
+    w.prior_accept = 0.5  # between the batch-1 and the batch-4 break-even
+    assert w._budget(entry, 1) == (4, False)  # pays alone
+    got = [w._budget(entry, 4) for _ in range(4 * 4 * 3)]
+    assert got.count((4, False)) == 3  # at batch 4: backed off, a probe every 16 steps
+    assert set(got) == {(4, False), (1, False)}
+
+
 class BatchRecordingOracle(ChainOracleDrafter):
     """Records each step's budgets as one list (one per decoding request)."""
 
