@@ -42,7 +42,7 @@ from runtime.messages import (
 from runtime.model_runner.forward_batch import ForwardMode
 from runtime.sampling.sampling_params import SamplingParams
 from runtime.scheduler.req import Req
-from runtime.scheduler.spec_budget import VERIFY_COST, VerifyCost, plan_drafts
+from runtime.scheduler.spec_budget import VERIFY_COST, VerifyCost, plan_drafts, with_probes
 from runtime.scheduler.stop import StopChecker
 
 logger = logging.getLogger(__name__)
@@ -321,8 +321,10 @@ class Scheduler:
             sizes = draft_sizes([r.spec_last_accepted for r in decoding], tokens_per_req,
                                 self.cfg.max_draft_tokens, self.cfg.deep_for_all)
             if self.cfg.load_aware:
-                sizes = plan_drafts([r.spec_acceptance.rate for r in decoding], sizes,
+                caps = sizes
+                sizes = plan_drafts([r.spec_acceptance.rate for r in decoding], caps,
                                     self.cfg.verify_cost)
+                sizes = with_probes(sizes, caps, [r.spec_acceptance for r in decoding])
         for req, n in zip(decoding, sizes):
             # never draft past the context length: the tree's positions must exist
             room = self.stop.context_length - req.kv_len

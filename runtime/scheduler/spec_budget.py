@@ -13,12 +13,16 @@ with request i's nodes n_i in [1, cap_i]. E_i is the chain model: the k-th draft
 with probability a_i^k, so a node's marginal yield is a_i^(n_i) and E_i(n) = sum_{k<n} a_i^k.
 Nodes are handed out greedily in order of marginal yield (the order that maximises the yield of
 every total); the best total is kept (T is measured, not convex, so every total is scored).
-With no draft worth its cost, every request gets 1 node: plain decoding.
+With no draft worth its cost, every request gets 1 node: plain decoding. Requests kept at 1
+node are probed (their full cap) once every PROBE_EVERY * B steps (`with_probes`), so their
+acceptance estimate follows the text.
 
 `a_i` comes from the request's own verify outcomes (`Acceptance`): accepted drafts over accepted
 drafts plus rejections (the maximum-likelihood rate of a geometric run), decayed so it follows
-the text; trees are treated as chains of the same effective rate. Draft-model cost is not in T:
-NGRAM drafts in microseconds; EAGLE's head steps are extra (so the policy is optimistic for it).
+the text; trees are treated as chains of the same effective rate. Draft-model cost is not in T
+here: the runner's speculative worker measures it (seconds of drafting per drafting request)
+and backs a request off while its accepted drafts per step do not pay for it
+(speculative/worker.py, `break_even`).
 
 T(n)/T(1) is a measured curve per engine (`VERIFY_COST`), documented with its command.
 """
@@ -74,6 +78,7 @@ class Acceptance:
     accepted: float = 1.0  # prior: one accept, one reject (a = 0.5) until the request shows
     rejected: float = 1.0
     decay: float = 0.9  # ~10 drafting steps of memory: acceptance comes in bursts
+    idle: int = 0  # decode steps since the budget last let it draft (for probes)
 
     @property
     def rate(self) -> float:
@@ -84,6 +89,26 @@ class Acceptance:
             return  # nothing drafted (no n-gram match, or no budget): nothing learned
         self.accepted = self.decay * self.accepted + accepted
         self.rejected = self.decay * self.rejected + (1.0 if accepted < drafted else 0.0)
+
+
+# A request the budget keeps at 0 drafts learns nothing new about its acceptance (the rate only
+# moves on verify outcomes), so it is given its full cap once every PROBE_EVERY * B steps (B =
+# the decoding batch): the batch as a whole probes about once per PROBE_EVERY steps.
+PROBE_EVERY = 16
+
+
+def with_probes(sizes: list[int], caps: list[int], accs: list[Acceptance]) -> list[int]:
+    """`sizes` with the probes that are due (see PROBE_EVERY); updates each `idle` count."""
+    out = list(sizes)
+    due = PROBE_EVERY * len(sizes)
+    for i, acc in enumerate(accs):
+        if out[i] > 1 or caps[i] <= 1:
+            acc.idle = 0
+            continue
+        acc.idle += 1
+        if acc.idle >= due:
+            out[i], acc.idle = caps[i], 0
+    return out
 
 
 def plan_drafts(rates: list[float], caps: list[int], cost: VerifyCost) -> list[int]:

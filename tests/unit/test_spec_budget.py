@@ -87,3 +87,19 @@ def test_acceptance_follows_the_requests_own_outcomes():
     before = a.rate
     a.update(drafted=0, accepted=0)  # nothing drafted: nothing learned
     assert a.rate == before
+
+
+def test_requests_kept_from_drafting_are_probed_once_per_probe_interval_of_the_batch():
+    from runtime.scheduler.spec_budget import PROBE_EVERY, with_probes
+
+    accs = [Acceptance() for _ in range(4)]
+    caps = [4, 4, 4, 1]  # the last one has no room to draft: never probed
+    got = [with_probes([1, 1, 1, 1], caps, accs) for _ in range(PROBE_EVERY * 4 * 2)]
+    for i in range(3):
+        probes = [g[i] for g in got if g[i] > 1]
+        assert probes == [4, 4], (i, probes)  # its cap, once per PROBE_EVERY * B steps
+    assert all(g[3] == 1 for g in got)
+    # a request the plan lets draft is never "idle"
+    accs = [Acceptance()]
+    assert all(with_probes([3], [4], accs) == [3] for _ in range(5 * PROBE_EVERY))
+    assert accs[0].idle == 0
