@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 
 from benchmark.common import machine_info, write_json
-from benchmark.datasets import chat_prompt_ids, load_bench_tokenizer, sample_requests
+from corpora.datasets import chat_prompt_ids, load_bench_tokenizer, sample_requests
 from benchmark.sweep_serving import server
 
 KINDS = ("greedy", "sampled", "abort", "disconnect")

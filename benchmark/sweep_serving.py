@@ -31,7 +31,7 @@ import httpx
 
 from benchmark.bench_serving import BenchConfig, run_benchmark
 from benchmark.common import format_table, machine_info, write_json
-from benchmark.datasets import load_bench_tokenizer, sample_requests
+from corpora.datasets import load_bench_tokenizer, sample_requests
 
 ROOT = Path(__file__).resolve().parents[1]
 
