@@ -30,8 +30,8 @@ from typing import Any
 import httpx
 
 from benchmark.common import machine_info, write_json
-from corpora.datasets import chat_prompt_ids, load_bench_tokenizer, sample_requests
 from benchmark.sweep_serving import server
+from corpora.datasets import chat_prompt_ids, load_bench_tokenizer, sample_requests
 
 KINDS = ("greedy", "sampled", "abort", "disconnect")
 WEIGHTS = (0.55, 0.25, 0.1, 0.1)

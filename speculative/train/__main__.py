@@ -150,9 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                 exit_layer=args.exit_layer,
                 adapter_size=args.adapter_size)).train()
     if "eval" in stages:
-        from speculative.train.evaluate import evaluate_head, evaluate_snapshots
-
-        from speculative.train.evaluate import CHAIN_EVAL
+        from speculative.train.evaluate import CHAIN_EVAL, evaluate_head, evaluate_snapshots
 
         kw = dict(target_model=args.target_model, num_prompts=args.eval_prompts,
                   max_new_tokens=args.eval_max_new_tokens, seed=args.seed,

@@ -28,7 +28,6 @@ from each position) — exact on greedy-regenerated answers, a proxy on teacher-
 from __future__ import annotations
 
 import json
-
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,13 +112,15 @@ class _Layer(nn.Module):
 
     def __init__(self, h: int, inter: int, nh: int, nkv: int, hd: int) -> None:
         super().__init__()
+        def lin(i: int, o: int) -> nn.Linear:
+            return nn.Linear(i, o, bias=False)
+
         self.self_attn = nn.ModuleDict({
-            "q_proj": nn.Linear(h, nh * hd, bias=False), "k_proj": nn.Linear(h, nkv * hd, bias=False),
-            "v_proj": nn.Linear(h, nkv * hd, bias=False), "o_proj": nn.Linear(nh * hd, h, bias=False),
+            "q_proj": lin(h, nh * hd), "k_proj": lin(h, nkv * hd), "v_proj": lin(h, nkv * hd),
+            "o_proj": lin(nh * hd, h),
         })
         self.mlp = nn.ModuleDict({
-            "gate_proj": nn.Linear(h, inter, bias=False), "up_proj": nn.Linear(h, inter, bias=False),
-            "down_proj": nn.Linear(inter, h, bias=False),
+            "gate_proj": lin(h, inter), "up_proj": lin(h, inter), "down_proj": lin(inter, h),
         })
         self.input_layernorm = nn.Parameter(torch.ones(h))
         self.post_attention_layernorm = nn.Parameter(torch.ones(h))
