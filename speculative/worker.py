@@ -71,8 +71,8 @@ class SpeculativeWorker:
         from runtime.scheduler.spec_budget import VERIFY_COST
 
         self.verify_cost = VERIFY_COST.get(getattr(runner, "engine", "torch"), VERIFY_COST["torch"])
-        self.draft_cost: float | None = None  # seconds per drafting request per step (EMA)
-        self.plain_t1: float | None = None  # plain step forward seconds / C(batch) (EMA)
+        self.draft_cost: float | None = None  # extra seconds per drafting request (EMA)
+        self.plain_t1: float | None = None  # plain step seconds / C(batch) (EMA)
 
     def release(self, rid: str) -> None:
         self.req_states.pop(rid, None)
@@ -92,16 +92,18 @@ class SpeculativeWorker:
     # fits). The threshold and the probe interval are the drafter's (`Drafter.min_accept_per_step`,
     # `probe_every`): a draft model's steps cost more than a trie lookup.
     #
-    # The draft's own cost, measured. A request that drafts makes the step longer by its share
-    # of the drafting time d (seconds per drafting request: `draft_cost`, an EMA of each
-    # propose's time over the requests that drafted) while it adds a accepted tokens to a
-    # batch of B that yields B tokens per plain step of T(B) seconds; drafting pays only while
+    # What drafting costs, measured. A request that drafts makes the step longer by d seconds
+    # (`draft_cost`: an EMA of a drafting step's whole time — drafting, the verify forward over
+    # its extra rows, verification, commit — minus a plain step's at the same batch size,
+    # shared over the requests that drafted) while it adds a accepted tokens to a batch of B
+    # that yields B tokens per plain step of T(B) seconds; drafting pays only while
     # (B + a) / (T(B) + d) > B / T(B), i.e. a > B d / T(B) (`break_even`). T(B) = t1 * C(B)
     # with C the engine's verify-cost curve (runtime/scheduler/spec_budget.py) and t1 an EMA of
-    # plain steps' forward time over C(B). The verify pass's own extra rows are the scheduler's
-    # load-aware budget's business (plan_drafts). The threshold is the larger of this and the
-    # drafter's floor; a backed-off request probes every `probe_every * B` steps, so a batch
-    # probes about once per `probe_every` steps whatever its size.
+    # plain steps' time over C(B). Every overhead a draft brings is in d, whatever the
+    # algorithm (a trie lookup's microseconds, a head's or a draft model's forwards, the verify
+    # rows). The threshold is the larger of this and the drafter's floor; a backed-off request
+    # probes every `probe_every * B` steps, so a batch probes about once per `probe_every`
+    # steps whatever its size.
     EMA_WEIGHT = 0.1
     PRIOR_WEIGHT = 0.1
     COST_WEIGHT = 0.2
@@ -141,6 +143,7 @@ class SpeculativeWorker:
         self.prior_accept += self.PRIOR_WEIGHT * (accepted - self.prior_accept)
 
     def step(self, entries: list[SpecEntry]) -> tuple[list[list[int]], list[dict]]:
+        t_step = time.perf_counter()
         reqs = []
         for e in entries:
             budget, backed_off = self._budget(e, len(entries))
@@ -169,10 +172,7 @@ class SpeculativeWorker:
                 ForwardMode.TARGET_VERIFY, tokens, slots, [e.prefix_len for e in entries],
                 positions=positions, custom_masks=masks, logits="all", capture_layers=capture,
             )
-        t1 = time.perf_counter()
         out = self.drafter.target_forward(batch, trees, self.drafter.needs_final_hidden)
-        forward_s = time.perf_counter() - t1
-        self._measure(trees, draft_s, forward_s)
         results = self._verify(entries, trees, out.logits)  # logits [sum n, vocab]
         reads_hidden = self.drafter.wants_committed_rows
         # the step's drafting time, shared out over its requests (the scheduler sums it)
@@ -194,20 +194,22 @@ class SpeculativeWorker:
             off += tree.num_nodes
         if reads_hidden:
             self.drafter.draft_extend(rows, out)
+        self._measure(trees, time.perf_counter() - t_step)
         return out_tokens, infos
 
-    def _measure(self, trees: list[DraftTree], draft_s: float, forward_s: float) -> None:
-        """Update the draft-cost and plain-step EMAs (see `break_even`)."""
+    def _measure(self, trees: list[DraftTree], step_s: float) -> None:
+        """Update the plain-step and draft-cost EMAs from one step's time (see `break_even`)."""
         w = self.COST_WEIGHT
         drafted = sum(1 for t in trees if t.num_nodes > 1)
-        if drafted:
-            d = draft_s / drafted
-            self.draft_cost = d if self.draft_cost is None else self.draft_cost + w * (
-                d - self.draft_cost)
-        else:
-            t = forward_s / self.verify_cost(len(trees))
+        plain = None if self.plain_t1 is None else self.plain_t1 * self.verify_cost(len(trees))
+        if not drafted:
+            t = step_s / self.verify_cost(len(trees))
             self.plain_t1 = t if self.plain_t1 is None else self.plain_t1 + w * (
                 t - self.plain_t1)
+        elif plain is not None:
+            d = max(0.0, step_s - plain) / drafted
+            self.draft_cost = d if self.draft_cost is None else self.draft_cost + w * (
+                d - self.draft_cost)
 
     def _verify(self, entries: list[SpecEntry], trees: list[DraftTree],
                 logits: torch.Tensor) -> list[VerifyResult]:

@@ -246,13 +246,15 @@ def test_backoff_counts_the_measured_draft_cost_and_batch_probes():
     w = SpeculativeWorker(cfg, Costly(cfg, None), None)
     assert w.break_even(1) == 0.2  # nothing measured yet: the drafter's floor
     one, chain = DraftTree.chain(5, []), DraftTree.chain(5, [6, 7, 8])
-    # plain steps: 10 ms at batch 1 and 2 * C(2) ms at batch 2 -> t1 = 10 ms
+    w._measure([chain], 0.05)  # no plain step measured yet: nothing to compare with
+    assert w.draft_cost is None
+    # plain steps: 10 ms at batch 1 and 10 * C(2) ms at batch 2 -> t1 = 10 ms
     for _ in range(30):
-        w._measure([one], 0.0, 0.010)
-        w._measure([one, one], 0.0, 0.010 * w.verify_cost(2))
+        w._measure([one], 0.010)
+        w._measure([one, one], 0.010 * w.verify_cost(2))
     assert w.plain_t1 == pytest.approx(0.010, rel=1e-3)
-    for _ in range(30):  # 6 ms of drafting for 2 drafting requests: 3 ms each
-        w._measure([chain, chain, one], 0.006, 0.02)
+    for _ in range(30):  # 6 ms more than a plain batch-3 step, 2 drafting requests: 3 ms each
+        w._measure([chain, chain, one], 0.010 * w.verify_cost(3) + 0.006)
     assert w.draft_cost == pytest.approx(0.003, rel=1e-3)
     assert w.break_even(1) == pytest.approx(0.3, rel=1e-3)  # 1 * 3 ms / 10 ms
     b4 = 4 * 0.003 / (0.010 * w.verify_cost(4))
