@@ -47,6 +47,8 @@ class SpecReqState:
     # moving average of draft tokens accepted per verify step (optimistic start)
     accept_ema: float = 1.0
     steps_since_probe: int = 0
+    probe_interval: int = 0  # steps between probes (0: the drafter's probe_every); doubles
+    probe_bar: float | None = None  # set while a probe is out: the break-even it must beat
 
 
 @dataclass(slots=True)
@@ -103,10 +105,13 @@ class SpeculativeWorker:
     # algorithm (a trie lookup's microseconds, a head's or a draft model's forwards, the verify
     # rows). The threshold is the larger of this and the drafter's floor; a backed-off request
     # probes every `probe_every * B` steps, so a batch probes about once per `probe_every`
-    # steps whatever its size.
+    # steps whatever its size, and each probe that does not pay doubles the request's interval
+    # (up to MAX_PROBE_INTERVAL; one that pays resets it): a drafter that never pays on this
+    # text costs a few probes per request, not one every few steps.
     EMA_WEIGHT = 0.1
     PRIOR_WEIGHT = 0.1
     COST_WEIGHT = 0.2
+    MAX_PROBE_INTERVAL = 512
 
     def break_even(self, batch_size: int) -> float:
         """Accepted drafts per step a drafting request must average, at this batch size."""
@@ -125,11 +130,13 @@ class SpeculativeWorker:
         st = self.req_states.get(e.rid)
         if st is None:
             st = self.req_states[e.rid] = SpecReqState(accept_ema=self.prior_accept)
-        if st.accept_ema >= self.break_even(batch_size):
+        bar = self.break_even(batch_size)
+        if st.accept_ema >= bar:
             return fresh, False
         st.steps_since_probe += 1
-        if st.steps_since_probe >= self.drafter.probe_every * batch_size:
+        if st.steps_since_probe >= (st.probe_interval or self.drafter.probe_every) * batch_size:
             st.steps_since_probe = 0
+            st.probe_bar = bar
             return fresh, False
         if self.drafter.drafts_when_backed_off:
             return fresh, True
@@ -141,6 +148,11 @@ class SpeculativeWorker:
             return  # no draft (no n-gram match): nothing learned, nothing paid
         st.accept_ema += self.EMA_WEIGHT * (accepted - st.accept_ema)
         self.prior_accept += self.PRIOR_WEIGHT * (accepted - self.prior_accept)
+        if st.probe_bar is not None:  # a probe's outcome sets the next interval
+            base = self.drafter.probe_every
+            st.probe_interval = base if accepted >= st.probe_bar else min(
+                2 * (st.probe_interval or base), self.MAX_PROBE_INTERVAL)
+            st.probe_bar = None
 
     def step(self, entries: list[SpecEntry]) -> tuple[list[list[int]], list[dict]]:
         t_step = time.perf_counter()

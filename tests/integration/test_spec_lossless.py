@@ -49,10 +49,17 @@ def test_tiny_model_ngram_greedy_equals_plain(tiny, concurrency):  # noqa: F811
     h.sched.check_no_leak()
 
 
+# (server-wide accept length above, some request's accept length above): chain drafters of
+# this 135M target accept ~0.26-0.30 first drafts (assets/*/README.md)
+ACCEPT_FLOORS = {"NGRAM": (1.2, 2.0), "EAGLE3": (1.5, 2.0), "STANDALONE": (1.15, 1.5),
+                 "EARLY_EXIT": (1.15, 1.5)}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", ["NGRAM", "EAGLE3"])
+@pytest.mark.parametrize("algo", ["NGRAM", "EAGLE3", "STANDALONE", "EARLY_EXIT"])
 def test_default_model_greedy_spec_equals_plain_batch1_and_concurrency8(algo):
-    """EAGLE3 with no draft path runs the head shipped in assets/ for the default model."""
+    """With no draft path, EAGLE3 / STANDALONE / EARLY_EXIT run the head, draft model and exit
+    adapter shipped in assets/ for the default model."""
     from runtime import Engine
 
     tok = load_tokenizer(resolve_model_path(None))
@@ -85,8 +92,9 @@ def test_default_model_greedy_spec_equals_plain_batch1_and_concurrency8(algo):
 
         conc8 = asyncio.run(conc())
         info = spec.server_info()
-    assert info["avg_spec_accept_length"] > (1.2 if algo == "NGRAM" else 1.5)
-    assert any(o["meta_info"]["spec_accept_length"] > 2 for o in batch1)
+    server_floor, request_floor = ACCEPT_FLOORS[algo]
+    assert info["avg_spec_accept_length"] > server_floor
+    assert any(o["meta_info"]["spec_accept_length"] > request_floor for o in batch1)
     judge = NearTieJudge()
     for p, r, a, b in zip(prompts, ref, batch1, conc8):
         for out in (a, b):

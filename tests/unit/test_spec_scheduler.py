@@ -267,6 +267,21 @@ def test_backoff_counts_the_measured_draft_cost_and_batch_probes():
     got = [w._budget(entry, 4) for _ in range(4 * 4 * 3)]
     assert got.count((4, False)) == 3  # at batch 4: backed off, a probe every 16 steps
     assert set(got) == {(4, False), (1, False)}
+    # probes that fail double the interval (4, 8, 16 steps at batch 1); one that pays resets it
+    w.req_states.clear()
+    w.prior_accept = 0.0
+    gaps, since = [], 0
+    for _ in range(4 + 8 + 16 + 32):
+        since += 1
+        if w._budget(entry, 1) == (4, False):
+            w._adapt("r", 3, 0)
+            gaps.append(since)
+            since = 0
+    assert gaps == [4, 8, 16, 32], gaps
+    got = [w._budget(entry, 1) for _ in range(64)]
+    assert got.index((4, False)) == 63  # the next probe after 64 steps
+    w._adapt("r", 3, 3)  # it paid
+    assert w.req_states["r"].probe_interval == 4
 
 
 class BatchRecordingOracle(ChainOracleDrafter):
