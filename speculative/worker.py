@@ -49,6 +49,7 @@ class SpecReqState:
     steps_since_probe: int = 0
     probe_interval: int = 0  # steps between probes (0: the drafter's probe_every); doubles
     probe_bar: float | None = None  # set while a probe is out: the break-even it must beat
+    global_probe: bool = False  # that probe is the server-wide one
 
 
 @dataclass(slots=True)
@@ -73,6 +74,8 @@ class SpeculativeWorker:
         from runtime.scheduler.spec_budget import VERIFY_COST
 
         self.verify_cost = VERIFY_COST.get(getattr(runner, "engine", "torch"), VERIFY_COST["torch"])
+        self.global_interval = drafter.probe_every  # steps between server-wide probes
+        self.steps_since_global = 0
         self.draft_cost: float | None = None  # extra seconds per drafting request (EMA)
         self.plain_t1: float | None = None  # plain step seconds / C(batch) (EMA)
 
@@ -107,7 +110,12 @@ class SpeculativeWorker:
     # probes every `probe_every * B` steps, so a batch probes about once per `probe_every`
     # steps whatever its size, and each probe that does not pay doubles the request's interval
     # (up to MAX_PROBE_INTERVAL; one that pays resets it): a drafter that never pays on this
-    # text costs a few probes per request, not one every few steps.
+    # text costs a few probes per request, not one every few steps. While the server-wide
+    # average (`prior_accept`, which new requests start from) is below the bar too, the drafter
+    # as a whole does not pay on the current traffic: requests stop probing on their own and
+    # one server-wide probe (the request that waited longest) runs every `global_interval`
+    # steps, doubling the same way. A short request then never pays a probe (for a draft model,
+    # catching up its whole history), yet the drafter comes back when the traffic changes.
     EMA_WEIGHT = 0.1
     PRIOR_WEIGHT = 0.1
     COST_WEIGHT = 0.2
@@ -121,7 +129,22 @@ class SpeculativeWorker:
         t_batch = self.plain_t1 * self.verify_cost(batch_size)
         return max(floor, batch_size * self.draft_cost / t_batch)
 
-    def _budget(self, e: SpecEntry, batch_size: int = 1) -> tuple[int, bool]:
+    def _global_probe(self, entries: list[SpecEntry]) -> str | None:
+        """The request that probes for the whole server this step, if one is due."""
+        if self.cfg.disable_adaptive or self.prior_accept >= self.break_even(len(entries)):
+            return None
+        self.steps_since_global += 1
+        if self.steps_since_global < self.global_interval:
+            return None
+        waiting = [(st.steps_since_probe, e.rid) for e in entries
+                   if (st := self.req_states.get(e.rid)) is not None]
+        if not waiting:
+            return None
+        self.steps_since_global = 0
+        return max(waiting)[1]
+
+    def _budget(self, e: SpecEntry, batch_size: int = 1,
+                global_probe: str | None = None) -> tuple[int, bool]:
         """(tree nodes, root included, this request may draft this step; whether it is backed
         off, i.e. may draft only what its drafter is confident of)."""
         fresh = e.slots.numel() - e.prefix_len
@@ -134,9 +157,15 @@ class SpeculativeWorker:
         if st.accept_ema >= bar:
             return fresh, False
         st.steps_since_probe += 1
-        if st.steps_since_probe >= (st.probe_interval or self.drafter.probe_every) * batch_size:
+        if self.prior_accept >= bar:  # the drafter pays in general: this request probes
+            due = st.steps_since_probe >= (st.probe_interval or self.drafter.probe_every) \
+                * batch_size
+        else:  # it does not pay on the current traffic: only the server-wide probe
+            due = e.rid == global_probe
+        if due:
             st.steps_since_probe = 0
             st.probe_bar = bar
+            st.global_probe = global_probe is not None and e.rid == global_probe
             return fresh, False
         if self.drafter.drafts_when_backed_off:
             return fresh, True
@@ -150,15 +179,21 @@ class SpeculativeWorker:
         self.prior_accept += self.PRIOR_WEIGHT * (accepted - self.prior_accept)
         if st.probe_bar is not None:  # a probe's outcome sets the next interval
             base = self.drafter.probe_every
-            st.probe_interval = base if accepted >= st.probe_bar else min(
-                2 * (st.probe_interval or base), self.MAX_PROBE_INTERVAL)
+            paid = accepted >= st.probe_bar
+            if st.global_probe:
+                self.global_interval = base if paid else min(2 * self.global_interval,
+                                                             self.MAX_PROBE_INTERVAL)
+            else:
+                st.probe_interval = base if paid else min(2 * (st.probe_interval or base),
+                                                          self.MAX_PROBE_INTERVAL)
             st.probe_bar = None
 
     def step(self, entries: list[SpecEntry]) -> tuple[list[list[int]], list[dict]]:
         t_step = time.perf_counter()
         reqs = []
+        probe = self._global_probe(entries)
         for e in entries:
-            budget, backed_off = self._budget(e, len(entries))
+            budget, backed_off = self._budget(e, len(entries), probe)
             reqs.append(SpecReq(e.rid, e.tokens, budget, e.state.params,
                                 prefix_slots=e.slots[: e.prefix_len], backed_off=backed_off,
                                 fresh_slots=e.slots[e.prefix_len :]))

@@ -216,6 +216,7 @@ def test_backoff_leaves_confident_drafts_to_drafters_that_judge_them(judges):
     assert w._budget(entry) == (8, False)  # optimistic start
     for _ in range(30):  # drafts keep failing: the request backs off
         w._adapt("r", 7, 0)
+    w.prior_accept = 1.0  # (other requests' drafts pay: this one probes on its own)
     got = [w._budget(entry) for _ in range(2 * w.drafter.probe_every)]
     probes = [g for g in got if g == (8, False)]
     assert len(probes) == 2  # a full-tree probe every probe_every steps either way
@@ -233,7 +234,7 @@ def test_backoff_counts_the_measured_draft_cost_and_batch_probes():
     from types import SimpleNamespace
 
     from runtime.sampling.sampling_params import SamplingParams
-    from speculative.worker import SpecEntry
+    from speculative.worker import SpecEntry, SpecReqState
 
     class Costly(Drafter):
         min_accept_per_step = 0.2
@@ -264,12 +265,13 @@ def test_backoff_counts_the_measured_draft_cost_and_batch_probes():
     w.req_states.clear()
     w.prior_accept = 0.5  # between the batch-1 and the batch-4 break-even
     assert w._budget(entry, 1) == (4, False)  # pays alone
+    w.prior_accept = 10.0  # the drafter pays in general: this request probes on its own
     got = [w._budget(entry, 4) for _ in range(4 * 4 * 3)]
     assert got.count((4, False)) == 3  # at batch 4: backed off, a probe every 16 steps
     assert set(got) == {(4, False), (1, False)}
     # probes that fail double the interval (4, 8, 16 steps at batch 1); one that pays resets it
     w.req_states.clear()
-    w.prior_accept = 0.0
+    w.req_states["r"] = SpecReqState(accept_ema=0.0)
     gaps, since = [], 0
     for _ in range(4 + 8 + 16 + 32):
         since += 1
@@ -282,6 +284,46 @@ def test_backoff_counts_the_measured_draft_cost_and_batch_probes():
     assert got.index((4, False)) == 63  # the next probe after 64 steps
     w._adapt("r", 3, 3)  # it paid
     assert w.req_states["r"].probe_interval == 4
+
+
+def test_a_drafter_that_does_not_pay_probes_once_per_server_interval():
+    """While the server-wide acceptance is below the bar, requests stop probing on their own:
+    one probe runs for the whole server every `global_interval` steps (the request that waited
+    longest), doubling after each probe that does not pay."""
+    from types import SimpleNamespace
+
+    from runtime.sampling.sampling_params import SamplingParams
+    from speculative.worker import SpecEntry
+
+    class Costly(Drafter):
+        min_accept_per_step = 0.2
+        probe_every = 4
+
+        def propose(self, reqs):
+            return [DraftTree.chain(r.tokens[-1], []) for r in reqs]
+
+    cfg = SpecConfig("TEST", 4)
+    w = SpeculativeWorker(cfg, Costly(cfg, None), None)
+    w.prior_accept = 0.0
+    state = SimpleNamespace(params=SamplingParams(temperature=0.0))
+    entries = [SpecEntry(f"r{i}", [1, 2, 3], 2, torch.arange(6), state) for i in range(3)]
+    probes = []  # (step, rid)
+    for step in range(1, 4 + 8 + 16 + 32 + 1):
+        g = w._global_probe(entries)
+        for e in entries:
+            if w._budget(e, len(entries), g) == (4, False):
+                probes.append((step, e.rid))
+                w._adapt(e.rid, 3, 0)
+    assert [s for s, _ in probes] == [4, 12, 28, 60], probes  # one at a time, doubling
+    assert len({r for _, r in probes[:3]}) == 3  # the request that waited longest goes next
+    assert w.global_interval == 64
+    # a server-wide probe that pays brings the interval back
+    w.global_interval, w.steps_since_global = 4, 3
+    g = w._global_probe(entries)
+    assert g is not None and w._budget(entries[0 if g == "r0" else 1 if g == "r1" else 2],
+                                       3, g) == (4, False)
+    w._adapt(g, 3, 3)
+    assert w.global_interval == 4
 
 
 class BatchRecordingOracle(ChainOracleDrafter):
