@@ -75,12 +75,13 @@ async def streamed(client: httpx.AsyncClient, ids: list[int], params: dict, kind
     body = {"input_ids": ids, "sampling_params": params, "stream": True, "rid": rid}
     async with client.stream("POST", "/generate", json=body) as r:
         r.raise_for_status()
-        async for line in r.aiter_lines():
+        lines = r.aiter_lines()  # one iterator: a response's stream can be read only once
+        async for line in lines:
             if not line.startswith("data: "):
                 continue
             if kind == "abort":
                 (await client.post("/abort_request", json={"rid": rid})).raise_for_status()
-                async for _ in r.aiter_lines():  # the stream must still end cleanly
+                async for _ in lines:  # the rest of the same stream must still end cleanly
                     pass
             return  # disconnect: leave the context with the stream open
 
