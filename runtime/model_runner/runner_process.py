@@ -62,6 +62,15 @@ class RunnerWorker:
 
     def _state(self, entry) -> RunnerReqState:
         st = self.states.get(entry.rid)
+        if st is not None and entry.sampling_params is not None:
+            # only a request's first entry carries its params: a state under the same id is a
+            # finished or aborted request's whose release has not reached us; it must not leak
+            # its tokens, slots or draft state into the new one
+            logger.warning("%s: a new request replaces a stale state of the same id", entry.rid)
+            self.states.pop(entry.rid)
+            if self.spec is not None:
+                self.spec.release(entry.rid)
+            st = None
         if st is None:
             assert entry.sampling_params is not None, f"{entry.rid}: first batch lacks params"
             params = SamplingParams(**entry.sampling_params)

@@ -141,6 +141,12 @@ class Scheduler:
             if len(req.prompt_ids) >= self.stop.context_length or not req.prompt_ids:
                 self._finish_now(req, {"type": "abort", "message": "prompt length invalid"})
                 return
+            if any(r.rid == req.rid for r in self.running) or any(
+                    r.rid == req.rid for r in self.waiting):
+                # two live requests must never share an id: the runner keys its state by it
+                self._finish_now(req, {"type": "abort",
+                                       "message": f"request id {req.rid!r} is still running"})
+                return
             self.totals["requests"] += 1
             self.waiting.append(req)
         elif isinstance(msg, AbortReq):

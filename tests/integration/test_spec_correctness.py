@@ -36,7 +36,10 @@ def engines():
 
     def get(name: str):
         if name not in started:
-            spec = {} if name == "plain" else {"speculative_algorithm": name}
+            # fixed draft sizes: every step drafts and verifies (the backoff would stop drafting
+            # on this prompt, and these tests are about verifying penalised/seeded drafts)
+            spec = {} if name == "plain" else {"speculative_algorithm": name,
+                                                "speculative_disable_adaptive": True}
             started[name] = Engine(log_level="warning", **spec)
         return started[name]
 

@@ -128,6 +128,38 @@ def test_abort_waiting_and_running_frees_kv(tiny):
     assert h.sched.allocator.num_free == h.sched.allocator.capacity
 
 
+def test_a_second_live_request_with_the_same_id_is_refused_and_the_first_unharmed(tiny):
+    ps = prompts(2, seed=7)
+    ref = reference(tiny, ps[:1], ignore_eos=True, max_new_tokens=20)[0]
+    h = Harness(tiny)
+    h.submit("dup", ps[0], ignore_eos=True, max_new_tokens=20)
+    h.sched.step()
+    h.submit("dup", ps[1], ignore_eos=True, max_new_tokens=20)
+    refusal = h.finish.pop("dup")  # no tokens: the refusal adds none to the first's output
+    assert refusal["type"] == "abort" and "still running" in refusal["message"]
+    h.run()
+    assert h.outputs["dup"] == ref and h.finish["dup"]["type"] == "length"
+    h.sched.check_no_leak()
+
+
+def test_runner_replaces_a_stale_state_when_a_new_request_reuses_its_id(tiny):
+    new = list(range(40, 80))
+    ref = reference(tiny, [new], ignore_eos=True, repetition_penalty=1.3)[0]
+    h = Harness(tiny)
+    h.submit("x", [5, 6, 7], ignore_eos=True, max_new_tokens=2)  # a short history
+    h.run()
+    # a release that has not reached the runner: its old state is still there
+    h.sched.released = []
+    assert "x" in h.worker.states
+    h.submit("x", new, ignore_eos=True, repetition_penalty=1.3)
+    h.sched.step()
+    st = h.worker.states["x"]  # the new request's own history, nothing of the old one's
+    assert st.prompt_ids == new and st.output_ids == h.outputs["x"][2:]
+    h.run()
+    assert h.outputs["x"][2:] == ref
+    h.sched.check_no_leak()
+
+
 def test_stop_token_ids_and_max_tokens(tiny):
     ps = prompts(1, seed=5)
     ref = reference(tiny, ps, ignore_eos=True, max_new_tokens=12)[0]
