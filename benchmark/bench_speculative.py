@@ -93,7 +93,7 @@ from corpora.datasets import (
 )
 
 logger = logging.getLogger("bench_speculative")
-DATASETS = ("sharegpt", "rewrite", "custom")
+DATASETS = ("sharegpt", "rewrite", "schema", "custom")
 WARMUP_MESSAGES = [{"role": "user", "content": "Count from one to ten, in words."}]
 WARMUP_MAX_NEW_TOKENS = 16
 

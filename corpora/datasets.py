@@ -11,6 +11,9 @@
 - `rewrite`: a ShareGPT passage of 60-400 tokens wrapped in an instruction whose answer copies or
   edits it (repeat, fix spelling, comment code, ...) — the workload where drafting from the
   prompt pays off.
+- `schema`: a ShareGPT user message to be filled into a fixed structure (a JSON record, a SQL
+  query over one table, a ticket), one filled example shown — answers that repeat across
+  requests, the workload of suffix decoding's global tree (`corpora/schema_prompts.py`).
 
 ShareGPT conversations are split into `train` / `heldout` by a hash of the id with its `_<part>`
 suffix removed, so the parts of one original conversation never straddle the split. The split is
@@ -30,11 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
-from corpora import rewrite_prompts
+from corpora import rewrite_prompts, schema_prompts
 
 logger = logging.getLogger(__name__)
 
-DATASETS = ("sharegpt", "random", "custom", "rewrite")
+DATASETS = ("sharegpt", "random", "custom", "rewrite", "schema")
 SPLITS = ("all", "train", "heldout")
 HELDOUT_PERCENT = 10
 SHAREGPT_MIN_PROMPT_LEN, SHAREGPT_MAX_PROMPT_LEN = 4, 1024
@@ -290,10 +293,15 @@ def sample_requests(
     elif name == "random":
         out = sample_random(num, tokenizer, rng, random_input_len, random_output_len,
                             random_range_ratio, max_new_tokens)
-    elif name in ("sharegpt", "rewrite"):
+    elif name in ("sharegpt", "rewrite", "schema"):
         conversations = _in_split(load_sharegpt(dataset_path, min_turns=1), split)
         if name == "sharegpt":
             out = sample_sharegpt(conversations, num, tokenizer, rng, max_new_tokens)
+        elif name == "schema":
+            out = [
+                _schema_request(r, tokenizer, max_new_tokens)
+                for r in schema_prompts.build(conversations, num, tokenizer, rng)
+            ]
         else:
             out = [
                 _rewrite_request(r, tokenizer, max_new_tokens)
@@ -313,6 +321,17 @@ def _rewrite_request(
     return BenchRequest(
         id=f"rewrite-{r.conversation_id}", prompt_len=chat_prompt_len(tokenizer, messages),
         messages=messages, kind=f"rewrite:{r.task}", passage=r.passage,
+        max_new_tokens=_cap(r.expected_output_len, max_new_tokens),
+    )
+
+
+def _schema_request(
+    r: schema_prompts.SchemaPrompt, tokenizer: Tokenizer, max_new_tokens: int | None
+) -> BenchRequest:
+    messages = [{"role": "user", "content": r.prompt}]
+    return BenchRequest(
+        id=f"schema-{r.conversation_id}", prompt_len=chat_prompt_len(tokenizer, messages),
+        messages=messages, kind=f"schema:{r.task}",
         max_new_tokens=_cap(r.expected_output_len, max_new_tokens),
     )
 

@@ -12,8 +12,10 @@ import runtime  # noqa: F401 - first: sets the OpenMP wait policy before torch l
 from speculative.drafters import (  # noqa: F401 - each registers its algorithm(s)
     eagle,
     early_exit,
+    lookahead,
     ngram,
     standalone,
+    suffix,
 )
 
 for _name in filter(None, (m.strip() for m in _os.environ.get("SPECSERVE_PLUGINS", "").split(","))):

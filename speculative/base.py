@@ -97,6 +97,9 @@ class Drafter(ABC):
     # `probe_every` steps. Break-even grows with the draft's cost per step.
     min_accept_per_step: ClassVar[float] = 0.2
     probe_every: ClassVar[int] = 8
+    # the drafter reads the target's own choice (argmax of the raw logits) at every tree node
+    # after each verify forward (`after_verify`): Lookahead's Jacobi iteration runs on it
+    wants_node_argmax: bool = False
     # whether `propose` judges a backed-off request's draft itself (`SpecReq.backed_off`); if
     # not, a backed-off request gets budget 1 (no draft) except on the worker's probe steps
     drafts_when_backed_off: bool = False
@@ -127,6 +130,14 @@ class Drafter(ABC):
                 raise ValueError(f"{flag(f.name)} must be one of {allowed}, got "
                                  f"{getattr(opts, f.name)!r}")
         return dataclasses.replace(opts, num_draft_tokens=n)
+
+    @classmethod
+    def scheduler_sizes(cls, cfg: SpecConfig) -> tuple[int, int, bool]:
+        """(num_draft_tokens, max_draft_tokens, deep_for_all) for the scheduler: tree nodes per
+        request per step, the most a request may get while the step's total stays within it
+        (a request decoding alone), and whether any request may get them (a drafter that sizes
+        its trees by how confident it is) or only one that accepted a whole draft last step."""
+        return cfg.num_draft_tokens, cfg.num_draft_tokens, False
 
     @classmethod
     def algorithm_name(cls) -> str:
@@ -163,6 +174,12 @@ class Drafter(ABC):
         pass already computed part of it (the target's own early layers) overrides this to
         reuse that work; the result must be bit for bit the plain forward's."""
         return self.runner.forward(batch, return_final_hidden)
+
+    def after_verify(self, rids: list[str], trees: list[DraftTree],  # noqa: B027
+                     node_argmax: list[list[int]], accepted: list[list[int]]) -> None:
+        """After a verify forward (only when `wants_node_argmax`): per request, the target's
+        argmax of the raw logits at each node of its tree and the accepted nodes (root
+        first)."""
 
     def observe(self, rid: str, tokens: list[int], num_new: int) -> None:  # noqa: B027
         """The request's history grew by its last `num_new` tokens (prompt first time)."""

@@ -223,6 +223,26 @@ class NgramCache:
         """Forget a finished request's anchors (its n-grams stay in the trie)."""
         self._states.pop(key, None)
 
+    def remove(self, tokens: Sequence[int]) -> None:
+        """Uncount every n-gram (length <= D) of `tokens`, as one `insert` of them counted it: a
+        node whose count reaches 0 leaves the trie with its subtree; n-grams evicted meanwhile
+        are skipped. O(len * D). (How a bounded cache forgets one old request's output.)"""
+        toks = [int(t) for t in tokens]
+        cnt, tot, tops, depth = self._cnt, self._tot, self._tops, self._depth
+        for s in range(len(toks)):
+            node = _ROOT
+            for i in range(s, min(s + depth, len(toks))):
+                child = self._child(node, toks[i])
+                if child < 0:
+                    break
+                tot[node] -= 1
+                cnt[child] -= 1
+                tops.pop(node, None)  # counts fell: recomputed when next drafted from
+                if cnt[child] <= 0:
+                    self._drop_subtree(child)
+                    break
+                node = child
+
     def _tail(self, context: Sequence[int]) -> list[int]:
         n = len(context)
         return [int(context[i]) for i in range(max(n - self._depth + 1, 0), n)]
@@ -458,7 +478,104 @@ class NgramCache:
             nxt[p] = q
             prv[q] = p
 
+    def _drop_subtree(self, n: int) -> None:
+        """Remove node `n` and everything below it (any LRU position, parked or queued)."""
+        kids, tops, prv, nxt = self._kids, self._tops, self._prev, self._next
+        p = self._par[n]
+        ch = kids[p]
+        if type(ch) is dict:
+            del ch[self._tok[n]]
+            if len(ch) == 1:
+                kids[p] = next(iter(ch.values()))
+        else:
+            kids[p] = None
+        self._tot[p] -= max(self._cnt[n], 0)
+        tops.pop(p, None)
+        stack = [n]
+        while stack:
+            m = stack.pop()
+            stack.extend(self._children(m))
+            if prv[m] >= 0:  # queued: unlink
+                a, b = prv[m], nxt[m]
+                nxt[a] = b
+                prv[b] = a
+            prv[m] = nxt[m] = -1
+            kids[m] = None
+            tops.pop(m, None)
+            self._ver[m] += 1
+            self._par[m] = -1
+            self._cnt[m] = self._tot[m] = 0
+            self._free.append(m)
+            self._num_nodes -= 1
+        if kids[p] is None and p != _ROOT and prv[p] < 0:
+            q = nxt[_ROOT]  # a parked node that became a leaf: oldest of all, as in eviction
+            nxt[_ROOT] = p
+            prv[p] = _ROOT
+            nxt[p] = q
+            prv[q] = p
+
     # ---------------------------------------------------------------- drafting
+
+    def draft_scored(
+        self,
+        context_tail: Sequence[int],
+        max_nodes: int,
+        *,
+        spec_factor: float,
+        spec_offset: float,
+        min_prob: float,
+        key: Hashable | None = None,
+    ) -> tuple[list[int], list[int], float, int]:
+        """Suffix decoding's tree: (tokens, parents, score, match length).
+
+        For every matched suffix of the context (length m, longest first) a best-first tree
+        grows below its node: a continuation's probability is the product of count / parent's
+        child total along its path, nodes below `min_prob` are pruned, and the tree holds at
+        most min(max_nodes - 1, spec_factor * m + spec_offset) drafts. Its score is the sum
+        of its nodes' probabilities (the expected number of accepted drafts); the best-scoring
+        tree wins. A match whose size limit cannot beat the best score so far is skipped, so
+        short matches cost nothing once a long one scored. Children are read from each node's
+        top `max_bfs_breadth` by count (all of them that can pass min_prob >= 1/breadth)."""
+        tail = self._tail(context_tail)
+        assert tail, "drafting needs at least one context token (the root)"
+        best: tuple[list[int], list[int], float, int] = ([tail[-1]], [-1], 0.0, 0)
+        self.last_match_len = 0
+        if max_nodes <= 1:
+            return best
+        cnt, tot, tok, kids = self._cnt, self._tot, self._tok, self._kids
+        heappush, heappop = heapq.heappush, heapq.heappop
+        for node, m in self._matches(tail, key):
+            if not self.last_match_len:
+                self.last_match_len = m
+            limit = min(max_nodes - 1, int(spec_factor * m + spec_offset + 1e-9))
+            if limit <= best[2]:
+                continue
+            tokens, parents, score = [tail[-1]], [-1], 0.0
+            heap: list[tuple[float, int, int, int]] = []  # (-prob, seq, tree parent, trie node)
+            seq = 0
+            idx, tn, prob = 0, node, 1.0
+            while True:
+                if kids[tn] is not None and tot[tn] > 0:
+                    scale = prob / tot[tn]
+                    for child in self._top_children(tn):
+                        p = cnt[child] * scale
+                        if p >= min_prob:
+                            heappush(heap, (-p, seq, idx, child))
+                            seq += 1
+                if not heap or len(tokens) > limit:
+                    break
+                negp, _, parent, tn = heappop(heap)
+                idx = len(tokens)
+                tokens.append(tok[tn])
+                parents.append(parent)
+                prob = -negp
+                score += prob
+                if len(tokens) > limit:
+                    break
+            if score > best[2]:
+                best = (tokens, parents, score, m)
+        return best
+
 
     def draft(
         self,

@@ -221,6 +221,14 @@ class SpeculativeWorker:
             )
         out = self.drafter.target_forward(batch, trees, self.drafter.needs_final_hidden)
         results = self._verify(entries, trees, out.logits)  # logits [sum n, vocab]
+        if self.drafter.wants_node_argmax:
+            am = out.logits.argmax(dim=-1).tolist()
+            per_req, off = [], 0
+            for t in trees:
+                per_req.append(am[off : off + t.num_nodes])
+                off += t.num_nodes
+            self.drafter.after_verify([e.rid for e in entries], trees, per_req,
+                                      [list(r.accepted_nodes) for r in results])
         reads_hidden = self.drafter.wants_committed_rows
         # the step's drafting time, shared out over its requests (the scheduler sums it)
         draft_share = draft_s / len(entries)

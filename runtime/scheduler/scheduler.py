@@ -77,15 +77,20 @@ class SchedulerConfig:
     @classmethod
     def from_server_args(cls, server_args) -> SchedulerConfig:
         """The scheduler's part of resolved `ServerArgs`."""
-        n = server_args.speculative_num_draft_tokens or 1
+        n, deep, deep_for_all = 1, 1, False
+        spec = server_args.spec_config()
+        if spec is not None:
+            from speculative.base import ALGORITHMS
+
+            n, deep, deep_for_all = ALGORITHMS[spec.algorithm].scheduler_sizes(spec)
         return cls(
             max_running_requests=server_args.max_running_requests,
             chunked_prefill_size=server_args.chunked_prefill_size,
             schedule_policy=server_args.schedule_policy,
             disable_radix_cache=server_args.disable_radix_cache,
             num_draft_tokens=n,
-            max_draft_tokens=server_args.speculative_ngram_max_draft_tokens or n,
-            deep_for_all=not server_args.speculative_ngram_disable_match_sizing,
+            max_draft_tokens=deep,
+            deep_for_all=deep_for_all,
             load_aware=not server_args.speculative_disable_adaptive,
         )
 

@@ -71,6 +71,11 @@ class NgramDrafter(Drafter):
                              f"{flag('num_draft_tokens')} ({n}), got {deep}")
         return dataclasses.replace(opts, ngram_max_draft_tokens=deep)
 
+    @classmethod
+    def scheduler_sizes(cls, cfg: SpecConfig) -> tuple[int, int, bool]:
+        return (cfg.num_draft_tokens, cfg.ngram_max_draft_tokens,
+                not cfg.ngram_disable_match_sizing)
+
     def __init__(self, cfg: SpecConfig, runner) -> None:
         super().__init__(cfg, runner)
         # with match sizing, a backed-off request still drafts on a confident (long) match

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from corpora import rewrite_prompts
+from corpora import rewrite_prompts, schema_prompts
 from corpora.datasets import (
     DatasetError,
     load_sharegpt,
@@ -180,6 +180,29 @@ def test_rewrite_sampling_is_deterministic_and_splits_are_disjoint(tmp_path: Pat
     assert train | held == {cid for cid, _, _ in sample("all")}
     assert all(split_of(cid) == "heldout" for cid in held)
     assert all(split_of(cid) == "train" for cid in train)
+
+
+def test_schema_prompts_cycle_tasks_quote_the_message_and_split_disjointly(tmp_path: Path
+                                                                          ) -> None:
+    path = rewrite_corpus(tmp_path)
+    tok = WordTokenizer()
+    reqs = sample_requests("schema", 30, tok, seed=2, dataset_path=path, max_new_tokens=64)
+    assert len(reqs) == 30 and len({r.id for r in reqs}) == 30
+    names = [t.name for t in schema_prompts.TASKS]
+    assert [r.kind for r in reqs[:6]] == [f"schema:{n}" for n in names * 2]
+    for r in reqs:
+        text = r.messages[0]["content"]
+        task = next(t for t in schema_prompts.TASKS if r.kind == f"schema:{t.name}")
+        assert text.startswith(task.instruction) and text.endswith("\nAnswer:")
+        message = text.split("\nMessage: ")[-1].removesuffix("\nAnswer:")
+        assert len(message.split()) == 10  # the conversation's first user turn
+        assert 1 <= r.max_new_tokens <= 64
+    held = {r.id for r in sample_requests("schema", 1000, tok, 0, dataset_path=path,
+                                          split="heldout")}
+    train = {r.id for r in sample_requests("schema", 1000, tok, 0, dataset_path=path,
+                                           split="train")}
+    assert held and train and not held & train
+    assert all(split_of(i.removeprefix("schema-")) == "heldout" for i in held)
 
 
 def test_sharegpt_sampling_prunes_lengths_and_caps_output(tmp_path: Path) -> None:

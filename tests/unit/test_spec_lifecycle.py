@@ -118,13 +118,13 @@ def test_eos_inside_an_accepted_draft_stops_there(tiny):  # noqa: F811
     h.sched.check_no_leak()
 
 
-@pytest.mark.parametrize("algo", ["NGRAM", "EAGLE3"])
+@pytest.mark.parametrize("algo", ["NGRAM", "SUFFIX", "LOOKAHEAD", "EAGLE3"])
 def test_abort_mid_speculation_returns_kv_and_drafter_state(tiny_vocab, heads, algo):  # noqa: F811
     runner = tiny_vocab[1]
     ps = copy_heavy(6, seed=3)
     n = 6
-    kw = {} if algo == "NGRAM" else {"draft_model_path": str(heads[algo]), "num_steps": 2,
-                                     "eagle_topk": 3}
+    kw = {} if algo in ("NGRAM", "SUFFIX", "LOOKAHEAD") else {"draft_model_path": str(heads[algo]),
+                                                 "num_steps": 2, "eagle_topk": 3}
     spec = SpecConfig(algo, n, disable_adaptive=True, **kw)
     drafter = create_drafter(spec, runner)
     h = Harness(tiny_vocab, num_draft_tokens=n, max_running_requests=4)
@@ -155,6 +155,10 @@ def test_abort_mid_speculation_returns_kv_and_drafter_state(tiny_vocab, heads, a
     assert not h.worker.states and not h.worker.spec.req_states
     if algo == "NGRAM":
         assert not drafter._contexts
+    elif algo == "SUFFIX":  # own trees dropped (the flush also emptied the global tree)
+        assert not drafter.trees and not drafter.outputs
+    elif algo == "LOOKAHEAD":  # windows dropped
+        assert not drafter.reqs
     else:
         assert not drafter.states
 

@@ -53,7 +53,7 @@ PARAMS = {
     "seeded_frequency_presence": {"temperature": 0.9, "frequency_penalty": 0.5,
                                   "presence_penalty": 0.4, "top_k": 8},
 }
-ALGOS = ("ORACLE", "NGRAM", "EAGLE", "EAGLE3")
+ALGOS = ("ORACLE", "NGRAM", "SUFFIX", "LOOKAHEAD", "EAGLE", "EAGLE3")
 
 
 def copy_heavy(n: int, seed: int) -> list[list[int]]:
@@ -92,8 +92,8 @@ def spec_run(tiny_vocab, heads, algo, ps, params, seeds, ref, **cfg):  # noqa: F
         spec = SpecConfig("TEST", n, disable_adaptive=True)
         truth = {tuple(p): r for p, r in zip(ps, ref)}
         drafter = SmallVocabOracle(spec, runner, truth, seed=3)
-    elif algo == "NGRAM":
-        spec = SpecConfig("NGRAM", n, disable_adaptive=True)
+    elif algo in ("NGRAM", "SUFFIX", "LOOKAHEAD"):
+        spec = SpecConfig(algo, n, disable_adaptive=True)
         drafter = create_drafter(spec, runner)
     else:
         spec = SpecConfig(algo, n, draft_model_path=str(heads[algo]), num_steps=2, eagle_topk=3,

@@ -21,6 +21,8 @@ from runtime.sampling.penalties import RowHistory, apply_penalties
 from runtime.sampling.sampler import SamplingBatchInfo, process_logits
 from runtime.sampling.sampling_params import SamplingParams
 from speculative.base import Drafter, SpecConfig, SpecReq
+from speculative.drafters.lookahead import LookaheadDrafter
+from speculative.drafters.suffix import SuffixDrafter
 from speculative.tree import DraftTree
 from speculative.verify import QMode, VerifyResult, sample_from
 from speculative.worker import SpeculativeWorker
@@ -190,7 +192,15 @@ def pair_fits(outs: torch.Tensor, joints: list[torch.Tensor]) -> list:
 
 
 ARMS = {"one_hot": (SkewedTreeDrafter, False), "iid": (IIDDrafter, False),
-        "seeded": (SkewedTreeDrafter, True)}
+        "seeded": (SkewedTreeDrafter, True),
+        # a real drafter: suffix trees over the outputs sampled so far (deterministic, ONE_HOT)
+        "suffix": (lambda cfg, runner: SuffixDrafter(SpecConfig(
+            "SUFFIX", cfg.num_draft_tokens, disable_adaptive=True, suffix_min_token_prob=0.02,
+            suffix_max_spec_factor=2.0), runner), False),
+        # Jacobi window + n-gram pool: a deterministic tree of two branches (ONE_HOT)
+        "lookahead": (lambda cfg, runner: LookaheadDrafter(SpecConfig(
+            "LOOKAHEAD", cfg.num_draft_tokens, disable_adaptive=True, lookahead_window=2,
+            lookahead_ngram=3, lookahead_guess_set=1), runner), False)}
 
 
 @pytest.mark.parametrize("arm", list(ARMS))

@@ -1,0 +1,201 @@
+"""SUFFIX speculation: suffix decoding (Oliaro et al. 2024, arXiv 2411.04975; vLLM's
+`method="suffix"`), no draft model.
+
+Two suffix trees answer every step, both depth-bounded token tries with counts
+(`speculative.ngram_cache.NgramCache`, the matching core NGRAM drafts from too):
+- the request's own tree over its prompt and output so far (dropped when it finishes);
+- one global tree over the outputs of earlier and running requests, bounded by
+  `--speculative-suffix-max-cached-requests` (the oldest request's output is uncounted when a
+  new one arrives beyond it) and by `--speculative-suffix-cache-capacity` nodes (least recently
+  used leaves evicted), so its memory has a fixed ceiling.
+For each, every suffix of the context that the tree holds (up to `max_tree_depth` - 1 tokens)
+grows a best-first tree: a continuation's probability is the product of count / sibling total
+along its path, pruned below `min_token_prob`, at most `max_spec_factor * match_len +
+max_spec_offset` drafts (and the step's node budget). The tree with the higher score (sum of
+its nodes' probabilities: the expected accepted drafts) is drafted. Long matches in text that
+repeats across requests (agentic loops, one JSON schema filled again and again) draft long,
+short matches draft one or two tokens or nothing.
+
+Deterministic, so verification treats q as one-hot: greedy output is exact and sampled output
+follows the target distribution for any tree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from speculative.base import Drafter, SpecReq, register_algorithm
+from speculative.ngram_cache import NgramCache, NgramConfig
+from speculative.options import ResolveContext, SpecConfig, SpecOptions, flag, option
+from speculative.tree import DraftTree
+
+# A backed-off request (its drafts kept failing) still drafts a tree this confident: the
+# expected number of accepted drafts, the tree's score.
+CONFIDENT_SCORE = 2.0
+# Nodes of one request's own tree (~100 bytes each; least recently used leaves evicted beyond).
+REQUEST_TREE_NODES = 1 << 17
+# Requests whose own tree is kept at once (a request never released is dropped beyond this).
+MAX_LIVE_TREES = 4096
+
+
+@dataclass(frozen=True)
+class SuffixOptions(SpecOptions):
+    suffix_max_tree_depth: int = option(
+        24, "SUFFIX: depth of the suffix trees: the longest context suffix matched + 1",
+        vllm="suffix_decoding_max_tree_depth")
+    suffix_max_cached_requests: int = option(
+        10_000, "SUFFIX: requests whose outputs the global tree holds (the oldest is uncounted "
+        "beyond it; 0 turns the global tree off)",
+        vllm="suffix_decoding_max_cached_requests")
+    suffix_cache_capacity: int = option(
+        2_000_000, "SUFFIX: most nodes of the global tree, ~100 bytes each (least recently "
+        "used leaves evicted beyond)")
+    suffix_max_spec_factor: float = option(
+        1.0, "SUFFIX: drafts per step at most this times the matched suffix length (+ offset)",
+        vllm="suffix_decoding_max_spec_factor")
+    suffix_max_spec_offset: float = option(
+        0.0, "SUFFIX: added to max_spec_factor * match length (may be negative)")
+    suffix_min_token_prob: float = option(
+        0.1, "SUFFIX: drop draft tokens whose estimated probability (product of frequencies "
+        "along the path) is below this", vllm="suffix_decoding_min_token_prob")
+    suffix_max_draft_tokens: int | None = option(
+        None, "SUFFIX: tree nodes (root included) a request may draft while the step's total "
+        "stays within it, i.e. when it decodes alone (default: 2x "
+        "--speculative-num-draft-tokens)")
+
+
+@register_algorithm("SUFFIX")
+class SuffixDrafter(Drafter):
+    options = SuffixOptions
+    # as NGRAM's (a CPU-engine verify node costs ~1/5 of a decode step at batch 1); the trees
+    # are sized by the match, so the budget is a ceiling
+    default_num_draft_tokens = {"cpu": 4, "torch": 8}
+    vllm_methods = ("suffix",)
+    drafts_when_backed_off = True
+
+    @classmethod
+    def resolve_options(cls, opts: SuffixOptions, ctx: ResolveContext) -> SuffixOptions:
+        opts = super().resolve_options(opts, ctx)
+        n, deep = opts.num_draft_tokens, opts.suffix_max_draft_tokens
+        deep = 2 * n if deep is None else deep
+        if deep < n:
+            raise ValueError(f"{flag('suffix_max_draft_tokens')} must be >= "
+                             f"{flag('num_draft_tokens')} ({n}), got {deep}")
+        if opts.suffix_max_tree_depth < 2:
+            raise ValueError(f"{flag('suffix_max_tree_depth')} must be >= 2")
+        if opts.suffix_max_cached_requests < 0:
+            raise ValueError(f"{flag('suffix_max_cached_requests')} must be >= 0")
+        if opts.suffix_cache_capacity < opts.suffix_max_tree_depth ** 2:
+            raise ValueError(f"{flag('suffix_cache_capacity')} must be >= "
+                             f"{flag('suffix_max_tree_depth')}^2")
+        if not 0.0 < opts.suffix_min_token_prob <= 1.0:
+            raise ValueError(f"{flag('suffix_min_token_prob')} must be in (0, 1]")
+        if opts.suffix_max_spec_factor < 0:
+            raise ValueError(f"{flag('suffix_max_spec_factor')} must be >= 0")
+        return dataclasses.replace(opts, suffix_max_draft_tokens=deep)
+
+    @classmethod
+    def scheduler_sizes(cls, cfg: SpecConfig) -> tuple[int, int, bool]:
+        return cfg.num_draft_tokens, cfg.suffix_max_draft_tokens, True
+
+    def __init__(self, cfg: SpecConfig, runner) -> None:
+        super().__init__(cfg, runner)
+        depth = cfg.suffix_max_tree_depth
+        # every child that can pass min_token_prob is among a node's top ceil(1/p) by count
+        breadth = max(1, min(64, math.ceil(1.0 / cfg.suffix_min_token_prob)))
+        self._request_cfg = NgramConfig(capacity=max(REQUEST_TREE_NODES, depth * depth),
+                                        max_trie_depth=depth, max_bfs_breadth=breadth,
+                                        max_tracked_requests=1)
+        self._global_cfg = NgramConfig(capacity=cfg.suffix_cache_capacity, max_trie_depth=depth,
+                                       max_bfs_breadth=breadth)
+        self.global_tree = NgramCache(self._global_cfg)
+        self.trees: OrderedDict[str, NgramCache] = OrderedDict()  # per live request
+        # outputs the global tree counts, oldest first (finished or running)
+        self.outputs: OrderedDict[str, array] = OrderedDict()
+        self._prompt_len: dict[str, int] = {}
+        self.last_source = ""  # "request" / "global" / "": where the last draft came from
+
+    def describe(self) -> str:
+        c = self.cfg
+        return (f"suffix trees of depth {c.suffix_max_tree_depth}, up to "
+                f"{c.num_draft_tokens} nodes ({c.suffix_max_draft_tokens} alone), "
+                f"{c.suffix_max_spec_factor} x match + {c.suffix_max_spec_offset}, "
+                f"p >= {c.suffix_min_token_prob}; global tree over "
+                f"{c.suffix_max_cached_requests} requests' outputs")
+
+    # ---- drafting -----------------------------------------------------------------------
+    def propose(self, reqs: list[SpecReq]) -> list[DraftTree]:
+        return [DraftTree.from_parents(*self.draft_lists(r)) for r in reqs]
+
+    def draft_lists(self, r: SpecReq) -> tuple[list[int], list[int]]:
+        root = ([r.tokens[-1]], [-1])
+        self.last_source = ""
+        if r.budget <= 1:
+            return root
+        c = self.cfg
+        tail = r.tokens[-c.suffix_max_tree_depth:]
+        kw = {"spec_factor": c.suffix_max_spec_factor, "spec_offset": c.suffix_max_spec_offset,
+              "min_prob": c.suffix_min_token_prob, "key": r.rid}
+        best = (root[0], root[1], 0.0, 0)
+        own = self.trees.get(r.rid)
+        if own is not None:
+            best = own.draft_scored(tail, r.budget, **kw)
+            self.last_source = "request" if best[2] > 0 else ""
+        if c.suffix_max_cached_requests > 0:
+            other = self.global_tree.draft_scored(tail, r.budget, **kw)
+            if other[2] > best[2]:
+                best, self.last_source = other, "global"
+        if r.backed_off and best[2] < CONFIDENT_SCORE:
+            return root
+        return best[0], best[1]
+
+    # ---- state --------------------------------------------------------------------------
+    def observe(self, rid: str, tokens: list[int], num_new: int) -> None:
+        depth = self.cfg.suffix_max_tree_depth
+        tree = self.trees.get(rid)
+        if tree is None or num_new >= len(tokens):  # a new request: its prompt
+            tree = self.trees[rid] = NgramCache(self._request_cfg)
+            tree.extend(rid, [], tokens)
+            self._prompt_len[rid] = len(tokens)
+            if len(self.trees) > MAX_LIVE_TREES:
+                old, _ = self.trees.popitem(last=False)
+                self._prompt_len.pop(old, None)
+            return
+        self.trees.move_to_end(rid)
+        context, new = tokens[-(depth + num_new):-num_new], tokens[-num_new:]
+        tree.extend(rid, context, new)
+        if self.cfg.suffix_max_cached_requests <= 0:
+            return
+        out = self.outputs.get(rid)
+        if out is None:
+            out = self.outputs[rid] = array("i")
+            while len(self.outputs) > self.cfg.suffix_max_cached_requests:
+                _, gone = self.outputs.popitem(last=False)
+                self.global_tree.remove(gone)
+        # the global tree counts outputs only: their first token has no output context yet
+        start = self._prompt_len.get(rid, 0)
+        ctx_out = tokens[max(start, len(tokens) - num_new - depth):len(tokens) - num_new]
+        self.global_tree.extend(rid, ctx_out, new)
+        out.extend(new)
+
+    def release(self, rid: str) -> None:
+        self.trees.pop(rid, None)
+        self._prompt_len.pop(rid, None)
+        self.global_tree.release(rid)  # its output stays counted until it is the oldest
+
+    def reset(self) -> None:
+        self.global_tree = NgramCache(self._global_cfg)
+        self.trees.clear()
+        self.outputs.clear()
+        self._prompt_len.clear()
+
+    def memory_nodes(self) -> dict[str, int]:
+        """Nodes held: the global tree's and the live requests' own trees' (for tests and
+        /server_info-style reporting)."""
+        return {"global": self.global_tree.num_nodes,
+                "requests": sum(t.num_nodes for t in self.trees.values()),
+                "cached_requests": len(self.outputs), "live_requests": len(self.trees)}

@@ -1,0 +1,150 @@
+"""SUFFIX (suffix decoding): the shared suffix-matching core's removal and scored trees, the
+drafter's per-request and global trees, their memory bounds under a long run, and greedy
+output equal to plain decoding on the tiny model at batch 1 and 8."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from runtime.model_runner.runner_process import RunnerWorker
+from speculative.base import SpecConfig, SpecReq, create_drafter
+from speculative.ngram_cache import NgramCache, NgramConfig
+from speculative.worker import SpeculativeWorker
+from tests.integration.test_spec_lossless import copy_heavy_prompts
+from tests.unit.test_scheduler import Harness, reference, tiny  # noqa: F401
+
+
+def all_ngrams(seqs, depth):
+    return {tuple(s[i:j]) for s in seqs for i in range(len(s))
+            for j in range(i + 1, min(i + depth, len(s)) + 1)}
+
+
+def test_remove_uncounts_exactly_one_insert():
+    rng = random.Random(0)
+    cfg = NgramConfig(capacity=100_000, max_trie_depth=6)
+    seqs = [[rng.randrange(12) for _ in range(rng.randrange(20, 120))] for _ in range(6)]
+    both, kept = NgramCache(cfg), NgramCache(cfg)
+    for s in seqs:
+        both.insert(s)
+    for s in seqs[3:]:
+        kept.insert(s)
+    for s in seqs[:3]:
+        both.remove(s)
+    both.check_integrity()
+    assert both.num_nodes == kept.num_nodes
+    for g in all_ngrams(seqs, 6):
+        assert both.count(g) == kept.count(g), g
+    for s in seqs[3:]:
+        both.remove(s)
+    both.check_integrity()
+    assert both.num_nodes == 0
+
+
+def test_remove_after_eviction_keeps_the_trie_consistent():
+    rng = random.Random(1)
+    cache = NgramCache(NgramConfig(capacity=300, max_trie_depth=5))
+    seqs = [[rng.randrange(30) for _ in range(80)] for _ in range(20)]
+    for i, s in enumerate(seqs):
+        cache.insert(s)
+        if i >= 3:
+            cache.remove(seqs[i - 3])
+        cache.check_integrity()
+        assert cache.num_nodes <= 300
+
+
+def scored(cache, ctx, n=16, factor=1.0, offset=0.0, p=0.1):
+    return cache.draft_scored(ctx, n, spec_factor=factor, spec_offset=offset, min_prob=p)
+
+
+def test_scored_tree_follows_frequencies_and_the_match_length():
+    cache = NgramCache(NgramConfig(capacity=10_000, max_trie_depth=8))
+    for _ in range(3):
+        cache.insert([1, 2, 3, 4, 5, 6, 7])
+    cache.insert([1, 2, 3, 9, 9])
+    tokens, parents, score, m = scored(cache, [0, 1, 2, 3], factor=2.0)
+    assert m == 3  # [1, 2, 3] matched
+    # 4 follows 3 times in 4 (p .75), 9 once (.25): best first, the chain of 4 (p .75 each)
+    # then 9 (.25) and its own 9 (.25)
+    assert tokens[:5] == [3, 4, 5, 6, 7] and parents[:5] == [-1, 0, 1, 2, 3]
+    assert tokens[5:] == [9, 9] and parents[5:] == [0, 5]  # 6 drafts: 2 x the match
+    assert score == pytest.approx(0.75 * 4 + 0.25 * 2)
+    # the size follows the match: factor 1 x 3 tokens
+    tokens, _, score, _ = scored(cache, [0, 1, 2, 3], factor=1.0)
+    assert len(tokens) == 4 and score == pytest.approx(2.25)
+    # min_prob prunes the rare branch
+    tokens, _, _, _ = scored(cache, [0, 1, 2, 3], factor=4.0, p=0.3)
+    assert 9 not in tokens
+    # nothing matches: the root alone
+    assert scored(cache, [42])[:3] == ([42], [-1], 0.0)
+
+
+def suffix(**kw):
+    return create_drafter(SpecConfig("SUFFIX", 8, **kw), None)
+
+
+def feed(d, rid, prompt, output):
+    d.observe(rid, list(prompt), len(prompt))
+    toks = list(prompt)
+    for t in output:
+        toks.append(t)
+        d.observe(rid, list(toks), 1)
+    return toks
+
+
+def test_drafts_from_the_request_itself_and_from_earlier_outputs():
+    d = suffix(suffix_max_draft_tokens=16)
+    answer = [50, 51, 52, 53, 54, 55, 56, 57, 58, 59]
+    feed(d, "a", [7, 8, 9], answer)
+    d.release("a")
+    ctx = [20, 21, 22] + answer[:4]
+    d.observe("b", ctx, len(ctx))
+    tokens, parents = d.draft_lists(SpecReq("b", ctx, 16))
+    assert d.last_source == "global" and tokens == [53, 54, 55, 56, 57]  # m = 4 -> 4 drafts
+    own = [1, 2, 3, 4, 5, 6, 90, 1, 2, 3]
+    d.observe("c", own, len(own))
+    tokens, _ = d.draft_lists(SpecReq("c", own, 16))
+    assert d.last_source == "request" and tokens == [3, 4, 5, 6]
+    # a backed-off request drafts only a confident tree (expected accepted >= 2)
+    assert d.draft_lists(SpecReq("c", own, 16, backed_off=True))[0] == [3, 4, 5, 6]
+    short = [1, 2, 3, 4, 5, 99, 5]
+    d.observe("e", short, len(short))
+    assert d.draft_lists(SpecReq("e", short, 16, backed_off=True))[0] == [5]
+    # the global tree counts outputs, not prompts
+    assert d.global_tree.count([7, 8, 9]) == 0 and d.global_tree.count(answer[:3]) == 1
+
+
+def test_memory_stays_within_its_bounds_over_a_long_run():
+    rng = random.Random(2)
+    d = suffix(suffix_max_cached_requests=20, suffix_cache_capacity=3000, suffix_max_tree_depth=8)
+    template = [rng.randrange(100) for _ in range(30)]
+    for i in range(300):
+        out = [t if rng.random() < 0.7 else rng.randrange(100) for t in template]
+        prompt = [rng.randrange(100) for _ in range(rng.randrange(5, 60))]
+        toks = feed(d, f"r{i}", prompt, out)
+        d.draft_lists(SpecReq(f"r{i}", toks, 8))
+        d.release(f"r{i}")
+        mem = d.memory_nodes()
+        assert mem["global"] <= 3000 and mem["cached_requests"] <= 20
+        assert mem["live_requests"] == 0 and mem["requests"] == 0
+    d.global_tree.check_integrity()
+    # what is left counts exactly the last 20 outputs (nothing was evicted at this size)
+    assert d.global_tree.num_nodes < 3000
+
+
+@pytest.mark.parametrize("concurrency", [1, 8])
+def test_tiny_model_suffix_greedy_equals_plain(tiny, concurrency):  # noqa: F811
+    prompts = copy_heavy_prompts(50, seed=10 + concurrency)
+    ref = reference(tiny, prompts, ignore_eos=True, max_new_tokens=20)
+    h = Harness(tiny, num_draft_tokens=8, max_running_requests=concurrency)
+    cfg = SpecConfig("SUFFIX", 8, suffix_max_draft_tokens=8)
+    runner = tiny[1]
+    h.worker = RunnerWorker(runner, SpeculativeWorker(cfg, create_drafter(cfg, runner), runner))
+    h.sched.run_batch = h.worker.run
+    for i, p in enumerate(prompts):
+        h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=20)
+    h.run()
+    assert [h.outputs[f"r{i}"] for i in range(50)] == ref
+    assert h.sched.info()["spec_decode_num_accepted_tokens"] > 0
+    h.sched.check_no_leak()
