@@ -10,7 +10,10 @@ separately. Draft modes: `tree` = `draft(tail)` -> DraftTree, as speculative/ngr
 `keyed` = `draft(tail, key=key)` (suffix nodes reused from the extend); `lists` =
 `draft_lists(tail)` (plain lists, no tensors); `drafter` = the whole `NgramDrafter` as the
 model runner drives it (`observe` then `propose`, with the own-context drafts of short matches,
-`speculative/ngram_context.py`). `keyed`, `lists` and `drafter` run at `--aux-context`.
+`speculative/ngram_context.py`); `suffix` = the whole `SuffixDrafter` (SUFFIX: its own suffix
+tree over the context, depth 24, and the global tree over the outputs, observe then propose;
+rows at every `--context-lens`, one new token per step, reported under match "SUFFIX").
+`keyed`, `lists` and `drafter` run at `--aux-context`.
 `--evict-capacity` adds rows with a small capacity, so every step also evicts.
 `hit %` = steps whose tree has the true next token as a child of the root. `step p99 cpu` is the
 p99 of the thread's CPU time for extend + draft: on a shared machine the wall-clock tail also
@@ -30,6 +33,7 @@ from benchmark.common import format_table, machine_info, write_json
 from runtime.sampling.sampling_params import SamplingParams
 from speculative.base import SpecConfig, SpecReq
 from speculative.drafters.ngram import NgramDrafter
+from speculative.drafters.suffix import SuffixDrafter
 from speculative.ngram_cache import NgramCache, NgramConfig
 
 
@@ -63,7 +67,12 @@ def run_case(
     cfg: NgramConfig, stream: list[int], ctx_len: int, new_per_step: int, steps: int, mode: str
 ) -> dict:
     drafter = None
-    if mode == "drafter":
+    if mode == "suffix":
+        drafter = SuffixDrafter(SpecConfig(
+            "SUFFIX", num_draft_tokens=cfg.num_draft_tokens,
+            suffix_max_draft_tokens=cfg.num_draft_tokens), runner=None)
+        cache = drafter.global_tree
+    elif mode == "drafter":
         drafter = NgramDrafter(SpecConfig(
             "NGRAM", num_draft_tokens=cfg.num_draft_tokens, ngram_capacity=cfg.capacity,
             ngram_max_trie_depth=cfg.max_trie_depth, ngram_match_type=cfg.match_type,
@@ -95,7 +104,7 @@ def run_case(
         t1 = clock()
         pos += new_per_step
         tail = stream[pos - depth : pos]
-        if mode == "drafter":
+        if mode in ("drafter", "suffix"):
             req = SpecReq("req", history, cfg.num_draft_tokens, greedy)
             tree = drafter.propose([req])[0]
         elif mode == "tree":
@@ -119,9 +128,11 @@ def run_case(
         "new_per_step": new_per_step,
         "draft_mode": mode,
         "capacity": cfg.capacity,
-        "match_type": cfg.match_type,
+        "match_type": "SUFFIX" if mode == "suffix" else cfg.match_type,
         "steps": steps,
-        "num_nodes": cache.num_nodes,
+        "num_nodes": (cache.num_nodes if mode != "suffix" else
+                      sum(v for k, v in drafter.memory_nodes().items()
+                          if k in ("global", "requests"))),
         "insert_us_per_token": insert_s / ctx_len * 1e6,
         "extend_us": summary(ext_us),
         "draft_us": summary(draft_us),
@@ -146,6 +157,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="context length of the keyed / lists draft rows (0: skip)")
     p.add_argument("--evict-capacity", type=int, default=20_000,
                    help="extra rows at --aux-context with this capacity (0: skip)")
+    p.add_argument("--no-suffix", dest="suffix", action="store_false",
+                   help="skip the SUFFIX drafter rows")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default="results/bench_ngram_cache.json")
     args = p.parse_args(argv)
@@ -164,6 +177,9 @@ def main(argv: list[str] | None = None) -> dict:
                                 capacity=args.evict_capacity)
             cases += [(small, args.aux_context, k, "tree") for k in args.new_per_step]
 
+    if args.suffix:
+        base = NgramConfig(num_draft_tokens=args.num_draft_tokens)
+        cases += [(base, n, args.new_per_step[0], "suffix") for n in args.context_lens]
     runs = []
     for cfg, n, k, mode in cases:
         gc.collect()
