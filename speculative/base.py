@@ -177,9 +177,9 @@ class Drafter(ABC):
 
     def after_verify(self, rids: list[str], trees: list[DraftTree],  # noqa: B027
                      node_argmax: list[list[int]], accepted: list[list[int]]) -> None:
-        """After a verify forward (only when `wants_node_argmax`): per request, the target's
-        argmax of the raw logits at each node of its tree and the accepted nodes (root
-        first)."""
+        """After a verify forward (only when `wants_node_argmax`, and only for a step in which
+        some request drafted): per request, the target's argmax of the raw logits at each node
+        of its tree and the accepted nodes (root first)."""
 
     def observe(self, rid: str, tokens: list[int], num_new: int) -> None:  # noqa: B027
         """The request's history grew by its last `num_new` tokens (prompt first time)."""

@@ -525,8 +525,9 @@ class NgramCache:
         spec_offset: float,
         min_prob: float,
         key: Hashable | None = None,
-    ) -> tuple[list[int], list[int], float, int]:
-        """Suffix decoding's tree: (tokens, parents, score, match length).
+    ) -> tuple[list[int], list[int], list[float], float, int]:
+        """Suffix decoding's tree: (tokens, parents, probs, score, match length); nodes in
+        best-first order (probs non-increasing after the root's 1.0, parents first).
 
         For every matched suffix of the context (length m, longest first) a best-first tree
         grows below its node: a continuation's probability is the product of count / parent's
@@ -538,7 +539,8 @@ class NgramCache:
         top `max_bfs_breadth` by count (all of them that can pass min_prob >= 1/breadth)."""
         tail = self._tail(context_tail)
         assert tail, "drafting needs at least one context token (the root)"
-        best: tuple[list[int], list[int], float, int] = ([tail[-1]], [-1], 0.0, 0)
+        best: tuple[list[int], list[int], list[float], float, int] = (
+            [tail[-1]], [-1], [1.0], 0.0, 0)
         self.last_match_len = 0
         if max_nodes <= 1:
             return best
@@ -548,9 +550,9 @@ class NgramCache:
             if not self.last_match_len:
                 self.last_match_len = m
             limit = min(max_nodes - 1, int(spec_factor * m + spec_offset + 1e-9))
-            if limit <= best[2]:
+            if limit <= best[3]:
                 continue
-            tokens, parents, score = [tail[-1]], [-1], 0.0
+            tokens, parents, probs, score = [tail[-1]], [-1], [1.0], 0.0
             heap: list[tuple[float, int, int, int]] = []  # (-prob, seq, tree parent, trie node)
             seq = 0
             idx, tn, prob = 0, node, 1.0
@@ -569,11 +571,12 @@ class NgramCache:
                 tokens.append(tok[tn])
                 parents.append(parent)
                 prob = -negp
+                probs.append(prob)
                 score += prob
                 if len(tokens) > limit:
                     break
-            if score > best[2]:
-                best = (tokens, parents, score, m)
+            if score > best[3]:
+                best = (tokens, parents, probs, score, m)
         return best
 
 

@@ -221,7 +221,7 @@ class SpeculativeWorker:
             )
         out = self.drafter.target_forward(batch, trees, self.drafter.needs_final_hidden)
         results = self._verify(entries, trees, out.logits)  # logits [sum n, vocab]
-        if self.drafter.wants_node_argmax:
+        if self.drafter.wants_node_argmax and any(t.num_nodes > 1 for t in trees):
             am = out.logits.argmax(dim=-1).tolist()
             per_req, off = [], 0
             for t in trees:

@@ -21,7 +21,9 @@ worker's: any root path of the tree is a candidate, so greedy output is exact an
 follows the target distribution (the tree is deterministic: q one-hot, the paper's lossless
 sampling scheme, `verify_stochastic`).
 
-The pool is per request; a bounded global pool (`--speculative-lookahead-global-pool`
+With `--speculative-lookahead-pool-from-context` (on) the request's pool also holds the n-grams
+of its prompt and output so far (the reference implementation's POOL_FROM_PROMPT). The pool is
+per request; a bounded global pool (`--speculative-lookahead-global-pool`
 n-grams, least recently used first tokens evicted) also takes every request's n-grams and fills
 the verification branch when the request's own pool has fewer than G.
 """
@@ -47,6 +49,9 @@ class LookaheadOptions(SpecOptions):
                                   "levels; verified n-grams draft N - 1 tokens)")
     lookahead_guess_set: int = option(3, "LOOKAHEAD: G, most n-grams verified per step (and "
                                       "kept per first token in a pool)")
+    lookahead_pool_from_context: bool = option(
+        True, "LOOKAHEAD: also pool the n-grams of the request's prompt and output so far (the "
+        "reference implementation's POOL_FROM_PROMPT), not only the Jacobi window's")
     lookahead_global_pool: int = option(
         100_000, "LOOKAHEAD: n-grams kept in the pool shared by all requests (0: per-request "
         "pools only)")
@@ -93,6 +98,7 @@ class LookaheadDrafter(Drafter):
         self.global_pool: OrderedDict[int, list[tuple[int, ...]]] = OrderedDict()
         self.global_count = 0
         self.global_cap = cfg.lookahead_global_pool
+        self.from_context = cfg.lookahead_pool_from_context
 
     def describe(self) -> str:
         return (f"W={self.W} N={self.N} G={self.G}: up to {self.cfg.num_draft_tokens} nodes per "
@@ -100,16 +106,24 @@ class LookaheadDrafter(Drafter):
 
     # ---- state --------------------------------------------------------------------------
     def observe(self, rid: str, tokens: list[int], num_new: int) -> None:
-        if rid in self.reqs:
+        st = self.reqs.get(rid)
+        if st is not None:
             self.reqs.move_to_end(rid)
+            if self.from_context:  # the n-grams ending in the new tokens
+                n = self.N
+                for end in range(max(n, len(tokens) - num_new + 1), len(tokens) + 1):
+                    self._add(st, tokens[end - n : end], share=False)
             return
         # the window starts from prompt tokens (a deterministic pick per prompt)
         rng = random.Random(hash(tuple(tokens[-64:])) & 0xFFFFFFFF)
         levels = [[tokens[rng.randrange(len(tokens))] for _ in range(self.W)]
                   for _ in range(self.N - 1)]
-        self.reqs[rid] = _Request(levels)
+        st = self.reqs[rid] = _Request(levels)
         if len(self.reqs) > MAX_LIVE:
             self.reqs.popitem(last=False)
+        if self.from_context:  # the prompt's n-grams, later ones most recent
+            for end in range(self.N, len(tokens) + 1):
+                self._add(st, tokens[end - self.N : end], share=False)
 
     def release(self, rid: str) -> None:
         self.reqs.pop(rid, None)
@@ -218,15 +232,17 @@ class LookaheadDrafter(Drafter):
             st.levels = st.levels[1:] + [new]
             st.layout = None
 
-    def _add(self, st: _Request, gram: list[int]) -> None:
+    def _add(self, st: _Request, gram: list[int], share: bool = True) -> None:
+        """Pool an n-gram for the request (and, with `share`, globally: the Jacobi window's
+        guesses; a request's own text stays its own)."""
         first, rest = gram[0], tuple(gram[1:])
         mine = st.pool.setdefault(first, [])
         if rest in mine:
             mine.remove(rest)
         mine.append(rest)  # most recent last
-        if len(mine) > self.G:
+        if len(mine) > max(self.G, 1):
             del mine[0]
-        if not self.global_cap:
+        if not share or not self.global_cap:
             return
         glob = self.global_pool.get(first)
         if glob is None:

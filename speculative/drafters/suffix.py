@@ -118,6 +118,13 @@ class SuffixDrafter(Drafter):
         self.outputs: OrderedDict[str, array] = OrderedDict()
         self._prompt_len: dict[str, int] = {}
         self.last_source = ""  # "request" / "global" / "": where the last draft came from
+        # the verify-cost curve of the engine this runs on (None without a runner: no cut)
+        self.verify_cost = None
+        engine = getattr(runner, "engine", None)
+        if engine is not None:
+            from runtime.scheduler.spec_budget import VERIFY_COST
+
+            self.verify_cost = VERIFY_COST.get(engine, VERIFY_COST["torch"])
 
     def describe(self) -> str:
         c = self.cfg
@@ -140,18 +147,37 @@ class SuffixDrafter(Drafter):
         tail = r.tokens[-c.suffix_max_tree_depth:]
         kw = {"spec_factor": c.suffix_max_spec_factor, "spec_offset": c.suffix_max_spec_offset,
               "min_prob": c.suffix_min_token_prob, "key": r.rid}
-        best = (root[0], root[1], 0.0, 0)
+        best = (root[0], root[1], [1.0], 0.0, 0)
         own = self.trees.get(r.rid)
         if own is not None:
             best = own.draft_scored(tail, r.budget, **kw)
-            self.last_source = "request" if best[2] > 0 else ""
+            self.last_source = "request" if best[3] > 0 else ""
         if c.suffix_max_cached_requests > 0:
             other = self.global_tree.draft_scored(tail, r.budget, **kw)
-            if other[2] > best[2]:
+            if other[3] > best[3]:
                 best, self.last_source = other, "global"
-        if r.backed_off and best[2] < CONFIDENT_SCORE:
+        tokens, parents, probs, score, _ = best
+        if r.backed_off and score < CONFIDENT_SCORE:
             return root
-        return best[0], best[1]
+        k = self.worth_drafting(probs)
+        return tokens[:k], parents[:k]
+
+    def worth_drafting(self, probs: list[float]) -> int:
+        """Nodes (root included) of a best-first tree worth verifying: the prefix that
+        maximises expected tokens per verify cost, (1 + sum of its drafts' probabilities) /
+        C(nodes), with C the engine's measured verify-cost curve T(n)/T(1)
+        (`runtime/scheduler/spec_budget.py`). Where rows are nearly free (a GPU) this keeps
+        everything above min_token_prob; on the CPU engine (a row ~1/5 of a decode step) it
+        drops the unlikely tail that would cost more than it brings."""
+        if self.verify_cost is None or len(probs) <= 1:
+            return len(probs)
+        best_k, best_rate, tokens = 1, 1.0, 1.0
+        for k in range(2, len(probs) + 1):
+            tokens += probs[k - 1]
+            rate = tokens / self.verify_cost(k)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k
 
     # ---- state --------------------------------------------------------------------------
     def observe(self, rid: str, tokens: list[int], num_new: int) -> None:

@@ -196,3 +196,17 @@ def test_lookahead_sizes_its_tree_from_w_n_g():
     assert args.speculative_num_draft_tokens == lookahead_tree_size(5, 4, 2) == 1 + 4 + 10 + 6
     with pytest.raises(ValueError, match="lookahead-ngram"):
         ServerArgs(speculative_algorithm="LOOKAHEAD", speculative_lookahead_ngram=1).resolve()
+
+
+def test_the_pool_holds_the_context_ngrams_unless_turned_off():
+    d = drafter(n=3, g=2)
+    d.observe("a", [1, 2, 3, 1, 2, 4], 6)
+    assert d.reqs["a"].pool[1] == [(2, 3), (2, 4)] and d.reqs["a"].pool[2] == [(3, 1)]
+    d.observe("a", [1, 2, 3, 1, 2, 4, 1, 2, 5], 3)  # output n-grams join as they come
+    assert d.reqs["a"].pool[1] == [(2, 4), (2, 5)]  # at most G per first token, newest kept
+    assert d.global_count == 0  # a request's own text is not shared
+    tokens, _ = d.build(d.reqs["a"], 1, lookahead_tree_size(W, 3, 2))
+    assert tokens[1:4] == [2, 5, 4]  # the newest candidate first, merged on their shared 2
+    off = drafter(n=3, g=2, lookahead_pool_from_context=False)
+    off.observe("a", [1, 2, 3, 1, 2, 4], 6)
+    assert not off.reqs["a"].pool

@@ -63,21 +63,21 @@ def test_scored_tree_follows_frequencies_and_the_match_length():
     for _ in range(3):
         cache.insert([1, 2, 3, 4, 5, 6, 7])
     cache.insert([1, 2, 3, 9, 9])
-    tokens, parents, score, m = scored(cache, [0, 1, 2, 3], factor=2.0)
+    tokens, parents, probs, score, m = scored(cache, [0, 1, 2, 3], factor=2.0)
     assert m == 3  # [1, 2, 3] matched
     # 4 follows 3 times in 4 (p .75), 9 once (.25): best first, the chain of 4 (p .75 each)
     # then 9 (.25) and its own 9 (.25)
     assert tokens[:5] == [3, 4, 5, 6, 7] and parents[:5] == [-1, 0, 1, 2, 3]
     assert tokens[5:] == [9, 9] and parents[5:] == [0, 5]  # 6 drafts: 2 x the match
-    assert score == pytest.approx(0.75 * 4 + 0.25 * 2)
+    assert score == pytest.approx(0.75 * 4 + 0.25 * 2) == pytest.approx(sum(probs[1:]))
     # the size follows the match: factor 1 x 3 tokens
-    tokens, _, score, _ = scored(cache, [0, 1, 2, 3], factor=1.0)
+    tokens, _, _, score, _ = scored(cache, [0, 1, 2, 3], factor=1.0)
     assert len(tokens) == 4 and score == pytest.approx(2.25)
     # min_prob prunes the rare branch
-    tokens, _, _, _ = scored(cache, [0, 1, 2, 3], factor=4.0, p=0.3)
+    tokens, _, _, _, _ = scored(cache, [0, 1, 2, 3], factor=4.0, p=0.3)
     assert 9 not in tokens
     # nothing matches: the root alone
-    assert scored(cache, [42])[:3] == ([42], [-1], 0.0)
+    assert scored(cache, [42])[:4] == ([42], [-1], [1.0], 0.0)
 
 
 def suffix(**kw):
@@ -148,3 +148,15 @@ def test_tiny_model_suffix_greedy_equals_plain(tiny, concurrency):  # noqa: F811
     assert [h.outputs[f"r{i}"] for i in range(50)] == ref
     assert h.sched.info()["spec_decode_num_accepted_tokens"] > 0
     h.sched.check_no_leak()
+
+
+def test_the_cpu_engine_cost_curve_cuts_the_unlikely_tail():
+    class Runner:  # what the drafter reads of a runner: its engine
+        engine = "cpu"
+
+    d = create_drafter(SpecConfig("SUFFIX", 8), Runner())
+    # CPU curve: C(2) 1.21, C(3) 1.40, C(4) 1.33, C(6) 2.16, C(8) 2.27
+    assert d.worth_drafting([1.0, 0.9, 0.8, 0.7, 0.3, 0.2]) == 4  # 3.4 / 1.33 beats the rest
+    assert d.worth_drafting([1.0, 0.1]) == 1  # 1.1 / 1.21 < 1: not worth a row
+    assert d.worth_drafting([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]) == 8
+    assert suffix().worth_drafting([1.0, 0.1]) == 2  # no runner: no curve, no cut
