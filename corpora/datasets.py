@@ -12,7 +12,7 @@
   edits it (repeat, fix spelling, comment code, ...) — the workload where drafting from the
   prompt pays off.
 - `schema`: a ShareGPT user message to be filled into a fixed structure (a JSON record, a SQL
-  query over one table, a ticket), one filled example shown — answers that repeat across
+  query over one table, a ticket), a few-shot completion prompt — answers that repeat across
   requests, the workload of suffix decoding's global tree (`corpora/schema_prompts.py`).
 
 ShareGPT conversations are split into `train` / `heldout` by a hash of the id with its `_<part>`
@@ -328,10 +328,10 @@ def _rewrite_request(
 def _schema_request(
     r: schema_prompts.SchemaPrompt, tokenizer: Tokenizer, max_new_tokens: int | None
 ) -> BenchRequest:
-    messages = [{"role": "user", "content": r.prompt}]
     return BenchRequest(
-        id=f"schema-{r.conversation_id}", prompt_len=chat_prompt_len(tokenizer, messages),
-        messages=messages, kind=f"schema:{r.task}",
+        id=f"schema-{r.conversation_id}",
+        prompt_len=len(tokenizer.encode(r.prompt, add_special_tokens=False)),
+        prompt=r.prompt, kind=f"schema:{r.task}",
         max_new_tokens=_cap(r.expected_output_len, max_new_tokens),
     )
 

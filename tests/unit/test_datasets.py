@@ -191,11 +191,13 @@ def test_schema_prompts_cycle_tasks_quote_the_message_and_split_disjointly(tmp_p
     names = [t.name for t in schema_prompts.TASKS]
     assert [r.kind for r in reqs[:6]] == [f"schema:{n}" for n in names * 2]
     for r in reqs:
-        text = r.messages[0]["content"]
+        text = r.prompt
+        assert r.messages is None and r.prompt_len == len(tok.encode(text))
         task = next(t for t in schema_prompts.TASKS if r.kind == f"schema:{t.name}")
-        assert text.startswith(task.instruction) and text.endswith("\nAnswer:")
-        message = text.split("\nMessage: ")[-1].removesuffix("\nAnswer:")
+        assert text.startswith(task.instruction) and text.endswith(f"\n{task.label}")
+        message = text.split("\nMessage: ")[-1].removesuffix(f"\n{task.label}")
         assert len(message.split()) == 10  # the conversation's first user turn
+        assert all(a in text for a in task.examples)  # both worked examples
         assert 1 <= r.max_new_tokens <= 64
     held = {r.id for r in sample_requests("schema", 1000, tok, 0, dataset_path=path,
                                           split="heldout")}
