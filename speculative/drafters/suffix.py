@@ -11,8 +11,10 @@ Two suffix trees answer every step, both depth-bounded token tries with counts
 For each, every suffix of the context that the tree holds (up to `max_tree_depth` - 1 tokens)
 grows a best-first tree: a continuation's probability is the product of count / sibling total
 along its path, pruned below `min_token_prob`, at most `max_spec_factor * match_len +
-max_spec_offset` drafts (and the step's node budget). The tree with the higher score (sum of
-its nodes' probabilities: the expected accepted drafts) is drafted. Long matches in text that
+max_spec_offset` drafts (and the step's node budget). Each tree's score is the sum of its
+nodes' probabilities (the expected accepted drafts); the two trees are merged (a path both hold
+keeps the higher probability), best first, and cut where another node would cost more verify
+time than it is expected to bring (`worth_drafting`, the engine's verify-cost curve). Long matches in text that
 repeats across requests (agentic loops, one JSON schema filled again and again) draft long,
 short matches draft one or two tokens or nothing.
 
@@ -40,6 +42,34 @@ CONFIDENT_SCORE = 2.0
 REQUEST_TREE_NODES = 1 << 17
 # Requests whose own tree is kept at once (a request never released is dropped beyond this).
 MAX_LIVE_TREES = 4096
+
+
+def merge_best_first(trees: list[tuple], budget: int) -> tuple[list[int], list[int], list[float]]:
+    """Several best-first trees (tokens, parents, probs, ...) over the same root merged into
+    one: a path both hold keeps the higher probability; nodes in best-first order again (a
+    child's probability never exceeds its parent's in any tree, so parents still come first),
+    at most `budget` nodes."""
+    best: dict[tuple[int, ...], float] = {}
+    for tokens, parents, probs, *_ in trees:
+        paths: list[tuple[int, ...]] = [()]
+        for i in range(1, len(tokens)):
+            path = paths[parents[i]] + (tokens[i],)
+            paths.append(path)
+            if probs[i] > best.get(path, -1.0):
+                best[path] = probs[i]
+    order = sorted(best.items(), key=lambda kv: (-kv[1], len(kv[0])))[: budget - 1]
+    root = trees[0][0][0]
+    index = {(): 0}
+    out_t, out_p, out_q = [root], [-1], [1.0]
+    for path, prob in order:
+        parent = index.get(path[:-1])
+        if parent is None:  # (a tie ordered a child first; cannot happen with ties by length)
+            continue
+        index[path] = len(out_t)
+        out_t.append(path[-1])
+        out_p.append(parent)
+        out_q.append(prob)
+    return out_t, out_p, out_q
 
 
 @dataclass(frozen=True)
@@ -147,18 +177,19 @@ class SuffixDrafter(Drafter):
         tail = r.tokens[-c.suffix_max_tree_depth:]
         kw = {"spec_factor": c.suffix_max_spec_factor, "spec_offset": c.suffix_max_spec_offset,
               "min_prob": c.suffix_min_token_prob, "key": r.rid}
-        best = (root[0], root[1], [1.0], 0.0, 0)
+        found = []
         own = self.trees.get(r.rid)
         if own is not None:
-            best = own.draft_scored(tail, r.budget, **kw)
-            self.last_source = "request" if best[3] > 0 else ""
+            found.append(("request", own.draft_scored(tail, r.budget, **kw)))
         if c.suffix_max_cached_requests > 0:
-            other = self.global_tree.draft_scored(tail, r.budget, **kw)
-            if other[3] > best[3]:
-                best, self.last_source = other, "global"
-        tokens, parents, probs, score, _ = best
-        if r.backed_off and score < CONFIDENT_SCORE:
+            found.append(("global", self.global_tree.draft_scored(tail, r.budget, **kw)))
+        found = [(src, t) for src, t in found if t[3] > 0]
+        if not found:
             return root
+        self.last_source = max(found, key=lambda f: f[1][3])[0]
+        if r.backed_off and max(t[3] for _, t in found) < CONFIDENT_SCORE:
+            return root
+        tokens, parents, probs = merge_best_first([t for _, t in found], r.budget)
         k = self.worth_drafting(probs)
         return tokens[:k], parents[:k]
 

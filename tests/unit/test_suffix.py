@@ -160,3 +160,15 @@ def test_the_cpu_engine_cost_curve_cuts_the_unlikely_tail():
     assert d.worth_drafting([1.0, 0.1]) == 1  # 1.1 / 1.21 < 1: not worth a row
     assert d.worth_drafting([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]) == 8
     assert suffix().worth_drafting([1.0, 0.1]) == 2  # no runner: no curve, no cut
+
+
+def test_the_request_and_global_trees_merge_best_first():
+    from speculative.drafters.suffix import merge_best_first
+
+    own = ([5, 6, 7, 8], [-1, 0, 1, 0], [1.0, 0.9, 0.8, 0.1])  # 6 -> 7, and 8
+    glob = ([5, 6, 9, 4], [-1, 0, 1, 0], [1.0, 0.5, 0.45, 0.4])  # 6 -> 9, and 4
+    tokens, parents, probs = merge_best_first([own, glob], 8)
+    # 6 (.9: the higher of .9 and .5), 7 (.8), 9 (.45), 4 (.4), 8 (.1); parents first
+    assert tokens == [5, 6, 7, 9, 4, 8] and parents == [-1, 0, 1, 1, 0, 0]
+    assert probs == [1.0, 0.9, 0.8, 0.45, 0.4, 0.1]
+    assert merge_best_first([own, glob], 3)[0] == [5, 6, 7]
