@@ -14,9 +14,9 @@ along its path, pruned below `min_token_prob`, at most `max_spec_factor * match_
 max_spec_offset` drafts (and the step's node budget). Each tree's score is the sum of its
 nodes' probabilities (the expected accepted drafts); the two trees are merged (a path both hold
 keeps the higher probability), best first, and cut where another node would cost more verify
-time than it is expected to bring (`worth_drafting`, the engine's verify-cost curve). Long matches in text that
-repeats across requests (agentic loops, one JSON schema filled again and again) draft long,
-short matches draft one or two tokens or nothing.
+time than it is expected to bring (`worth_drafting`, the engine's verify-cost curve). Long
+matches in text that repeats across requests (agentic loops, one JSON schema filled again and
+again) draft long, short matches draft one or two tokens or nothing.
 
 Deterministic, so verification treats q as one-hot: greedy output is exact and sampled output
 follows the target distribution for any tree.
