@@ -15,7 +15,8 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 def plot_speculative(result: dict[str, Any], path: str | Path) -> Path:
     """bench_speculative's figure: speedup over the same-run baseline per dataset × concurrency
     (one bar per config and temperature), and acceptance rate by draft position (one line per
-    run; with several temperatures, one line style per temperature)."""
+    run: its config's colour, its dataset's (and temperature's) line style, its concurrency's
+    marker)."""
     runs = [r for r in result["runs"] if r["config"] != result.get("baseline_label", "baseline")]
     temps = sorted({r.get("temperature", 0.0) for r in runs})
     multi_t = len(temps) > 1
@@ -33,7 +34,7 @@ def plot_speculative(result: dict[str, Any], path: str | Path) -> Path:
     hatches = ["", "//", "..", "xx", "\\\\", "oo"]
     styles = ["-", "--", ":", "-."]
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    fig, (ax_bar, ax_pos) = plt.subplots(1, 2, figsize=(13 + 2 * multi_t, 4.8))
+    fig, (ax_bar, ax_pos) = plt.subplots(1, 2, figsize=(14.5 + 2 * multi_t, 4.8))
 
     width = 0.8 / max(len(series), 1)
     for j, (cfg, t) in enumerate(series):
@@ -56,24 +57,35 @@ def plot_speculative(result: dict[str, Any], path: str | Path) -> Path:
     if ax_bar.containers:
         ax_bar.legend(fontsize=7)
 
-    lines: list[str] = []  # one colour per dataset × config × concurrency, a style per T
+    # colour = config (as in the bars), line style = dataset (and temperature), marker =
+    # concurrency: a compact legend of three keys however many runs there are
+    markers = ["o", "s", "^", "D", "v", "P"]
+    datasets = list(dict.fromkeys((r["dataset"], r.get("temperature", 0.0)) for r in runs))
+    concs = list(dict.fromkeys(r["concurrency"] for r in runs))
     for r in runs:
         rates = r["metrics"].get("accept_rate_per_pos") or []
         if rates:
-            t = r.get("temperature", 0.0)
-            name = f"{r['dataset']} {r['config']} c={r['concurrency']}"
-            lines += [name] if name not in lines else []
-            ax_pos.plot(range(1, len(rates) + 1), rates, marker="o", markersize=3,
-                        color=colours[lines.index(name) % len(colours)],
-                        linestyle=styles[temps.index(t) % len(styles)], label=with_t(name, t))
+            key = (r["dataset"], r.get("temperature", 0.0))
+            ax_pos.plot(range(1, len(rates) + 1), rates, markersize=3.5,
+                        marker=markers[concs.index(r["concurrency"]) % len(markers)],
+                        color=colours[configs.index(r["config"]) % len(colours)],
+                        linestyle=styles[datasets.index(key) % len(styles)], linewidth=1)
     ax_pos.set_xlabel("draft position k")
     ax_pos.set_ylabel("verify steps accepting >= k drafts")
     ax_pos.set_ylim(0, 1.02)
     ax_pos.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax_pos.set_title("acceptance rate by position")
     if ax_pos.lines:
-        ax_pos.legend(fontsize=7 if len(ax_pos.lines) <= 8 else 6,
-                      handlelength=3 if multi_t else 2)  # long enough to show the dashes
+        from matplotlib.lines import Line2D
+
+        handles = [Line2D([], [], color=colours[i % len(colours)], label=c)
+                   for i, c in enumerate(configs)]
+        handles += [Line2D([], [], color="black", linestyle=styles[i % len(styles)],
+                           label=with_t(d, t)) for i, (d, t) in enumerate(datasets)]
+        handles += [Line2D([], [], color="black", linestyle="", label=f"c={c}",
+                           marker=markers[i % len(markers)]) for i, c in enumerate(concs)]
+        ax_pos.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                      handlelength=3, borderaxespad=0)
 
     title = result.get("title")
     if title:

@@ -33,7 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
         if f.name == "speculative_algorithm":
             help_text += f"; one of {', '.join(sorted(ALGORITHMS))}"
         if str(f.type) in ("bool", "bool | None") or f.type is bool:
-            groups[group].add_argument(flag, action="store_true", help=help_text)
+            if f.default is True:  # on by default: --x / --no-x
+                groups[group].add_argument(flag, action=argparse.BooleanOptionalAction,
+                                           default=True, help=help_text)
+            else:
+                groups[group].add_argument(flag, action="store_true", help=help_text)
             continue
         kind = _KINDS.get(str(f.type), str)
         groups[group].add_argument(flag, type=kind, default=f.default, help=help_text,

@@ -123,3 +123,17 @@ def test_draft_matmul_dtype_resolves_per_device_and_cpu(monkeypatch):
     args = parse_args(["--speculative-algorithm", "EAGLE3", "--speculative-draft-matmul-dtype",
                        "float32"]).resolve()
     assert args.spec_config().draft_matmul_dtype == "float32"
+
+
+def test_an_option_on_by_default_has_a_no_flag_and_other_algorithms_start_untouched():
+    from launch.server_args import parse_args
+
+    # LOOKAHEAD's pool of context n-grams is on by default: --no-... turns it off
+    on = parse_args(["--speculative-algorithm", "LOOKAHEAD"]).resolve()
+    off = parse_args(["--speculative-algorithm", "LOOKAHEAD",
+                      "--no-speculative-lookahead-pool-from-context"]).resolve()
+    assert on.speculative_lookahead_pool_from_context is True
+    assert off.speculative_lookahead_pool_from_context is False
+    # an option defaulting to True must not read as "set" for another algorithm
+    assert parse_args(["--speculative-algorithm", "NGRAM"]).resolve().speculative_algorithm == \
+        "NGRAM"
