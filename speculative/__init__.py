@@ -13,6 +13,7 @@ from speculative.drafters import (  # noqa: F401 - each registers its algorithm(
     eagle,
     early_exit,
     lookahead,
+    medusa,
     ngram,
     standalone,
     suffix,

@@ -200,7 +200,27 @@ ARMS = {"one_hot": (SkewedTreeDrafter, False), "iid": (IIDDrafter, False),
         # Jacobi window + n-gram pool: a deterministic tree of two branches (ONE_HOT)
         "lookahead": (lambda cfg, runner: LookaheadDrafter(SpecConfig(
             "LOOKAHEAD", cfg.num_draft_tokens, disable_adaptive=True, lookahead_window=2,
-            lookahead_ngram=3, lookahead_guess_set=1), runner), False)}
+            lookahead_ngram=3, lookahead_guess_set=1), runner), False),
+        # Medusa heads (random, tied to the target's LM head): a static top-k tree (ONE_HOT)
+        "medusa": (lambda cfg, runner: medusa_drafter(cfg, runner), False)}
+
+
+def medusa_drafter(cfg, runner):
+    import tempfile
+    from pathlib import Path
+
+    from speculative.drafters.medusa import MedusaDrafter
+    from speculative.models.medusa import MedusaHeads, save_medusa
+
+    mc = runner.model_config
+    torch.manual_seed(5)
+    heads = MedusaHeads(2, 1, mc.hidden_size, mc.vocab_size, tied=True)
+    for p in heads.parameters():
+        p.data.normal_(0, 0.05)
+    path = save_medusa(heads, Path(tempfile.mkdtemp()) / "medusa")
+    return MedusaDrafter(SpecConfig("MEDUSA", cfg.num_draft_tokens, disable_adaptive=True,
+                                    draft_model_path=str(path),
+                                    medusa_choices="[[0], [1], [0, 0], [1, 0]]"), runner)
 
 
 @pytest.mark.parametrize("arm", list(ARMS))
