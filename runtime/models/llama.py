@@ -162,6 +162,9 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
                 continue  # tied: some checkpoints still store a copy
             parts = name.split(".")
+            if parts[0] == "mtp_layers" or (parts[0] == "layers" and len(parts) > 1
+                                            and int(parts[1]) >= cfg.num_hidden_layers):
+                continue  # MTP modules the checkpoint ships (speculative/models/mtp_head.py)
             target = name
             if len(parts) >= 4 and parts[0] == "layers" and parts[3] in fused:
                 kind, offset, size = fused[parts[3]]

@@ -178,14 +178,12 @@ class EagleDrafter(Drafter):
 
     def __init__(self, cfg: SpecConfig, runner) -> None:
         super().__init__(cfg, runner)
-        assert cfg.draft_model_path, f"{cfg.algorithm} needs --speculative-draft-model-path"
         assert cfg.num_steps >= 1 and cfg.eagle_topk >= 1, "num_steps and eagle_topk must be >= 1"
         if cfg.token_map and self.head_kind != "eagle":
             raise ValueError(TOKEN_MAP_EAGLE3_ERROR)
         self.target_capacity = runner.kv_capacity
         self.scratch = max(64, 16 * (cfg.num_steps - 1) * cfg.eagle_topk)
-        self.head = load_draft_head(cfg.draft_model_path, runner.model_config, runner.model,
-                                    kv_capacity=self.target_capacity + self.scratch)
+        self.head = self._load_head(cfg, runner, self.target_capacity + self.scratch)
         if self.head.config.kind != self.head_kind:
             raise ValueError(f"--speculative-algorithm {cfg.algorithm} needs a "
                              f"{self.head_kind} head; {cfg.draft_model_path} holds a "
@@ -218,6 +216,12 @@ class EagleDrafter(Drafter):
                 torch.arange(self.head.config.draft_vocab_size, device=self.device))
         self.states: dict[str, HeadState] = {}
         self._draft_ids: Tensor | None = None  # [V_head] target id per head id (coupling)
+
+    def _load_head(self, cfg: SpecConfig, runner, kv_capacity: int):
+        """The draft head (a public EAGLE / EAGLE-3 checkpoint directory)."""
+        assert cfg.draft_model_path, f"{cfg.algorithm} needs --speculative-draft-model-path"
+        return load_draft_head(cfg.draft_model_path, runner.model_config, runner.model,
+                               kv_capacity=kv_capacity)
 
     # ---- head forwards --------------------------------------------------------------------
     def _run_head(self, batch: ForwardBatch, hidden: Tensor, fused: bool) -> HeadOutput:
@@ -386,3 +390,31 @@ class Eagle3Drafter(EagleDrafter):
     head_kind = "eagle3"
     vllm_methods = ("eagle3",)
     shipped_head = DEFAULT_EAGLE3_HEAD
+
+
+@register_algorithm("MTP")
+class MtpDrafter(EagleDrafter):
+    """The MTP module a checkpoint ships (MiMo's `model.mtp_layers.0`, DeepSeek-V3's
+    `model.layers.{N}` with `eh_proj`), drafting like an EAGLE-1 head: chains or top-k trees of
+    `--speculative-num-steps` steps, the module fed its own output after the first step
+    (speculative/models/mtp_head.py). `--speculative-draft-model-path` defaults to the target's
+    own directory."""
+
+    head_kind = "mtp"
+    vllm_methods = ("mtp", "nextn", "mimo_mtp", "deepseek_mtp")
+
+    @classmethod
+    def resolve_options(cls, opts: EagleOptions, ctx: ResolveContext) -> EagleOptions:
+        if opts.token_map is not None:
+            raise ValueError(f"{flag('token_map')} applies to EAGLE-1/2 heads, not MTP")
+        auto = EAGLE_TREE_DEFAULTS.get(ctx.device, EAGLE_TREE_DEFAULTS["cpu"])
+        steps, topk, n = check_tree_shape(opts.num_steps, opts.eagle_topk, opts.num_draft_tokens,
+                                          auto)
+        opts = dataclasses.replace(opts, num_steps=steps, eagle_topk=topk, num_draft_tokens=n)
+        return Drafter.resolve_options(opts, ctx)
+
+    def _load_head(self, cfg: SpecConfig, runner, kv_capacity: int):
+        from speculative.models.mtp_head import load_mtp_head
+
+        path = cfg.draft_model_path or runner.model_config.model_dir
+        return load_mtp_head(path, runner.model_config, runner.model, kv_capacity=kv_capacity)
