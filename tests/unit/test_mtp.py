@@ -14,9 +14,9 @@ from safetensors.torch import load_file, save_file
 
 from runtime.errors import ModelLoadError
 from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
+from runtime.model_runner.local_generator import LocalGenerator
 from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
 from runtime.model_runner.runner_process import RunnerWorker
-from runtime.model_runner.local_generator import LocalGenerator
 from runtime.sampling.sampling_params import SamplingParams
 from speculative.base import SpecConfig, create_drafter
 from speculative.models.mtp_head import load_mtp_head
@@ -77,8 +77,11 @@ def mtp_model(request, tmp_path_factory):
 def reference_mtp(layout, tensors, model_dir, runner, ids, hidden):
     """The layout's MTP module in plain torch with Hugging Face's Qwen2 decoder layer."""
     from transformers import AutoConfig
-    from transformers.models.qwen2.modeling_qwen2 import (Qwen2DecoderLayer, Qwen2RMSNorm,
-                                                          Qwen2RotaryEmbedding)
+    from transformers.models.qwen2.modeling_qwen2 import (
+        Qwen2DecoderLayer,
+        Qwen2RMSNorm,
+        Qwen2RotaryEmbedding,
+    )
 
     cfg = AutoConfig.from_pretrained(model_dir)
     layer = Qwen2DecoderLayer(cfg, 0).eval()
