@@ -7,6 +7,7 @@ exit adapter.
         --train-time-budget 2400
     python -m speculative.train --algorithm STANDALONE --draft-layers 4 --output results/draft
     python -m speculative.train --algorithm EARLY_EXIT --exit-layer 7 --output results/exit
+    python -m speculative.train --algorithm MEDUSA --medusa-heads 3 --output results/medusa
 
 Every stage is resumable: rerun the same command (e.g. in a later session) and each stage
 continues from what `--output` already holds. `--stages` picks a subset, in order.
@@ -28,9 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target-model", default="default", help="target model dir (or 'default')")
     p.add_argument("--algorithm", default="EAGLE3",
-                   choices=("EAGLE3", "EAGLE", "STANDALONE", "EARLY_EXIT"),
+                   choices=("EAGLE3", "EAGLE", "STANDALONE", "EARLY_EXIT", "MEDUSA"),
                    help="what to train: an EAGLE-3 head, a STANDALONE draft model, an EARLY_EXIT "
-                   "exit adapter (EAGLE-1/2 heads load from their published checkpoints)")
+                   "exit adapter, MEDUSA heads (EAGLE-1/2 heads load from their published "
+                   "checkpoints)")
     p.add_argument("--data", default="sharegpt", choices=("sharegpt",),
                    help="prompt source (the ShareGPT train split)")
     p.add_argument("--output", required=True, help="run directory (data, checkpoints, head)")
@@ -63,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "target's layers, EARLY_EXIT's serving default)")
     g.add_argument("--adapter-size", type=int, default=1024,
                    help="EARLY_EXIT: the adapter MLP's intermediate size")
+    g.add_argument("--medusa-heads", type=int, default=3, help="MEDUSA: heads (draft depth)")
+    g.add_argument("--medusa-layers", type=int, default=1, help="MEDUSA: ResBlocks per head")
     g.add_argument("--ttt-steps", type=int, default=3, help="unrolled draft steps")
     g.add_argument("--lr", type=float, default=None,
                    help="peak learning rate (default 1e-3; 1e-4 for STANDALONE, whose layers "
@@ -99,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.output)
     capture_layers = None  # EAGLE-3's
-    if args.algorithm == "STANDALONE":
-        capture_layers = ()
+    if args.algorithm in ("STANDALONE", "MEDUSA"):
+        capture_layers = ()  # the final hidden state only
     elif args.algorithm == "EARLY_EXIT":
         from runtime.model_loader.config import ModelConfig
         from runtime.model_loader.default_model import resolve_model_path
@@ -147,17 +151,24 @@ def main(argv: list[str] | None = None) -> int:
 
             TRAINERS[args.algorithm](DistillConfig(
                 **kw, draft_layers=args.draft_layers, draft_layer_pick=args.draft_layer_pick,
-                exit_layer=args.exit_layer,
-                adapter_size=args.adapter_size)).train()
+                exit_layer=args.exit_layer, adapter_size=args.adapter_size,
+                medusa_heads=args.medusa_heads, medusa_layers=args.medusa_layers)).train()
     if "eval" in stages:
         from speculative.train.evaluate import CHAIN_EVAL, evaluate_head, evaluate_snapshots
 
         kw = dict(target_model=args.target_model, num_prompts=args.eval_prompts,
                   max_new_tokens=args.eval_max_new_tokens, seed=args.seed,
                   algorithm=args.algorithm)
-        export = {"EAGLE3": "head", "STANDALONE": "draft", "EARLY_EXIT": "adapter"}[args.algorithm]
+        export = {"EAGLE3": "head", "STANDALONE": "draft", "EARLY_EXIT": "adapter",
+                  "MEDUSA": "medusa"}[args.algorithm]
         if args.algorithm != "EAGLE3":
             kw["extra_server_args"] = CHAIN_EVAL
+        if args.algorithm == "MEDUSA":  # the chain of the heads' top-1 drafts
+            chain = [[0] * (d + 1) for d in range(args.medusa_heads)]
+            kw["extra_server_args"] = {
+                "speculative_medusa_choices": json.dumps(chain),
+                "speculative_num_draft_tokens": args.medusa_heads + 1,
+                "speculative_disable_adaptive": True}
         done = evaluate_snapshots(out, every=args.eval_snapshots_every, **kw) \
             if args.eval_snapshots else []
         # the final export is also the last snapshot: do not evaluate the same weights twice

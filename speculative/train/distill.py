@@ -50,6 +50,8 @@ class DistillConfig(TrainConfig):
     draft_layer_pick: str = "spread"  # STANDALONE: "spread" (first, last, between) or "first"
     exit_layer: int | None = None  # EARLY_EXIT: the layer the adapter reads (captured)
     adapter_size: int = 1024  # EARLY_EXIT: the adapter MLP's intermediate size
+    medusa_heads: int = 3  # MEDUSA: heads (draft depth)
+    medusa_layers: int = 1  # MEDUSA: ResBlocks per head
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -330,7 +332,14 @@ class ExitAdapterTrainer(Trainer):
             "draft_vocab_coverage": round(self.coverage, 4)}})
 
 
-TRAINERS = {"STANDALONE": DraftModelTrainer, "EARLY_EXIT": ExitAdapterTrainer}
+def _medusa_trainer(cfg):
+    from speculative.train.medusa_train import MedusaTrainer
+
+    return MedusaTrainer(cfg)
+
+
+TRAINERS = {"STANDALONE": DraftModelTrainer, "EARLY_EXIT": ExitAdapterTrainer,
+            "MEDUSA": _medusa_trainer}
 
 
 def default_exit_layer(num_layers: int) -> int:
