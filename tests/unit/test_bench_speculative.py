@@ -336,7 +336,10 @@ def test_plot_labels_name_the_temperature_only_when_several(tmp_path, monkeypatc
         plot_speculative(result, tmp_path / "spec.png")
     assert legends[0] == ["NGRAM"]
     assert legends[2] == ["NGRAM T=0", "NGRAM T=0.7"]
-    assert legends[3] == ["rewrite NGRAM c=1 T=0", "rewrite NGRAM c=1 T=0.7"]
+    # acceptance panel: colours per config, a line style per dataset (and temperature), a
+    # marker per concurrency
+    assert legends[1] == ["NGRAM", "rewrite", "c=1", "c=8"]
+    assert legends[3] == ["NGRAM", "rewrite T=0", "rewrite T=0.7", "c=1"]
 
 
 # ---- request plumbing with a fake target -----------------------------------------------------

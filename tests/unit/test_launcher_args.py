@@ -19,7 +19,7 @@ from runtime.server_args import ServerArgs, server_args_class
      "applies to --speculative-algorithm NGRAM"),
     (["--speculative-algorithm", "EAGLE3", "--speculative-draft-matmul-dtype", "float16"],
      "--speculative-draft-matmul-dtype: invalid choice"),
-    (["--speculative-config", "{\"method\": \"medusa\"}"], "method 'medusa' is not one of"),
+    (["--speculative-config", "{\"method\": \"hydra\"}"], "method 'hydra' is not one of"),
     (["--speculative-config", "{\"method\": \"ngram\", \"prompt_lookup_max\": 5}",
       "--speculative-ngram-max-trie-depth", "7"], "also given as 7"),
 ])
