@@ -12,7 +12,8 @@ distribution (the multi-draft rejection scheme, `verify_stochastic`), seeded req
 own draws. The paper's typical acceptance is lossy and not offered.
 
 Heads load from the public Medusa-1 layout or our tied variant (`speculative/models/medusa.py`)
-given by `--speculative-draft-model-path`.
+given by `--speculative-draft-model-path`; with the default model and no path, the heads trained
+for it in assets/ (model card in its README).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import dataclasses
 import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -32,10 +34,12 @@ from speculative.tree import DraftTree
 
 logger = logging.getLogger(__name__)
 
-# A small tree (5 drafts, depth 3) while no heads are trained for the default model; the
-# paper's trees (e.g. its 63-node tree for a 7B model on a GPU) cost ~1/5 of a decode step per
-# node on this CPU engine.
-DEFAULT_CHOICES = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
+# Chosen on the train split for the shipped heads by `python -m speculative.train.medusa_tree`
+# (the paper's greedy tree on measured top-r accuracies, sized by the CPU verify-cost curve):
+# three children of the root. Their accuracy beyond depth 1 (head 1: 0.10, head 2: 0.07 top-1)
+# does not pay for verify rows on this CPU engine. Heads trained for a bigger model (or a GPU)
+# want a bigger tree: run the same tool on their run directory.
+DEFAULT_CHOICES = [[0], [1], [2]]
 
 
 def parse_choices(text: str | list | None) -> list[tuple[int, ...]]:
@@ -57,6 +61,11 @@ def parse_choices(text: str | list | None) -> list[tuple[int, ...]]:
     return sorted(paths, key=len)  # stable: same-depth paths keep their given order
 
 
+# the tied heads trained for the default model (python -m speculative.train --algorithm MEDUSA)
+DEFAULT_MEDUSA_HEADS = (Path(__file__).resolve().parents[2] / "assets"
+                        / "medusa-smollm2-135m-instruct")
+
+
 @dataclass(frozen=True)
 class MedusaOptions(DraftTreeOptions):
     medusa_choices: str | None = option(
@@ -73,8 +82,11 @@ class MedusaDrafter(Drafter):
     @classmethod
     def resolve_options(cls, opts: MedusaOptions, ctx: ResolveContext) -> MedusaOptions:
         if opts.draft_model_path is None:
-            raise ValueError(f"MEDUSA needs {flag('draft_model_path')}: a directory of Medusa "
-                             "heads (medusa_lm_head.safetensors or .pt with config.json)")
+            if not (ctx.default_model and (DEFAULT_MEDUSA_HEADS / "config.json").exists()):
+                raise ValueError(f"MEDUSA needs {flag('draft_model_path')}: a directory of "
+                                 "Medusa heads (medusa_lm_head.safetensors or .pt with "
+                                 "config.json); only the default model has shipped heads")
+            opts = dataclasses.replace(opts, draft_model_path=str(DEFAULT_MEDUSA_HEADS))
         choices = parse_choices(opts.medusa_choices)
         if opts.num_draft_tokens is None:
             opts = dataclasses.replace(opts, num_draft_tokens=len(choices) + 1)
@@ -114,7 +126,8 @@ class MedusaDrafter(Drafter):
         if not live:
             return trees
         h = torch.stack([self.hidden[reqs[i].rid] for i in live])
-        logits = self.heads.logits(h, self._lm_head)  # [K, B, V]
+        # only the heads the tree reaches (each costs an LM-head matmul)
+        logits = self.heads.logits(h, self._lm_head, len(self.ranks))  # [depth, B, V]
         tops = [torch.topk(logits[d], k, dim=-1).indices.tolist()
                 for d, k in enumerate(self.ranks)]  # per depth: [B][k]
         for b, i in enumerate(live):

@@ -53,10 +53,11 @@ class MedusaHeads(nn.Module):
             nn.Linear(hidden, vocab, bias=False) for _ in range(num_heads))
 
     @torch.inference_mode()
-    def logits(self, h: Tensor, lm_head=None) -> Tensor:
-        """h [B, H] (the target's final, normed hidden state) -> [K, B, vocab] float32."""
+    def logits(self, h: Tensor, lm_head=None, num_heads: int | None = None) -> Tensor:
+        """h [B, H] (the target's final, normed hidden state) -> [K, B, vocab] float32, for the
+        first `num_heads` heads (default all)."""
         outs = []
-        for k in range(self.num_heads):
+        for k in range(self.num_heads if num_heads is None else num_heads):
             x = h.to(self.blocks[k][0].linear.weight.dtype) if self.num_layers else h
             for block in self.blocks[k]:
                 x = block(x)

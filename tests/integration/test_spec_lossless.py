@@ -50,9 +50,10 @@ def test_tiny_model_ngram_greedy_equals_plain(tiny, concurrency):  # noqa: F811
 
 
 # (server-wide accept length above, some request's accept length above): chain drafters of
-# this 135M target accept ~0.26-0.30 first drafts (assets/*/README.md)
+# this 135M target accept ~0.26-0.30 first drafts (assets/*/README.md); MEDUSA: 1.38 measured
 ACCEPT_FLOORS = {"NGRAM": (1.2, 2.0), "EAGLE3": (1.5, 2.0), "STANDALONE": (1.15, 1.5),
-                 "EARLY_EXIT": (1.15, 1.5), "SUFFIX": (1.6, 2.0), "LOOKAHEAD": (1.3, 1.5)}
+                 "EARLY_EXIT": (1.15, 1.5), "SUFFIX": (1.6, 2.0), "LOOKAHEAD": (1.3, 1.5),
+                 "MEDUSA": (1.2, 1.5)}
 GREEDY = {"max_new_tokens": 48, "temperature": 0}
 
 

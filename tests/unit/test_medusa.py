@@ -148,8 +148,16 @@ def test_tiny_model_medusa_greedy_equals_plain(tiny, tmp_path, concurrency):  # 
 def test_medusa_needs_heads_and_sizes_its_tree_from_the_choices(tmp_path):
     from runtime.server_args import ServerArgs
 
+    from speculative.drafters.medusa import DEFAULT_MEDUSA_HEADS
+
     with pytest.raises(ValueError, match="MEDUSA needs --speculative-draft-model-path"):
-        ServerArgs(speculative_algorithm="MEDUSA").resolve()
+        ServerArgs(model_path=str(tmp_path), speculative_algorithm="MEDUSA").resolve()
+    # the default model serves the shipped heads with the tree chosen for them: 3 drafts
+    shipped = ServerArgs(speculative_algorithm="MEDUSA").resolve()
+    assert shipped.speculative_draft_model_path == str(DEFAULT_MEDUSA_HEADS)
+    assert shipped.speculative_num_draft_tokens == 4
+    heads = load_medusa(DEFAULT_MEDUSA_HEADS, 576, 49152)
+    assert heads.tied and heads.num_heads == 3
     args = ServerArgs(speculative_algorithm="MEDUSA", speculative_draft_model_path=str(tmp_path),
                       speculative_medusa_choices="[[0], [1], [0, 0]]").resolve()
     assert args.speculative_num_draft_tokens == 4

@@ -64,3 +64,56 @@ def test_train_medusa_heads_resume_export_and_draft(target, captured_final, tmp_
                    Out)
     tree = d.propose([SpecReq("r", [3, 4, 5], 3)])[0]
     assert tree.num_nodes == 3 and tree.parents.tolist() == [-1, 0, 1]
+
+
+def test_medusa_tree_greedy_construction_and_cost_choice():
+    import numpy as np
+
+    from runtime.scheduler.spec_budget import VerifyCost
+    from speculative.train.medusa_tree import choose, grow_tree
+
+    acc = np.array([[0.6, 0.2, 0.1], [0.5, 0.1, 0.05]])
+    order = grow_tree(acc, 5)
+    # (0) .6, (0,0) .3, (1) .2, (0,1) .06 vs (1,0) .1 vs (2) .1: ties keep the first found
+    assert [p for p, _ in order][:3] == [(0,), (0, 0), (1,)]
+    assert all(p[:-1] == () or p[:-1] in [q for q, _ in order[:i]]
+               for i, (p, _) in enumerate(order))  # every prefix came first
+    probs = [p for _, p in order]
+    assert probs == sorted(probs, reverse=True)
+    flat = VerifyCost((1, 2), (1.0, 1.0))  # free rows: the biggest tree wins
+    assert choose(acc, 5, flat, 0.0)["best"]["drafts"] == 5
+    steep = VerifyCost((1, 2), (1.0, 2.0))  # each row costs a whole step: one draft at most
+    res = choose(acc, 5, steep, 0.0)
+    assert res["best"]["drafts"] == 1 and res["choices"] == [[0]]
+    assert res["table"][0]["expected_accept"] == pytest.approx(1.6)
+
+
+def test_medusa_tree_rank_accuracy_on_captured_run(target, captured_final, tmp_path):  # noqa: F811
+    from speculative.models.medusa import MedusaHeads
+    from speculative.train.capture import FeatureStore
+    from speculative.train.medusa_tree import rank_accuracy
+
+    _, runner = target
+    mc = runner.model_config
+    heads = MedusaHeads(2, 1, mc.hidden_size, mc.vocab_size, tied=True)
+    for p in heads.parameters():  # zero ResBlocks: every head is the target's own next-token head
+        torch.nn.init.zeros_(p)
+    w = runner.model.lm_head.weight.detach().float()
+    acc = rank_accuracy(FeatureStore(captured_final / "features"), heads, w, 4)
+    assert acc.shape == (2, 4) and ((acc >= 0) & (acc <= 1)).all()
+    assert acc.sum(1).max() <= 1.0 + 1e-9  # ranks are disjoint events
+    # brute force for head 0 = the target's next-token head on row t: does its choice after
+    # t equal the target's choice after t + 1 (the token at t + 2)?
+    import numpy as np
+
+    _, final, _ = FeatureStore(captured_final / "features").arrays()
+    hit = tot = 0
+    for r in FeatureStore(captured_final / "features").index:
+        s, n, p = r["start"], r["length"], r["prompt_len"]
+        lo, hi = max(p - 1, 0), n - 1 - 2
+        if hi <= lo:
+            continue
+        g = (torch.from_numpy(np.asarray(final[s: s + n], dtype=np.float32)) @ w.T).argmax(-1)
+        hit += int((g[lo:hi] == g[lo + 1: hi + 1]).sum())
+        tot += hi - lo
+    assert acc[0, 0] == pytest.approx(hit / tot)
