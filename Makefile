@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.specserve-installed
 SERVE_ARGS ?=
 
-.PHONY: install model serve test test-fast lint clean
+.PHONY: install model serve test test-fast lint clean gpu-check
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,12 @@ test: model
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
+
+# For the first person with a GPU: the CUDA suite (skipped elsewhere) and a short benchmark.
+gpu-check: model
+	$(PY) -m pytest -q -ra tests/gpu
+	$(PY) -m benchmark.bench_one_batch --device cuda --engines torch --batch-sizes 1,8 \
+		--verify-prefix 256 --verify-ns 1,4,8,16
 
 lint: install
 	$(PY) -m ruff check .
