@@ -33,7 +33,8 @@ setup(
     extras_require={
         "gpu": ["flashinfer-python", "sgl-kernel"],
         "bench": ["matplotlib", "aiohttp"],
-        "dev": ["pytest", "ruff", "openai", "matplotlib"],
+        # triton: its interpreter runs the CUDA kernels on the CPU in the test suite
+        "dev": ["pytest", "ruff", "openai", "matplotlib", "triton==3.9.0"],
         # opt-in: benchmark/fuzz_openapi.py (no torch; the test suite does not need it)
         "fuzz": ["schemathesis==4.32.5"],
     },

@@ -224,8 +224,16 @@ def unpack_tree_mask(packed: Tensor, num_cols: int) -> Tensor:
     return bits.reshape(*packed.shape[:-1], -1)[..., :num_cols].bool()
 
 
+def commit_kv(k_layers: list[Tensor], v_layers: list[Tensor], src: Tensor, dst: Tensor) -> None:
+    """Move KV rows in place, every layer: pool[dst[i]] = pool[src[i]] (all rows read before any
+    is written, so src and dst may overlap). The accepted path's KV to its committed slots."""
+    for pool in (*k_layers, *v_layers):
+        pool[dst] = pool.index_select(0, src)
+
+
 for _name, _fn in (
     ("build_tree_masks", build_tree_masks),
+    ("commit_kv", commit_kv),
     ("verify_tree_greedy", verify_tree_greedy),
     ("tree_speculative_sampling", tree_speculative_sampling),
     ("pack_tree_mask", pack_tree_mask),

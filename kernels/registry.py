@@ -18,8 +18,11 @@ import torch
 
 from runtime.errors import SpecserveError
 
-# Modules whose import registers the built-in implementations (CUDA ones join this list later).
-_BUILTIN_MODULES = ("kernels.reference",)
+# Modules whose import registers the built-in implementations: the torch references everywhere,
+# the Triton ops where CUDA is (importing them elsewhere would fix Triton's compile-or-interpret
+# choice before a test can set TRITON_INTERPRET).
+_BUILTIN_MODULES = ("kernels.reference",) + (("kernels.triton_ops",)
+                                             if torch.cuda.is_available() else ())
 
 
 class KernelNotFoundError(SpecserveError, LookupError):

@@ -49,8 +49,12 @@ class BaseServerArgs:
         "~22 bits, logits within ~1e-4 of float32; 2: ~15 bits; 1: int8 activations like "
         "llama.cpp, fastest verify, least accurate)", ACTIVATION_DIGITS)
     device: str = _arg("auto", "auto, cpu or cuda", ("auto", "cpu", "cuda"))
-    attention_backend: str = _arg("auto", "auto (cpu with the CPU engine, else torch_native), "
-                                  "torch_native or cpu", ("auto", "torch_native", "cpu"))
+    attention_backend: str = _arg("auto", "auto (cpu with the CPU engine; on CUDA flashinfer, "
+                                  "then triton, where they import; else torch_native), "
+                                  "torch_native, cpu, triton (CUDA, or the CPU under "
+                                  "TRITON_INTERPRET=1) or flashinfer (CUDA); triton and "
+                                  "flashinfer are not yet run on a GPU",
+                                  ("auto", "torch_native", "cpu", "triton", "flashinfer"))
     max_running_requests: int = _arg(32, "most requests decoding at once")
     max_total_tokens: int | None = _arg(None, "KV cache capacity in tokens (default: sized from "
                                         "context length)")

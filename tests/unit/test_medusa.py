@@ -147,7 +147,6 @@ def test_tiny_model_medusa_greedy_equals_plain(tiny, tmp_path, concurrency):  # 
 
 def test_medusa_needs_heads_and_sizes_its_tree_from_the_choices(tmp_path):
     from runtime.server_args import ServerArgs
-
     from speculative.drafters.medusa import DEFAULT_MEDUSA_HEADS
 
     with pytest.raises(ValueError, match="MEDUSA needs --speculative-draft-model-path"):

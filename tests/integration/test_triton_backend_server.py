@@ -1,0 +1,38 @@
+"""The server path on the default model with `--attention-backend triton`, the kernel run by
+Triton's interpreter on the CPU (slow): greedy output identical to torch_native plain decoding,
+with no speculation, NGRAM and EAGLE-3 (the torch engine: the CPU engine has its own
+attention)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    # return the n-th Fibonacci number"]
+PARAMS = {"max_new_tokens": 10, "temperature": 0}
+
+
+def _outputs(**kw) -> tuple[list, dict]:
+    from runtime import Engine
+
+    with Engine(log_level="warning", weight_format="torch", **kw) as eng:
+        outs = [eng.generate(p, sampling_params=PARAMS)["output_ids"] for p in PROMPTS]
+        return outs, eng.server_info()
+
+
+@pytest.fixture(scope="module")
+def torch_native_plain():
+    return _outputs(attention_backend="torch_native")[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", [None, "NGRAM", "EAGLE3"])
+def test_triton_backend_serves_default_model_like_torch_native(algo, torch_native_plain,
+                                                                monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the model-runner process inherits it
+    kw = {"speculative_algorithm": algo, "speculative_disable_adaptive": True} if algo else {}
+    outs, info = _outputs(attention_backend="triton", **kw)
+    if algo:
+        assert info["spec_decode_num_draft_tokens"] > 0, info
+    assert outs == torch_native_plain
