@@ -115,4 +115,38 @@ def test_tree_speculative_sampling_equals_reference(q_mode, bsz, width, seed):
         for name in want._fields:
             assert torch.equal(getattr(got, name), getattr(want, name)), (name, trial)
         accepted += int(want.accept_token_num.sum())
-    assert int(t.num_nodes.max()) == 1 or accepted > 0  # accepted paths and (vocab 37, 6 frequent) rejected siblings both occur
+    # vocab 37 with 6 frequent tokens: accepted paths and rejected siblings both occur
+    assert int(t.num_nodes.max()) == 1 or accepted > 0
+
+
+@pytest.mark.parametrize("q_mode", ["one_hot", "without_replacement"])
+def test_tree_sampling_lossy_thresholds_and_vocab_over_one_block_equal_reference(q_mode):
+    """SGLang's accept thresholds below 1, and a vocabulary wider than one BLOCK_V (1024) so
+    the residual, its sum and the final inverse-CDF walk span several blocks."""
+    parents, seq_lens, *_ = random_batch(3, 8, 15)
+    gen = torch.Generator().manual_seed(14)
+    vocab = 1100
+    candidates = torch.arange(8).repeat(3, 1) % 4  # siblings mostly differ; 4 likely tokens
+    t = ref.build_tree_masks(parents, seq_lens)
+    total = int(t.num_nodes.sum())
+    logits = torch.randn(total, vocab, generator=gen)
+    logits[:, :4] += 7.0
+    logits[:, -2:] += 7.0  # mass in the last block: the bonus token can land there
+    target = logits.softmax(-1)
+    draft = (logits + torch.randn(total, vocab, generator=gen)).softmax(-1)
+    accepted = {"lossless": 0, "lossy": 0}
+    bonus_in_last_block = 0
+    for trial in range(4):
+        u = torch.rand(3, 8, generator=gen, dtype=torch.float64)
+        for kind, thresholds in (("lossless", (1.0, 1.0)), ("lossy", (0.15, 0.3))):
+            args = (candidates, t.retrive_index, t.retrive_next_token, t.retrive_next_sibling,
+                    u, target, None if q_mode == "one_hot" else draft, q_mode, *thresholds)
+            want = ref.tree_speculative_sampling(*args)
+            got = tri.tree_speculative_sampling(*args)
+            for name in want._fields:
+                assert torch.equal(getattr(got, name), getattr(want, name)), (name, kind, trial)
+            accepted[kind] += int(want.accept_token_num.sum())
+            bonus_in_last_block += int((want.predicts >= 1024).sum())
+    # the thresholds changed the walks, and the final sample crossed a block boundary
+    assert accepted["lossy"] > accepted["lossless"], accepted
+    assert bonus_in_last_block > 0
