@@ -25,12 +25,11 @@ from tqdm import tqdm
 
 from benchmark.common import format_table, machine_info, median_time, write_json
 from kernels.cpu import DEFAULT_ACTIVATION_DIGITS
-from runtime.mem_cache import TokenSlotAllocator
 from runtime.model_loader.default_model import resolve_model_path
-from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.model_runner.local_generator import GenerateTimings, LocalGenerator
 from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
 from runtime.sampling.sampling_params import SamplingParams
+from runtime.verify_cost import measure_verify_times
 
 
 def ints(text: str) -> list[int]:
@@ -64,31 +63,11 @@ def bench_decode(runner: ModelRunner, bs: int, args) -> dict:
 
 
 def bench_verify_curve(runner: ModelRunner, args) -> list[dict]:
-    alloc = TokenSlotAllocator(runner.kv_capacity)
-    prefix = args.verify_prefix
-    slots = alloc.alloc(prefix + max(args.verify_ns))
-    prompt = random_prompts(1, prefix, runner.vocab_size, args.seed)[0]
-    runner.forward(ForwardBatch.build(ForwardMode.EXTEND, [prompt], [slots[:prefix]], [0]))
-    out = []
-    for n in tqdm(args.verify_ns, desc="verify-cost curve", leave=False):
-        chain = torch.tril(torch.ones(n, n, dtype=torch.bool))
-        batch_args = dict(
-            positions=[torch.arange(prefix, prefix + n)], custom_masks=[chain], logits="all"
-        )
-
-        def step(n=n, batch_args=batch_args):
-            batch = ForwardBatch.build(
-                ForwardMode.TARGET_VERIFY, [prompt[:n]], [slots[: prefix + n]], [prefix],
-                **batch_args,
-            )
-            runner.forward(batch)
-
-        out.append({"n": n, "time_s": median_time(step, args.verify_reps, warmup=2)})
-    base = out[0]["time_s"]
-    for row in out:
-        row["ratio_to_n1"] = row["time_s"] / base
-    alloc.free(slots)
-    return out
+    """The curve the server measures at start-up (runtime/verify_cost.py), with more reps."""
+    times = measure_verify_times(runner, args.verify_prefix, tuple(args.verify_ns),
+                                 args.verify_reps, warmup=2)
+    base = times[min(times)]
+    return [{"n": n, "time_s": t, "ratio_to_n1": t / base} for n, t in sorted(times.items())]
 
 
 def bench_hf(model_dir: str, args) -> dict:

@@ -14,6 +14,7 @@ masks, verification, commit, scheduling). The first two prompts warm up and are 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -39,7 +40,6 @@ def serve(label: str, server_args: dict, prompts: list[tuple[list[int], int]],
     from runtime.scheduler.scheduler import Scheduler, SchedulerConfig
     from runtime.scheduler.stop import StopChecker
     from runtime.server_args import ServerArgs
-    from speculative.base import create_drafter
     from speculative.worker import SpeculativeWorker
 
     torch.set_num_threads(threads)
@@ -49,11 +49,13 @@ def serve(label: str, server_args: dict, prompts: list[tuple[list[int], int]],
     spec_cfg = args.spec_config()
     spec = None
     if spec_cfg is not None:
-        spec = SpeculativeWorker(spec_cfg, create_drafter(spec_cfg, runner), runner)
+        spec = SpeculativeWorker.create(spec_cfg, runner)
     single_torch_thread(runner)  # as the runner process does
     worker = RunnerWorker(runner, spec)
     stop = StopChecker(load_tokenizer(args.model_path), [], 8192)
-    sched = Scheduler(SchedulerConfig.from_server_args(args), runner.kv_capacity, stop,
+    cfg = dataclasses.replace(SchedulerConfig.from_server_args(args),
+                              measured_verify_cost=spec.verify_cost if spec else None)
+    sched = Scheduler(cfg, runner.kv_capacity, stop,
                       worker.run, lambda msg: None)
     times: dict[tuple[str, int], list[float]] = defaultdict(list)
     forward = runner.forward

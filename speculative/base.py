@@ -107,6 +107,9 @@ class Drafter(ABC):
     def __init__(self, cfg: SpecConfig, runner) -> None:
         self.cfg = cfg
         self.runner = runner
+        # T(n)/T(1) of the target's forward on this machine (runtime/verify_cost.py); set by
+        # the speculative worker, None until then (and without a runner)
+        self.verify_cost = None
 
     @classmethod
     def resolve_options(cls, opts: Any, ctx: ResolveContext) -> Any:

@@ -48,6 +48,10 @@ class SpecOptions:
         "only)")
     disable_adaptive: bool = option(
         False, "always draft the full budget, even when drafts keep failing")
+    verify_cost: str = option(
+        "measure", "the verify-cost curve T(n)/T(1) that the load-aware budget and the backoff "
+        "plan with: measure it on this machine at start-up (a few hundred ms of verify "
+        "forwards), or use the stored table of the engine", choices=("measure", "table"))
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.sampling.penalties import RowHistory, apply_penalties
 from runtime.sampling.sampler import SamplingBatchInfo, expand, process_logits
 from runtime.sampling.seeded import seed_to_int64, seeded_sample
+from runtime.verify_cost import VerifyCost, measure_verify_cost, stored_verify_cost
 from speculative.base import Drafter, SpecReq, TargetRows
 from speculative.options import SpecConfig
 from speculative.tree import DraftTree
@@ -62,7 +63,8 @@ class SpecEntry:
 
 
 class SpeculativeWorker:
-    def __init__(self, cfg: SpecConfig, drafter: Drafter, runner) -> None:
+    def __init__(self, cfg: SpecConfig, drafter: Drafter, runner,
+                 verify_cost: VerifyCost | None = None) -> None:
         self.cfg = cfg
         self.drafter = drafter
         self.runner = runner
@@ -71,13 +73,28 @@ class SpeculativeWorker:
         # so a drafter that rarely lands (a weak draft model) does not cost every new
         # request the ~15 steps its own average needs to fall below the threshold
         self.prior_accept = 1.0
-        from runtime.scheduler.spec_budget import VERIFY_COST
-
-        self.verify_cost = VERIFY_COST.get(getattr(runner, "engine", "torch"), VERIFY_COST["torch"])
+        if verify_cost is None:
+            verify_cost = stored_verify_cost(getattr(runner, "engine", "torch"))
+        # T(n)/T(1) (runtime/verify_cost.py): the curve measured on this machine at start-up
+        # (`worker_for`), else the engine's stored one; shared with the drafter (a drafter
+        # that sizes its trees by cost reads it) and sent to the scheduler
+        self.verify_cost = verify_cost
+        drafter.verify_cost = verify_cost
         self.global_interval = drafter.probe_every  # steps between server-wide probes
         self.steps_since_global = 0
         self.draft_cost: float | None = None  # extra seconds per drafting request (EMA)
         self.plain_t1: float | None = None  # plain step seconds / C(batch) (EMA)
+
+    @classmethod
+    def create(cls, cfg: SpecConfig, runner) -> SpeculativeWorker:
+        """The worker of a server (or benchmark): its drafter, and the verify-cost curve
+        measured on this machine now unless `--speculative-verify-cost table`. Call it before
+        any request holds KV slots (the measurement writes scratch KV)."""
+        from speculative.base import create_drafter
+
+        drafter = create_drafter(cfg, runner)
+        cost = measure_verify_cost(runner) if cfg.verify_cost == "measure" else None
+        return cls(cfg, drafter, runner, cost)
 
     def release(self, rid: str) -> None:
         self.req_states.pop(rid, None)

@@ -176,11 +176,12 @@ def _create_spec(server_args, runner: ModelRunner) -> SpeculativeWorker | None:
     spec_cfg = server_args.spec_config()
     if spec_cfg is None:
         return None
-    from speculative.base import create_drafter
-
-    drafter = create_drafter(spec_cfg, runner)
-    logger.info("speculative decoding: %s, %s", spec_cfg.algorithm, drafter.describe())
-    return SpeculativeWorker(spec_cfg, drafter, runner)
+    worker = SpeculativeWorker.create(spec_cfg, runner)
+    logger.info("speculative decoding: %s, %s", spec_cfg.algorithm, worker.drafter.describe())
+    cost = worker.verify_cost
+    logger.info("verify cost T(n)/T(1) (%s): %s", cost.source, ", ".join(
+        f"{n}: {r:.2f}" for n, r in zip(cost.rows, cost.ratios) if n in (2, 4, 8, 16, 64)))
+    return worker
 
 
 def single_torch_thread(runner) -> None:
@@ -224,6 +225,8 @@ def run_model_runner_process(server_args, ipc_dir: str, parent_pid: int) -> None
         "architecture": mc.architecture, "num_layers": mc.num_hidden_layers,
         "engine": runner.engine, "weight_formats": runner.weight_formats,
         "threads": runner.kernel_threads, "runner_pid": os.getpid(),
+        # speculation plans with the verify-cost curve measured here, on this machine
+        "verify_cost": spec.verify_cost.to_dict() if spec is not None else None,
     }))
     while True:
         msg = recv.recv(timeout_ms=1000)

@@ -42,8 +42,9 @@ from runtime.messages import (
 from runtime.model_runner.forward_batch import ForwardMode
 from runtime.sampling.sampling_params import SamplingParams
 from runtime.scheduler.req import Req
-from runtime.scheduler.spec_budget import VERIFY_COST, VerifyCost, plan_drafts, with_probes
+from runtime.scheduler.spec_budget import plan_drafts, with_probes
 from runtime.scheduler.stop import StopChecker
+from runtime.verify_cost import VerifyCost, stored_verify_cost
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +69,15 @@ class SchedulerConfig:
     # load-aware speculation (`spec_budget.py`): nodes per request chosen from the verify-cost
     # curve of the engine and each request's acceptance; False = always the sizes above
     load_aware: bool = True
-    engine: str = "cpu"  # whose verify-cost curve to plan with (`VERIFY_COST`)
+    engine: str = "cpu"  # whose stored verify-cost curve to plan with, when none was measured
+    # the curve the runner measured at start-up (runtime/verify_cost.py), if it did
+    measured_verify_cost: VerifyCost | None = None
 
     @property
     def verify_cost(self) -> VerifyCost:
-        return VERIFY_COST.get(self.engine, VERIFY_COST["torch"])
+        if self.measured_verify_cost is not None:
+            return self.measured_verify_cost
+        return stored_verify_cost(self.engine)
 
     @classmethod
     def from_server_args(cls, server_args) -> SchedulerConfig:

@@ -24,6 +24,7 @@ from runtime.model_loader.tokenizer import load_tokenizer
 from runtime.proc_utils import die_with_parent, parent_alive, setup_logging
 from runtime.scheduler.scheduler import Scheduler, SchedulerConfig
 from runtime.scheduler.stop import StopChecker
+from runtime.verify_cost import VerifyCost
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +69,10 @@ def run_scheduler_process(server_args, ipc_dir: str, parent_pid: int) -> None:
         return result
 
     # speculation plans with the verify-cost curve of the engine the runner actually runs
-    cfg = dataclasses.replace(SchedulerConfig.from_server_args(server_args),
-                              engine=str(info.get("engine", "torch")))
+    measured = info.get("verify_cost")
+    cfg = dataclasses.replace(
+        SchedulerConfig.from_server_args(server_args), engine=str(info.get("engine", "torch")),
+        measured_verify_cost=VerifyCost.from_dict(measured) if measured else None)
     sched = Scheduler(cfg, int(info["kv_capacity"]), stop, run_batch, to_tokenizer.send)
     to_tokenizer.send(ReadyOut(info={**info, "scheduler_pid": os.getpid()}))
     logger.info("scheduler ready: %d KV slots, max %d running requests",

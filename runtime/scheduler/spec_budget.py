@@ -24,50 +24,16 @@ here: the runner's speculative worker measures it (seconds of drafting per draft
 and backs a request off while its accepted drafts per step do not pay for it
 (speculative/worker.py, `break_even`).
 
-T(n)/T(1) is a measured curve per engine (`VERIFY_COST`), documented with its command.
+T(n)/T(1) is the curve the runner measured at start-up on this machine
+(`runtime/verify_cost.py`; the stored per-engine tables are the fallback).
 """
 
 from __future__ import annotations
 
-import bisect
 import heapq
 from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class VerifyCost:
-    """T(n)/T(1) of one forward over n rows; piecewise linear between the measured points,
-    linear past the last one (the compute-bound slope)."""
-
-    rows: tuple[int, ...]
-    ratios: tuple[float, ...]
-    source: str = ""
-
-    def __post_init__(self) -> None:
-        assert self.rows[0] == 1 and self.ratios[0] == 1.0, "the curve starts at T(1)/T(1) = 1"
-        assert list(self.rows) == sorted(set(self.rows)) and len(self.rows) == len(self.ratios)
-        assert len(self.rows) >= 2, "a curve needs two points to extrapolate"
-
-    def __call__(self, n: int) -> float:
-        rows, ratios = self.rows, self.ratios
-        if n <= rows[0]:
-            return ratios[0] * n / rows[0]
-        j = min(bisect.bisect_left(rows, n), len(rows) - 1)
-        x0, x1, y0, y1 = rows[j - 1], rows[j], ratios[j - 1], ratios[j]
-        return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
-
-
-# Measured curves: `python -m benchmark.bench_one_batch --engines <engine> --verify-prefix 256
-# --verify-ns 1,2,3,4,6,8,12,16,24,32,48,64 --batch-sizes 1` (docs/benchmarks.md, "Load-aware
-# speculation"). Ratios travel between machines better than milliseconds do.
-VERIFY_COST = {
-    "cpu": VerifyCost((1, 2, 3, 4, 6, 8, 16, 32, 64),
-                      (1.0, 1.21, 1.40, 1.33, 2.16, 2.27, 4.26, 8.1, 15.5),
-                      "CPU engine, default model, 256-token prefix (bench_one_batch)"),
-    "torch": VerifyCost((1, 2, 4, 8, 16, 32, 64),
-                        (1.0, 1.06, 1.04, 1.15, 1.38, 2.08, 3.36),
-                        "torch engine, default model fp32, 512-token prefix (bench_one_batch)"),
-}
+from runtime.verify_cost import VERIFY_COST, VerifyCost  # noqa: F401 - re-exported
 
 
 @dataclass(slots=True)

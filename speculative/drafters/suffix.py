@@ -148,13 +148,6 @@ class SuffixDrafter(Drafter):
         self.outputs: OrderedDict[str, array] = OrderedDict()
         self._prompt_len: dict[str, int] = {}
         self.last_source = ""  # "request" / "global" / "": where the last draft came from
-        # the verify-cost curve of the engine this runs on (None without a runner: no cut)
-        self.verify_cost = None
-        engine = getattr(runner, "engine", None)
-        if engine is not None:
-            from runtime.scheduler.spec_budget import VERIFY_COST
-
-            self.verify_cost = VERIFY_COST.get(engine, VERIFY_COST["torch"])
 
     def describe(self) -> str:
         c = self.cfg
@@ -196,10 +189,11 @@ class SuffixDrafter(Drafter):
     def worth_drafting(self, probs: list[float]) -> int:
         """Nodes (root included) of a best-first tree worth verifying: the prefix that
         maximises expected tokens per verify cost, (1 + sum of its drafts' probabilities) /
-        C(nodes), with C the engine's measured verify-cost curve T(n)/T(1)
-        (`runtime/scheduler/spec_budget.py`). Where rows are nearly free (a GPU) this keeps
-        everything above min_token_prob; on the CPU engine (a row ~1/5 of a decode step) it
-        drops the unlikely tail that would cost more than it brings."""
+        C(nodes), with C the verify-cost curve T(n)/T(1) measured on this machine
+        (`runtime/verify_cost.py`, set by the worker; None: no cut). Where rows are nearly
+        free (a GPU) this keeps everything above min_token_prob; on the CPU engine (a row
+        ~1/5 of a decode step) it drops the unlikely tail that would cost more than it
+        brings."""
         if self.verify_cost is None or len(probs) <= 1:
             return len(probs)
         best_k, best_rate, tokens = 1, 1.0, 1.0

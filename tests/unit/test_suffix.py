@@ -151,10 +151,10 @@ def test_tiny_model_suffix_greedy_equals_plain(tiny, concurrency):  # noqa: F811
 
 
 def test_the_cpu_engine_cost_curve_cuts_the_unlikely_tail():
-    class Runner:  # what the drafter reads of a runner: its engine
-        engine = "cpu"
+    from runtime.verify_cost import VERIFY_COST
 
-    d = create_drafter(SpecConfig("SUFFIX", 8), Runner())
+    d = create_drafter(SpecConfig("SUFFIX", 8), None)
+    d.verify_cost = VERIFY_COST["cpu"]  # as the worker sets it (measured; here the table's)
     # CPU curve: C(2) 1.21, C(3) 1.40, C(4) 1.33, C(6) 2.16, C(8) 2.27
     assert d.worth_drafting([1.0, 0.9, 0.8, 0.7, 0.3, 0.2]) == 4  # 3.4 / 1.33 beats the rest
     assert d.worth_drafting([1.0, 0.1]) == 1  # 1.1 / 1.21 < 1: not worth a row

@@ -1,0 +1,45 @@
+"""The verify-cost curve measured on this machine at start-up (runtime/verify_cost.py): what it
+measures, and that a server plans with it."""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
+from runtime.verify_cost import VERIFY_COST, VerifyCost, measure_verify_cost, measure_verify_times
+from speculative.base import SpecConfig
+from speculative.worker import SpeculativeWorker
+from tests.helpers.tiny_models import write_tiny_model
+
+
+def tiny_runner(tmp_path, **kw) -> ModelRunner:
+    d = write_tiny_model(tmp_path / "m", "llama", seed=3)
+    return ModelRunner(RunnerConfig(str(d), "cpu", "float32", max_total_tokens=2048, **kw))
+
+
+def test_measured_curve_starts_at_one_and_costs_more_for_many_rows(tmp_path):
+    runner = tiny_runner(tmp_path)
+    cost = measure_verify_cost(runner, prefix=64, ns=(1, 2, 4, 64, 128), reps=3)
+    assert cost.rows == (1, 2, 4, 64, 128) and cost.ratios[0] == 1.0
+    assert all(r > 0 for r in cost.ratios)
+    # 128 rows of attention and MLP cannot cost less than one row, on any machine
+    assert cost(128) > 1.0
+    assert "measured" in cost.source
+    assert VerifyCost.from_dict(cost.to_dict()).rows == cost.rows
+
+
+def test_measurement_fits_a_short_context_and_leaves_slot_zero_alone(tmp_path):
+    runner = tiny_runner(tmp_path, context_length=40)
+    before = [k[0].clone() for k in runner.kv_pool.k[:1]]  # slot 0: the padding slot
+    t = measure_verify_times(runner, prefix=256, ns=(1, 2, 8, 64), reps=1)
+    assert sorted(t) == [1, 2, 8]  # 64 rows do not fit a 40-token context
+    assert torch.equal(runner.kv_pool.k[0][0], before[0])
+
+
+def test_a_server_worker_measures_unless_told_to_use_the_table(tmp_path):
+    runner = tiny_runner(tmp_path)
+    measured = SpeculativeWorker.create(SpecConfig("NGRAM", 4), runner)
+    assert "measured" in measured.verify_cost.source
+    assert measured.drafter.verify_cost is measured.verify_cost
+    table = SpeculativeWorker.create(SpecConfig("NGRAM", 4, verify_cost="table"), runner)
+    assert table.verify_cost is VERIFY_COST[runner.engine]
