@@ -5,6 +5,7 @@ slots, and no KV leaks."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -175,8 +176,9 @@ def test_chunked_prefill_radix_hits_retraction_and_stops_keep_greedy_output(targ
 
 @pytest.mark.parametrize("algo", ["EAGLE", "EAGLE3"])
 def test_head_kv_after_spec_steps_equals_one_draft_extend_of_the_history(target, heads, algo):
-    """Mirror layout: after prefill chunks and verify commits (with moves), the head's KV at the
-    request's committed slots and its kept hidden equal one head pass over the whole history."""
+    """Mirror layout: after prefill chunks and verify commits (with moves), once its pending rows
+    are caught up (the head runs lazily, `draft_extend`), the head's KV at the request's
+    committed slots and its kept hidden equal one head pass over the whole history."""
     ps = prompts(1, seed=33)
     ps[0] = (ps[0] * 3)[:45]
     ref = reference(target, ps, ignore_eos=True, max_new_tokens=40)
@@ -187,6 +189,8 @@ def test_head_kv_after_spec_steps_equals_one_draft_extend_of_the_history(target,
         assert h.sched.step()
     req = h.sched.running[0]
     length, fill, slots = req.kv_len, req.fill_ids, req.kv_slots
+    with torch.inference_mode():
+        drafter._catch_up(["r"])
     assert len(fill) == length + 1
     runner = target[1]
     fresh = h.sched.allocator.alloc(length)
@@ -228,3 +232,33 @@ def test_server_args_choose_the_eagle_tree_and_check_it(target, heads):
                        eagle_topk=4)
     with pytest.raises(ValueError, match="needs a eagle3 head"):
         create_drafter(wrong, target[1])
+
+
+def test_a_request_that_does_not_draft_runs_the_head_in_batches_not_per_step(target, heads,
+                                                                               monkeypatch):
+    """The head runs lazily: a request kept from drafting (budget 1 every step, as the backoff
+    does) stores its committed rows' features and the head goes over them in one forward per
+    MAX_PENDING_ROWS rows, and at release; a drafting request catches up before it drafts."""
+    ps = prompts(2, seed=7)
+    h, drafter = eagle_harness(target, heads["EAGLE3"], "EAGLE3", chunked_prefill_size=16)
+    h.sched.cfg = dataclasses.replace(h.sched.cfg, num_draft_tokens=1)  # nobody drafts
+    calls = []
+    real = drafter._run_head
+
+    def spy(batch, hidden, fused):
+        calls.append((fused, batch.num_tokens))
+        return real(batch, hidden, fused)
+
+    monkeypatch.setattr(drafter, "_run_head", spy)
+    monkeypatch.setattr(drafter, "MAX_PENDING_ROWS", 64)
+    for i, p in enumerate(ps):
+        h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=100)
+    h.run()
+    for i in range(len(ps)):
+        h.worker.spec.release(f"r{i}")  # as the next batch's released_rids would
+    rows = sum(len(p) + 100 for p in ps)
+    assert all(fused for fused, _ in calls)  # extends only, no draft step
+    assert sum(n for _, n in calls) >= rows - 2  # every committed row, once
+    assert len(calls) <= rows // 64 + 2 * len(ps), calls  # in batches, not one per step
+    assert not drafter.pending
+    h.sched.check_no_leak()
