@@ -21,6 +21,8 @@ living in the first fresh slots) with the tokens that follow them (accepted draf
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -42,6 +44,8 @@ from speculative.verify import (
     verify_stochastic,
 )
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class SpecReqState:
@@ -60,6 +64,12 @@ class SpecEntry:
     prefix_len: int
     slots: torch.Tensor  # [prefix_len + budget]
     state: object  # RunnerReqState: params, prompt_ids, output_ids (tokens[-1] = the root)
+
+
+def _interpreted(runner) -> bool:
+    """Whether the runner's attention kernel runs under Triton's CPU interpreter."""
+    name = type(getattr(runner, "attn_backend", None)).__name__.lower()
+    return "triton" in name and os.environ.get("TRITON_INTERPRET") == "1"
 
 
 class SpeculativeWorker:
@@ -93,7 +103,14 @@ class SpeculativeWorker:
         from speculative.base import create_drafter
 
         drafter = create_drafter(cfg, runner)
-        cost = measure_verify_cost(runner) if cfg.verify_cost == "measure" else None
+        measure = cfg.verify_cost == "measure"
+        if measure and _interpreted(runner):
+            # timing kernels that Triton's interpreter runs on the CPU says nothing about the
+            # GPU they are written for (and takes minutes): use the stored table
+            logger.info("verify cost: the stored table (the attention kernel runs under "
+                        "TRITON_INTERPRET)")
+            measure = False
+        cost = measure_verify_cost(runner) if measure else None
         return cls(cfg, drafter, runner, cost)
 
     def release(self, rid: str) -> None:
