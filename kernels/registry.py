@@ -10,6 +10,7 @@ is called at lookup time (so an optional dependency that fails to import just dr
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,9 +21,10 @@ from runtime.errors import SpecserveError
 
 # Modules whose import registers the built-in implementations: the torch references everywhere,
 # the Triton ops where CUDA is (importing them elsewhere would fix Triton's compile-or-interpret
-# choice before a test can set TRITON_INTERPRET).
-_BUILTIN_MODULES = ("kernels.reference",) + (("kernels.triton_ops",)
-                                             if torch.cuda.is_available() else ())
+# choice before a test can set TRITON_INTERPRET); under TRITON_INTERPRET=1 they load on the CPU.
+_BUILTIN_MODULES = ("kernels.reference",) + (
+    ("kernels.triton_ops",)
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1" else ())
 
 
 class KernelNotFoundError(SpecserveError, LookupError):

@@ -14,6 +14,8 @@ request's tree is walked by one program, its nodes one after another.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -275,11 +277,17 @@ def commit_kv(k_layers: list[Tensor], v_layers: list[Tensor], src: Tensor, dst: 
 
 
 if triton is not None:
-    def _on_cuda() -> bool:
-        return torch.cuda.is_available()
+    # On CUDA the registry picks these first. Under TRITON_INTERPRET=1 they run on CPU tensors
+    # too, registered device-agnostic: after the torch references, so only a caller that asks
+    # for backend "triton" gets them there (the tests, `--speculative-tree-ops triton`).
+    _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+    def _runs_here() -> bool:
+        return _INTERPRET or torch.cuda.is_available()
 
     for _name, _fn in (("build_tree_masks", build_tree_masks),
                        ("verify_tree_greedy", verify_tree_greedy),
                        ("tree_speculative_sampling", tree_speculative_sampling),
                        ("commit_kv", commit_kv)):
-        register(_name, "triton", _fn, available=_on_cuda, device_types=("cuda",))
+        register(_name, "triton", _fn, available=_runs_here,
+                 device_types=None if _INTERPRET else ("cuda",))

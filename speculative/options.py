@@ -52,6 +52,11 @@ class SpecOptions:
         "measure", "the verify-cost curve T(n)/T(1) that the load-aware budget and the backoff "
         "plan with: measure it on this machine at start-up (a few hundred ms of verify "
         "forwards), or use the stored table of the engine", choices=("measure", "table"))
+    tree_ops: str = option(
+        "auto", "how a step's trees are verified, same results either way: walk each tree in "
+        "Python, or one batched tensor op from the kernel registry (torch reference, Triton); "
+        "auto: the registry's best op on CUDA, the walk on the CPU",
+        choices=("auto", "walk", "torch", "triton"))
 
 
 @dataclass(frozen=True)

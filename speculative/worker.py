@@ -36,6 +36,7 @@ from runtime.verify_cost import VerifyCost, measure_verify_cost, stored_verify_c
 from speculative.base import Drafter, SpecReq, TargetRows
 from speculative.options import SpecConfig
 from speculative.tree import DraftTree
+from speculative.tree_ops import make_tree_ops
 from speculative.verify import (
     QMode,
     VerifyResult,
@@ -90,6 +91,8 @@ class SpeculativeWorker:
         # that sizes its trees by cost reads it) and sent to the scheduler
         self.verify_cost = verify_cost
         drafter.verify_cost = verify_cost
+        # None: walk each tree in Python; else the registry's batched tree ops (tree_ops.py)
+        self.tree_ops = make_tree_ops(cfg.tree_ops, getattr(runner, "device", "cpu"))
         self.global_interval = drafter.probe_every  # steps between server-wide probes
         self.steps_since_global = 0
         self.draft_cost: float | None = None  # extra seconds per drafting request (EMA)
@@ -312,9 +315,17 @@ class SpeculativeWorker:
         results: list[VerifyResult | None] = [None] * len(entries)
         greedy = [b for b, p in enumerate(params) if p.is_greedy]
         if greedy:
-            argmax = logits.argmax(dim=-1).cpu()  # [sum n]
-            for b in greedy:
-                results[b] = verify_greedy(trees[b], argmax[starts[b] : starts[b + 1]])
+            argmax = logits.argmax(dim=-1)  # [sum n]
+            if self.tree_ops is not None:
+                rows = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in greedy])
+                res = self.tree_ops.walk_tokens([trees[b] for b in greedy],
+                                                argmax[rows.to(argmax.device)])
+                for b, r in zip(greedy, res):
+                    results[b] = r
+            else:
+                argmax = argmax.cpu()
+                for b in greedy:
+                    results[b] = verify_greedy(trees[b], argmax[starts[b] : starts[b + 1]])
         sampled = [b for b, p in enumerate(params) if not p.is_greedy]
         if not sampled:
             return results
@@ -326,6 +337,9 @@ class SpeculativeWorker:
         local = {b: i for i, b in enumerate(sampled)}
         local_starts = torch.tensor([0] + [sizes[b] for b in sampled]).cumsum(0).tolist()
         draws = self._seeded_draws(entries, trees, sampled, probs, local_starts)
+        if self.tree_ops is not None:
+            self._verify_sampled_ops(trees, sampled, local_starts, probs, draws, results)
+            return results
         for b in sampled:
             lo, hi = local_starts[local[b]], local_starts[local[b] + 1]
             if b in draws:
@@ -340,6 +354,37 @@ class SpeculativeWorker:
                 threshold_acc=self.cfg.accept_threshold_acc,
             )
         return results
+
+    def _verify_sampled_ops(self, trees: list[DraftTree], sampled: list[int],
+                            local_starts: list[int], probs: torch.Tensor,
+                            draws: dict[int, torch.Tensor], results: list) -> None:
+        """The sampled requests through the batched tree ops: seeded ones in one walk over
+        their draws, unseeded ones in one sampling op per q mode. The coins are drawn per
+        request in batch order, as the per-tree walk draws them, so both forms give the same
+        tokens for the same RNG state."""
+        seeded = [b for b in sampled if b in draws]
+        if seeded:
+            res = self.tree_ops.walk_tokens([trees[b] for b in seeded],
+                                            torch.cat([draws[b] for b in seeded]))
+            for b, r in zip(seeded, res):
+                results[b] = r
+        groups: dict[QMode, list[tuple[int, int, torch.Tensor]]] = {}
+        for j, b in enumerate(sampled):
+            if b in draws:
+                continue
+            lo, hi = local_starts[j], local_starts[j + 1]
+            uniforms = torch.rand(hi - lo, dtype=torch.float64, device=probs.device)
+            q_mode = QMode.ONE_HOT if trees[b].draft_probs is None else self.drafter.q_mode
+            groups.setdefault(QMode(q_mode), []).append((b, j, uniforms))
+        for q_mode, members in groups.items():
+            rows = torch.cat([torch.arange(local_starts[j], local_starts[j + 1])
+                              for _, j, _ in members])
+            res = self.tree_ops.sample(
+                [trees[b] for b, _, _ in members], probs[rows.to(probs.device)],
+                [u for _, _, u in members], q_mode,
+                self.cfg.accept_threshold_single, self.cfg.accept_threshold_acc)
+            for (b, _, _), r in zip(members, res):
+                results[b] = r
 
     @staticmethod
     def _seeded_draws(entries: list[SpecEntry], trees: list[DraftTree], sampled: list[int],

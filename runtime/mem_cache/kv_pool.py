@@ -43,7 +43,14 @@ class KVPool:
         self.v[layer_id][slots] = v.to(self.dtype)
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy KV of slots `src` into slots `dst` in every layer (speculative commit by move)."""
+        """Copy KV of slots `src` into slots `dst` in every layer (speculative commit by move).
+        Off the CPU, one registry op (`commit_kv`: Triton on CUDA) moves every layer."""
+        if self.device.type != "cpu":
+            from kernels import registry
+
+            registry.get("commit_kv", self.device)(self.k, self.v, src.to(self.device),
+                                                   dst.to(self.device))
+            return
         for layer_id in range(self.num_layers):
             self.k[layer_id][dst] = self.k[layer_id][src]
             self.v[layer_id][dst] = self.v[layer_id][src]

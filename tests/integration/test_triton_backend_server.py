@@ -1,7 +1,7 @@
 """The server path on the default model with `--attention-backend triton`, the kernel run by
 Triton's interpreter on the CPU (slow): greedy output identical to torch_native plain decoding,
 with no speculation, NGRAM and EAGLE-3 (the torch engine: the CPU engine has its own
-attention)."""
+attention), the speculative runs verifying their trees through the Triton tree ops."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ def torch_native_plain():
 def test_triton_backend_serves_default_model_like_torch_native(algo, torch_native_plain,
                                                                 monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the model-runner process inherits it
-    kw = {"speculative_algorithm": algo, "speculative_disable_adaptive": True} if algo else {}
+    kw = {"speculative_algorithm": algo, "speculative_disable_adaptive": True,
+          "speculative_tree_ops": "triton"} if algo else {}
     outs, info = _outputs(attention_backend="triton", **kw)
     if algo:
         assert info["spec_decode_num_draft_tokens"] > 0, info

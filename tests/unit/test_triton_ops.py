@@ -85,12 +85,17 @@ def test_commit_kv_equals_reference_with_overlapping_slots(dtype):
     assert torch.equal(want_k[0][10], layers[0][9])  # the reference really moved rows
 
 
-def test_triton_ops_are_registered_for_cuda_only():
+def test_triton_ops_are_picked_on_cuda_and_only_asked_for_on_the_cpu():
+    """On CUDA the Triton ops are registered for "cuda" (picked first); under the interpreter
+    they are device-agnostic, after the references: the CPU still gets the torch op unless a
+    caller asks for backend "triton"."""
     from kernels.registry import REGISTRY
 
     impls = {i.backend: i for i in REGISTRY._ops["verify_tree_greedy"]}
-    assert impls["triton"].device_types == ("cuda",)
+    want = None if os.environ.get("TRITON_INTERPRET") == "1" else ("cuda",)
+    assert impls["triton"].device_types == want
     assert REGISTRY.get("verify_tree_greedy", "cpu") is ref.verify_tree_greedy
+    assert REGISTRY.get("verify_tree_greedy", "cpu", backend="triton") is tri.verify_tree_greedy
 
 
 @pytest.mark.parametrize("q_mode", ["one_hot", "iid", "without_replacement"])
