@@ -28,6 +28,9 @@ class VerifyCost:
     rows: tuple[int, ...]
     ratios: tuple[float, ...]
     source: str = ""
+    # seconds of the one-row forward where the curve was measured on this machine (None for
+    # the stored tables): the backoff's plain-step cost before any plain step has run
+    t1_s: float | None = None
 
     def __post_init__(self) -> None:
         assert self.rows[0] == 1 and self.ratios[0] == 1.0, "the curve starts at T(1)/T(1) = 1"
@@ -44,12 +47,13 @@ class VerifyCost:
 
     def to_dict(self) -> dict:
         return {"rows": list(self.rows), "ratios": [round(r, 4) for r in self.ratios],
-                "source": self.source}
+                "source": self.source, "t1_s": self.t1_s}
 
     @classmethod
     def from_dict(cls, d: dict) -> VerifyCost:
+        t1 = d.get("t1_s")
         return cls(tuple(int(n) for n in d["rows"]), tuple(float(r) for r in d["ratios"]),
-                   str(d.get("source", "")))
+                   str(d.get("source", "")), None if t1 is None else float(t1))
 
 
 # Stored curves (the fallback): `python -m benchmark.bench_one_batch --engines <engine>
@@ -116,4 +120,4 @@ def measure_verify_cost(runner, prefix: int = 256, ns: tuple[int, ...] = DEFAULT
         return stored_verify_cost(runner.engine)
     return VerifyCost(ns, tuple([1.0] + [t[n] / t[1] for n in ns[1:]]),
                       f"measured at start-up: {runner.engine} engine, {prefix}-token prefix, "
-                      f"T(1) = {t[1] * 1e3:.2f} ms")
+                      f"T(1) = {t[1] * 1e3:.2f} ms", t[1])

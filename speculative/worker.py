@@ -96,7 +96,11 @@ class SpeculativeWorker:
         self.global_interval = drafter.probe_every  # steps between server-wide probes
         self.steps_since_global = 0
         self.draft_cost: float | None = None  # extra seconds per drafting request (EMA)
-        self.plain_t1: float | None = None  # plain step seconds / C(batch) (EMA)
+        # plain step seconds / C(batch) (EMA), starting from the one-row forward timed at
+        # start-up: a drafter that drafts from the first step (and keeps drafting while its
+        # acceptance beats the floor) would otherwise never meet a plain step to compare
+        # with, and its cost would stay unknown (EAGLE-3 drafted every step at 0.7x so)
+        self.plain_t1: float | None = verify_cost.t1_s
 
     @classmethod
     def create(cls, cfg: SpecConfig, runner) -> SpeculativeWorker:

@@ -286,6 +286,28 @@ def test_backoff_counts_the_measured_draft_cost_and_batch_probes():
     assert w.req_states["r"].probe_interval == 4
 
 
+def test_backoff_knows_the_plain_step_from_the_start_up_measurement():
+    """With the one-row forward timed at start-up, the first drafting step already measures the
+    draft's cost: a drafter that drafts from the first step is held to its real break-even, not
+    to its floor until some plain step happens (which, while it drafts, never does)."""
+    from runtime.verify_cost import VerifyCost
+
+    class Costly(Drafter):
+        min_accept_per_step = 0.2
+
+        def propose(self, reqs):
+            return [DraftTree.chain(r.tokens[-1], []) for r in reqs]
+
+    cfg = SpecConfig("TEST", 4)
+    curve = VerifyCost((1, 2, 4), (1.0, 1.2, 1.4), "measured", t1_s=0.004)
+    w = SpeculativeWorker(cfg, Costly(cfg, None), None, curve)
+    assert w.plain_t1 == 0.004
+    w._measure([DraftTree.chain(5, [6, 7])], 0.010)  # a drafting step 6 ms over a plain one
+    assert w.draft_cost == pytest.approx(0.006)
+    assert w.break_even(1) == pytest.approx(1.5)  # 6 ms / 4 ms: far above the 0.2 floor
+    assert VerifyCost.from_dict(curve.to_dict()) == curve  # t1 travels to the scheduler too
+
+
 def test_a_drafter_that_does_not_pay_probes_once_per_server_interval():
     """While the server-wide acceptance is below the bar, requests stop probing on their own:
     one probe runs for the whole server every `global_interval` steps (the request that waited
