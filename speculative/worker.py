@@ -241,15 +241,13 @@ class SpeculativeWorker:
         t0 = time.perf_counter()
         trees = self.drafter.propose(reqs)
         draft_s = time.perf_counter() - t0
-        masks, positions, slots, tokens = [], [], [], []
+        slots, tokens = [], []
         for e, tree, r in zip(entries, trees, reqs):
             n = tree.num_nodes
             assert 1 <= n <= max(r.budget, 1), f"{e.rid}: drafter gave {n} nodes, budget {r.budget}"
-            assert int(tree.tokens[0]) == e.tokens[-1], "tree root must be the last token"
-            masks.append(tree.ancestor_mask)
-            positions.append(e.prefix_len + tree.depth)
-            slots.append(e.slots[: e.prefix_len + n])
             tokens.append(tree.tokens.tolist())
+            assert tokens[-1][0] == e.tokens[-1], "tree root must be the last token"
+            slots.append(e.slots[: e.prefix_len + n])
         capture = self.drafter.capture_layers
         if all(len(t) == 1 for t in tokens):
             # nobody drafted: a plain decode step (no mask to build or apply)
@@ -258,7 +256,9 @@ class SpeculativeWorker:
         else:
             batch = ForwardBatch.build(
                 ForwardMode.TARGET_VERIFY, tokens, slots, [e.prefix_len for e in entries],
-                positions=positions, custom_masks=masks, logits="all", capture_layers=capture,
+                positions=[e.prefix_len + t.depth for e, t in zip(entries, trees)],
+                custom_masks=[t.ancestor_mask for t in trees], logits="all",
+                capture_layers=capture,
             )
         out = self.drafter.target_forward(batch, trees, self.drafter.needs_final_hidden)
         results = self._verify(entries, trees, out.logits)  # logits [sum n, vocab]
@@ -328,8 +328,12 @@ class SpeculativeWorker:
                     results[b] = r
             else:
                 argmax = argmax.cpu()
+                am = argmax.tolist()
                 for b in greedy:
-                    results[b] = verify_greedy(trees[b], argmax[starts[b] : starts[b + 1]])
+                    if sizes[b] == 1:  # no draft: the target's own token
+                        results[b] = VerifyResult([0], [], am[starts[b]])
+                    else:
+                        results[b] = verify_greedy(trees[b], argmax[starts[b] : starts[b + 1]])
         sampled = [b for b, p in enumerate(params) if not p.is_greedy]
         if not sampled:
             return results
@@ -447,6 +451,8 @@ class SpeculativeWorker:
         return out
 
     def _commit(self, e: SpecEntry, res: VerifyResult) -> None:
+        if len(res.accepted_nodes) == 1:
+            return  # only the root: its KV is where it was written
         path = torch.tensor(res.accepted_nodes)
         moved = path != torch.arange(path.numel())
         if bool(moved.any()):
