@@ -159,9 +159,9 @@ class SuffixDrafter(Drafter):
 
     # ---- drafting -----------------------------------------------------------------------
     def propose(self, reqs: list[SpecReq]) -> list[DraftTree]:
-        return [DraftTree.from_parents(*self.draft_lists(r)) for r in reqs]
+        return [DraftTree.from_parents(*self.draft_lists(r, len(reqs))) for r in reqs]
 
-    def draft_lists(self, r: SpecReq) -> tuple[list[int], list[int]]:
+    def draft_lists(self, r: SpecReq, batch_size: int = 1) -> tuple[list[int], list[int]]:
         root = ([r.tokens[-1]], [-1])
         self.last_source = ""
         if r.budget <= 1:
@@ -183,23 +183,27 @@ class SuffixDrafter(Drafter):
         if r.backed_off and max(t[3] for _, t in found) < CONFIDENT_SCORE:
             return root
         tokens, parents, probs = merge_best_first([t for _, t in found], r.budget)
-        k = self.worth_drafting(probs)
+        k = self.worth_drafting(probs, batch_size)
         return tokens[:k], parents[:k]
 
-    def worth_drafting(self, probs: list[float]) -> int:
+    def worth_drafting(self, probs: list[float], batch_size: int = 1) -> int:
         """Nodes (root included) of a best-first tree worth verifying: the prefix that
-        maximises expected tokens per verify cost, (1 + sum of its drafts' probabilities) /
-        C(nodes), with C the verify-cost curve T(n)/T(1) measured on this machine
-        (`runtime/verify_cost.py`, set by the worker; None: no cut). Where rows are nearly
-        free (a GPU) this keeps everything above min_token_prob; on the CPU engine (a row
-        ~1/5 of a decode step) it drops the unlikely tail that would cost more than it
-        brings."""
+        maximises the step's expected tokens per verify cost. Alone, (1 + sum of its drafts'
+        probabilities) / C(nodes); in a batch of B, beside B - 1 one-row requests,
+        (B + sum) / C(B - 1 + nodes), with C the verify-cost curve T(n)/T(1) measured on this
+        machine (`runtime/verify_cost.py`, set by the worker; None: no cut). Where rows are
+        nearly free (a GPU, or a small batch on a memory-bound engine) this keeps everything
+        above min_token_prob; on the CPU engine a row costs ~1/5 of a decode step alone and
+        about a whole token's share of the step once the batch is compute-bound (B >= 8), so
+        the unlikely tail goes first and, in busy batches, all but near-certain drafts."""
         if self.verify_cost is None or len(probs) <= 1:
             return len(probs)
-        best_k, best_rate, tokens = 1, 1.0, 1.0
+        others = max(batch_size, 1) - 1
+        base = self.verify_cost(others + 1)
+        best_k, best_rate, tokens = 1, (others + 1) / base, others + 1.0
         for k in range(2, len(probs) + 1):
             tokens += probs[k - 1]
-            rate = tokens / self.verify_cost(k)
+            rate = tokens / self.verify_cost(others + k)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k

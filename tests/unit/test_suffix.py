@@ -160,6 +160,11 @@ def test_the_cpu_engine_cost_curve_cuts_the_unlikely_tail():
     assert d.worth_drafting([1.0, 0.1]) == 1  # 1.1 / 1.21 < 1: not worth a row
     assert d.worth_drafting([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]) == 8
     assert suffix().worth_drafting([1.0, 0.1]) == 2  # no runner: no curve, no cut
+    # in a batch of 8 (C(8) 2.27, C(16) 4.26: ~0.25 a row, 11% of the batch's step) a row
+    # must bring about 0.9 tokens: a sure chain stays, a likely one does not
+    assert d.worth_drafting([1.0, 0.99, 0.98, 0.97], batch_size=8) == 4
+    assert d.worth_drafting([1.0, 0.8, 0.7, 0.6], batch_size=8) == 1
+    assert d.worth_drafting([1.0, 0.8, 0.7, 0.6], batch_size=1) == 4
 
 
 def test_the_request_and_global_trees_merge_best_first():
