@@ -20,6 +20,7 @@ from runtime.sampling import seeded as seeded_noise
 from runtime.sampling.penalties import RowHistory, apply_penalties
 from runtime.sampling.sampler import SamplingBatchInfo, process_logits
 from runtime.sampling.sampling_params import SamplingParams
+from runtime.verify_cost import VerifyCost
 from speculative.base import Drafter, SpecConfig, SpecReq
 from speculative.drafters.lookahead import LookaheadDrafter
 from speculative.drafters.suffix import SuffixDrafter
@@ -169,7 +170,11 @@ def run_samples(tiny_vocab, drafter_cls, *, seeded: bool, budget: int = 5,
     h = Harness(tiny_vocab, capacity=60000, num_draft_tokens=budget, max_running_requests=512,
                 chunked_prefill_size=4096)
     cfg = SpecConfig("TEST", budget, disable_adaptive=True)
-    h.worker = RunnerWorker(runner, SpeculativeWorker(cfg, drafter_cls(cfg, runner), runner))
+    # rows free (a GPU-like verify-cost curve): a drafter that trims its trees by cost (SUFFIX)
+    # keeps them whole in a batch of hundreds, so deep drafts get tested
+    free_rows = VerifyCost((1, 4096), (1.0, 1.0), "free rows (test)")
+    h.worker = RunnerWorker(runner, SpeculativeWorker(cfg, drafter_cls(cfg, runner), runner,
+                                                      free_rows))
     h.sched.run_batch = h.worker.run
     h.sched.stop.eos = set()
     for i in range(SAMPLES):
