@@ -29,7 +29,7 @@ serve: model
 	$(PY) -m launch_server $(SERVE_ARGS)
 
 test: model
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=15
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
