@@ -228,6 +228,8 @@ class EagleDrafter(Drafter):
                 torch.arange(self.head.config.draft_vocab_size, device=self.device))
         self.states: dict[str, HeadState] = {}
         self.pending: dict[str, _Pending] = {}  # rows the head has not run over yet
+        self.idle: dict[str, int] = {}  # steps since the request last drafted
+        self.dropped_rows = 0  # times an idle request's pending rows were dropped
         self._draft_ids: Tensor | None = None  # [V_head] target id per head id (coupling)
 
     def _load_head(self, cfg: SpecConfig, runner, kv_capacity: int):
@@ -249,6 +251,14 @@ class EagleDrafter(Drafter):
     # it drafts, or until this many are pending, then go through the head in one batched
     # forward. 128 rows of EAGLE-3 features are ~0.9 MB per request.
     MAX_PENDING_ROWS = 128
+    # A request that has not drafted for this many steps (the backoff keeps it plain) is idle:
+    # when MAX_PENDING_ROWS wait, or when it finishes, its rows are dropped instead of run
+    # through the head, all but the last (so the head state is current when it drafts again).
+    # Its head KV keeps a stale stretch there: that costs acceptance if it drafts again (or a
+    # later request reuses its prefix), never exactness (every draft is verified). Measured:
+    # a never-drafting EAGLE-3 server cost 9-15% at every concurrency running its head over
+    # every row (docs/benchmarks.md).
+    IDLE_STEPS = 64
 
     @torch.inference_mode()
     def draft_extend(self, rows: list[TargetRows], out: ModelOutput) -> None:
@@ -276,8 +286,20 @@ class EagleDrafter(Drafter):
             p.slots = r.slots
             off += n
             if p.end - p.start >= self.MAX_PENDING_ROWS:
-                full.append(r.rid)
+                if self.idle.get(r.rid, 0) >= self.IDLE_STEPS:
+                    self._drop_pending(r.rid)
+                else:
+                    full.append(r.rid)
         self._catch_up(full)
+
+    def _drop_pending(self, rid: str) -> None:
+        """Forget an idle request's pending rows but the last (see IDLE_STEPS)."""
+        p = self.pending.get(rid)
+        if p is None or p.end - p.start <= 1:
+            return
+        last = p.features[-1][-1:]
+        p.features, p.next_tokens, p.start = [last], p.next_tokens[-1:], p.end - 1
+        self.dropped_rows += 1
 
     def _catch_up(self, rids: list[str]) -> None:
         """Run the head over these requests' pending rows, one batched DRAFT_EXTEND: head row
@@ -303,6 +325,8 @@ class EagleDrafter(Drafter):
     def propose(self, reqs: list[SpecReq]) -> list[DraftTree]:
         trees: list[DraftTree | None] = [None] * len(reqs)
         work: list[tuple[int, _Growing]] = []
+        for r in reqs:
+            self.idle[r.rid] = 0 if r.budget > 1 else self.idle.get(r.rid, 0) + 1
         self._catch_up([r.rid for r in reqs if r.budget > 1 and r.rid in self.pending])
         for i, r in enumerate(reqs):
             if r.budget <= 1:
@@ -430,6 +454,8 @@ class EagleDrafter(Drafter):
         logger.info("EAGLE head scratch KV grown to %d slots", self.scratch)
 
     def release(self, rid: str) -> None:
+        if self.idle.pop(rid, 0) >= self.IDLE_STEPS:
+            self.pending.pop(rid, None)  # idle: its head KV stays stale there (IDLE_STEPS)
         with torch.inference_mode():
             self._catch_up([rid])  # its prefix may stay in the radix cache: complete its head KV
         self.states.pop(rid, None)
@@ -437,6 +463,7 @@ class EagleDrafter(Drafter):
     def reset(self) -> None:
         self.states.clear()
         self.pending.clear()
+        self.idle.clear()
 
 
 @register_algorithm("EAGLE3")

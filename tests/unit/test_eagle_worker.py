@@ -251,6 +251,7 @@ def test_a_request_that_does_not_draft_runs_the_head_in_batches_not_per_step(tar
 
     monkeypatch.setattr(drafter, "_run_head", spy)
     monkeypatch.setattr(drafter, "MAX_PENDING_ROWS", 64)
+    monkeypatch.setattr(drafter, "IDLE_STEPS", 10**9)  # never idle: every row goes through
     for i, p in enumerate(ps):
         h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=100)
     h.run()
@@ -261,4 +262,49 @@ def test_a_request_that_does_not_draft_runs_the_head_in_batches_not_per_step(tar
     assert sum(n for _, n in calls) >= rows - 2  # every committed row, once
     assert len(calls) <= rows // 64 + 2 * len(ps), calls  # in batches, not one per step
     assert not drafter.pending
+    h.sched.check_no_leak()
+
+
+@pytest.mark.parametrize("algo", ["EAGLE", "EAGLE3"])
+def test_an_idle_request_drops_its_rows_and_stays_exact_when_it_drafts_again(
+        target, truth, heads, algo, monkeypatch):
+    """A request kept plain for IDLE_STEPS steps stops running the head over its rows (they
+    are dropped, all but the last, at MAX_PENDING_ROWS and at release); when it drafts again
+    its head KV has a stale stretch, which costs acceptance only: the output is still plain
+    greedy decoding's."""
+    ps = truth[0][:4]
+    ref = reference(target, ps, ignore_eos=True, max_new_tokens=60)
+    h, drafter = eagle_harness(target, heads[algo], algo)
+    monkeypatch.setattr(drafter, "MAX_PENDING_ROWS", 16)
+    monkeypatch.setattr(drafter, "IDLE_STEPS", 4)
+    rows_run = []
+    real_head = drafter._run_head
+
+    def spy(batch, hidden, fused):
+        if fused:
+            rows_run.append(batch.num_tokens)
+        return real_head(batch, hidden, fused)
+
+    monkeypatch.setattr(drafter, "_run_head", spy)
+    worker = h.worker.spec
+    real_budget = worker._budget
+    steps: dict[str, int] = {}
+
+    def budget(e, batch_size=1, global_probe=None):  # plain for 30 steps, then drafting
+        steps[e.rid] = steps.get(e.rid, 0) + 1
+        if steps[e.rid] <= 30:
+            return 1, False
+        return real_budget(e, batch_size, global_probe)
+
+    monkeypatch.setattr(worker, "_budget", budget)
+    for i, p in enumerate(ps):
+        h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=60)
+    h.run()
+    assert [h.outputs[f"r{i}"] for i in range(len(ps))] == ref
+    assert drafter.dropped_rows > 0
+    assert sum(rows_run) < sum(len(p) + 60 for p in ps) - 20  # rows skipped, not run
+    assert h.sched.info()["spec_decode_num_draft_tokens"] > 0  # it drafted again, verified
+    for i in range(len(ps)):
+        worker.release(f"r{i}")
+    assert not drafter.pending and not drafter.idle
     h.sched.check_no_leak()
