@@ -29,6 +29,7 @@ class KVPool:
         # [capacity + 1, num_kv_heads, head_dim] per layer
         self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self._commit_op = None  # the registry's commit_kv off the CPU (`move`)
 
     @staticmethod
     def bytes_per_token(
@@ -46,10 +47,11 @@ class KVPool:
         """Copy KV of slots `src` into slots `dst` in every layer (speculative commit by move).
         Off the CPU, one registry op (`commit_kv`: Triton on CUDA) moves every layer."""
         if self.device.type != "cpu":
-            from kernels import registry
+            if self._commit_op is None:  # looked up once, on the first commit
+                from kernels import registry
 
-            registry.get("commit_kv", self.device)(self.k, self.v, src.to(self.device),
-                                                   dst.to(self.device))
+                self._commit_op = registry.get("commit_kv", self.device)
+            self._commit_op(self.k, self.v, src.to(self.device), dst.to(self.device))
             return
         for layer_id in range(self.num_layers):
             self.k[layer_id][dst] = self.k[layer_id][src]

@@ -229,7 +229,7 @@ class EagleDrafter(Drafter):
         self.states: dict[str, HeadState] = {}
         self.pending: dict[str, _Pending] = {}  # rows the head has not run over yet
         self.idle: dict[str, int] = {}  # steps since the request last drafted
-        self.dropped_rows = 0  # times an idle request's pending rows were dropped
+        self.dropped_rows = 0  # pending rows of idle requests that never went through the head
         self._draft_ids: Tensor | None = None  # [V_head] target id per head id (coupling)
 
     def _load_head(self, cfg: SpecConfig, runner, kv_capacity: int):
@@ -297,9 +297,9 @@ class EagleDrafter(Drafter):
         p = self.pending.get(rid)
         if p is None or p.end - p.start <= 1:
             return
+        self.dropped_rows += p.end - p.start - 1
         last = p.features[-1][-1:]
         p.features, p.next_tokens, p.start = [last], p.next_tokens[-1:], p.end - 1
-        self.dropped_rows += 1
 
     def _catch_up(self, rids: list[str]) -> None:
         """Run the head over these requests' pending rows, one batched DRAFT_EXTEND: head row
@@ -454,8 +454,8 @@ class EagleDrafter(Drafter):
         logger.info("EAGLE head scratch KV grown to %d slots", self.scratch)
 
     def release(self, rid: str) -> None:
-        if self.idle.pop(rid, 0) >= self.IDLE_STEPS:
-            self.pending.pop(rid, None)  # idle: its head KV stays stale there (IDLE_STEPS)
+        if self.idle.pop(rid, 0) >= self.IDLE_STEPS and (p := self.pending.pop(rid, None)):
+            self.dropped_rows += p.end - p.start  # idle: its head KV stays stale (IDLE_STEPS)
         with torch.inference_mode():
             self._catch_up([rid])  # its prefix may stay in the radix cache: complete its head KV
         self.states.pop(rid, None)
