@@ -196,8 +196,8 @@ class SuffixDrafter(Drafter):
         above min_token_prob; on the CPU engine a row costs ~1/5 of a decode step alone and
         about a whole token's share of the step once the batch is compute-bound (B >= 8), so
         the unlikely tail goes first and, in busy batches, all but near-certain drafts."""
-        if self.verify_cost is None or len(probs) <= 1:
-            return len(probs)
+        if self.verify_cost is None or len(probs) <= 1 or self.cfg.disable_adaptive:
+            return len(probs)  # no curve, or --speculative-disable-adaptive: the full budget
         others = max(batch_size, 1) - 1
         base = self.verify_cost(others + 1)
         best_k, best_rate, tokens = 1, (others + 1) / base, others + 1.0
