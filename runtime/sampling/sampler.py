@@ -30,6 +30,11 @@ from runtime.sampling.seeded import seed_to_int64, seeded_sample
 # Top-p keeps the smallest prefix (by descending probability) whose mass reaches top_p; the slack
 # absorbs float32 rounding of the softmax so mass 0.8 "reaches" top_p 0.8.
 TOP_P_EPS = 1e-6
+# Top-k / top-p look at each row's K most likely tokens first, K growing through these sizes
+# until the kept set is settled inside them, and sort the whole vocabulary only when it is not
+# (a flat distribution). A stable sort of 49k probabilities costs ~3 ms per row on one CPU
+# thread, more than a decode step of the default model; topk(128) ~0.15 ms.
+TOP_CANDIDATES = (128, 1024)
 
 
 @dataclass(slots=True)
@@ -55,6 +60,7 @@ class SamplingBatchInfo:
     need_min_p: bool
     need_repetition_penalty: bool
     need_output_penalties: bool  # frequency or presence
+    any_greedy: bool = True  # some row is greedy (False skips the one-hot override)
 
     @property
     def batch_size(self) -> int:
@@ -107,6 +113,7 @@ class SamplingBatchInfo:
             need_output_penalties=any(
                 p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params
             ),
+            any_greedy=any(greedy),
         )
 
 
@@ -156,17 +163,7 @@ def process_logits(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tenso
     probs = torch.softmax(logits / temps[:, None], dim=-1)  # [B, V]
 
     if info.need_top_k or info.need_top_p:
-        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)  # [B, V] each
-        if info.need_top_k:
-            ranks = torch.arange(V, device=logits.device)  # [V]
-            sorted_probs = sorted_probs.masked_fill(ranks >= info.top_ks[:, None], 0.0)
-        if info.need_top_p:
-            cum = sorted_probs.cumsum(dim=-1, dtype=torch.float64)  # [B, V]
-            mass_before = cum - sorted_probs  # exclusive prefix sum
-            target = info.top_ps[:, None].double() * cum[:, -1:] - TOP_P_EPS  # [B, 1]
-            drop = (mass_before >= target) & (info.top_ps[:, None] < 1.0)
-            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+        probs = _top_k_top_p(probs, info)
 
     if info.need_min_p:
         threshold = info.min_ps[:, None] * probs.amax(dim=-1, keepdim=True)  # [B, 1]
@@ -176,7 +173,73 @@ def process_logits(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tenso
     # any batch size (`probs.sum` splits one long row across threads, several rows not)
     total = probs.cumsum(dim=-1, dtype=torch.float64)[:, -1:]  # [B, 1]
     probs = probs / total.float()
+    if not info.any_greedy:
+        return probs
     return torch.where(info.is_greedy[:, None], _one_hot_argmax(logits), probs)
+
+
+def _top_k_top_p(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """probs [B, V] with top-k and top-p applied (zeros elsewhere, not renormalised).
+
+    Per row, in descending probability (ties: lower token id first): top-k keeps the first k;
+    top-p then keeps the tokens before the first one whose preceding mass (float64, in that
+    order) reaches top_p times the row's total after top-k (a float64 sum in token-id order)
+    minus TOP_P_EPS. Computed on each row's TOP_CANDIDATES most likely tokens while that
+    settles it (the candidates strictly above the K-th value are exactly the full sort's
+    prefix: top-k is settled when k is within that prefix, top-p when its cut is), else on the
+    whole sorted row: the same bits either way, for any batch."""
+    B, V = probs.shape
+    dev = probs.device
+    top_ks = info.top_ks.clamp(max=V)  # [B] V where top-k is off
+    top_ps = info.top_ps  # [B]
+    p_on = top_ps < 1.0  # [B]
+    if info.need_top_p:
+        full_totals = probs.cumsum(dim=-1, dtype=torch.float64)[:, -1]  # [B] token-id order
+    out = probs.clone()  # rows with neither filter stay as they are
+    todo = torch.nonzero((top_ks < V) | p_on).flatten()  # [R]
+    for K in TOP_CANDIDATES + (V,):
+        if todo.numel() == 0:
+            break
+        rows = probs[todo]  # [R, V]
+        if K >= V:
+            K = V
+            vals, idx = rows.sort(dim=-1, descending=True, stable=True)  # [R, V] each
+            safe = torch.full((len(todo),), V, dtype=torch.int64, device=dev)
+        else:
+            v, i = rows.topk(K, dim=-1, sorted=False)  # [R, K]
+            i, o = i.sort(dim=-1)  # by token id, then stably by probability: ties by id
+            vals, o2 = v.gather(1, o).sort(dim=-1, descending=True, stable=True)
+            idx = i.gather(1, o2)
+            safe = (vals > vals[:, -1:]).sum(dim=-1)  # [R] the full sort's prefix
+        pos = torch.arange(K, device=dev)  # [K]
+        ks = top_ks[todo]  # [R]
+        masked = vals.masked_fill(pos >= ks[:, None], 0.0)  # [R, K] after top-k
+        keep = torch.minimum(ks, torch.full_like(ks, K))  # [R] kept count so far
+        settled = ks <= safe
+        if info.need_top_p:
+            # the total after top-k in token-id order: the candidates hold it when top-k applies
+            # (the zeros between them add nothing, exactly)
+            by_id = masked.gather(1, idx.argsort(dim=-1))
+            totals = torch.where(ks < V, by_id.cumsum(dim=-1, dtype=torch.float64)[:, -1],
+                                 full_totals[todo])  # [R]
+            cum = masked.cumsum(dim=-1, dtype=torch.float64)  # [R, K]
+            target = top_ps[todo].double() * totals - TOP_P_EPS  # [R]
+            drop = (cum - masked >= target[:, None]) & p_on[todo][:, None]  # [R, K]
+            first = torch.where(drop.any(dim=-1), drop.to(torch.uint8).argmax(dim=-1),
+                                torch.full_like(ks, K))  # [R]
+            keep = torch.minimum(keep, first)
+            # top-p alone is settled when its cut falls inside the prefix; with top-k, the
+            # total needs all k kept tokens among the candidates
+            settled = settled | ((ks >= V) & (first < safe))
+        if K == V:
+            settled = torch.ones_like(settled)
+        sel = torch.nonzero(settled).flatten()
+        if sel.numel():
+            kept = torch.where(pos < keep[sel, None], vals[sel], 0.0)  # [S, K]
+            out[todo[sel]] = torch.zeros(len(sel), V, dtype=probs.dtype,
+                                         device=dev).scatter_(1, idx[sel], kept)
+        todo = todo[~settled]
+    return out
 
 
 def uniform_per_row(info: SamplingBatchInfo) -> torch.Tensor:
@@ -202,13 +265,25 @@ def sample_from_probs(
     B, V = probs.shape
     assert B == info.batch_size, f"probs have {B} rows, sampling info {info.batch_size}"
     u = uniform_per_row(info) if uniforms is None else uniforms.double()  # [B]
-    cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [B, V]
-    target = (u * cdf[:, -1]).unsqueeze(-1)  # [B, 1]
-    # right=True: first index whose cdf is strictly above the target, never a zero-mass token.
-    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # [B]
-    # u * total can round up to total; fall back to the last token with mass.
-    last_nonzero = (V - 1) - (probs > 0).flip(-1).to(torch.uint8).argmax(dim=-1)  # [B]
-    tokens = torch.minimum(tokens, last_nonzero)
+    # (drawn for every row, so the generator advances by the batch size whatever the rows are)
+    inverse = ~(info.seeded & ~info.is_greedy) if info.any_seeded else None  # [B] or all rows
+    if inverse is not None and not bool(inverse.any()):
+        tokens = torch.zeros(B, dtype=torch.int64, device=probs.device)  # all drawn below
+    else:
+        sub = probs if inverse is None else probs[inverse]  # [B', V]
+        cdf = sub.cumsum(dim=-1, dtype=torch.float64)  # [B', V]
+        uu = u if inverse is None else u[inverse]
+        target = (uu * cdf[:, -1]).unsqueeze(-1)  # [B', 1]
+        # right=True: first index whose cdf is strictly above the target, never a zero-mass
+        # token; u * total can round up to total: then the last token with mass
+        drawn = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # [B']
+        last_nonzero = (V - 1) - (sub > 0).flip(-1).to(torch.uint8).argmax(dim=-1)  # [B']
+        drawn = torch.minimum(drawn, last_nonzero)
+        if inverse is None:
+            tokens = drawn
+        else:
+            tokens = torch.zeros(B, dtype=torch.int64, device=probs.device)
+            tokens[inverse] = drawn
     if info.any_seeded:
         assert positions is not None, "seeded rows need the positions of the tokens they draw"
         rows = torch.nonzero(info.seeded & ~info.is_greedy).flatten()  # [S]

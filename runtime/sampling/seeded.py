@@ -87,18 +87,23 @@ def seeded_sample(
     """Gumbel-max draw per row [R] int64 from probs [R, V] (unnormalised is fine).
 
     seeds [R] (int64 bits, `seed_to_int64`), positions [R]: the absolute position of the token
-    each row draws. Only tokens with p > 0 compete, and only their noise is computed (top-p /
-    top-k leave a few hundred of 49k).
+    each row draws. Only tokens with p > 0 compete; when few do (top-p / top-k leave a few
+    hundred of 49k) only their noise is computed, else the whole row's (the same values).
     """
     R, V = probs.shape
     dev = probs.device
     seeds = torch.as_tensor(seeds, dtype=torch.int64, device=dev)
     positions = torch.as_tensor(positions, dtype=torch.int64, device=dev)
     assert seeds.shape == (R,) and positions.shape == (R,), "one seed and position per row"
-    rows, toks = torch.nonzero(probs > 0, as_tuple=True)  # [nnz] each
     keys = row_keys(seeds, positions)  # [R]
+    support = probs > 0  # [R, V]
+    nnz = int(support.sum())
+    if nnz * 4 >= R * V:  # most tokens compete (no top-k / top-p): dense, no index lists
+        noise = gumbel(keys[:, None], torch.arange(V, device=dev)[None, :])  # [R, V]
+        scores = torch.where(support, probs.double().log() + noise, -torch.inf)
+        return scores.argmax(dim=-1)
+    rows, toks = torch.nonzero(support, as_tuple=True)  # [nnz] each
     score = probs[rows, toks].double().log() + gumbel(keys[rows], toks)  # [nnz]
     scores = torch.full((R, V), -torch.inf, dtype=torch.float64, device=dev)
     scores[rows, toks] = score
     return scores.argmax(dim=-1)
-

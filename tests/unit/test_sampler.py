@@ -132,6 +132,81 @@ def test_mixed_batch_rows_match_rows_alone() -> None:
     assert int((batch_probs[4] > 0).sum()) == 5
 
 
+def _filter_by_definition(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """process_logits' top-k / top-p written from its definition with a full stable sort per
+    row (no candidates), then its min-p and renormalisation."""
+    rows = []
+    for x, p in zip(logits, params):
+        V_ = x.shape[-1]
+        probs = torch.softmax(x[None].float() / p.temperature, dim=-1)[0]
+        vals, idx = probs.sort(descending=True, stable=True)  # ties: lower token id first
+        k = V_ if p.top_k == -1 else min(p.top_k, V_)
+        vals = torch.where(torch.arange(V_) < k, vals, 0.0)
+        keep = k
+        if p.top_p < 1.0:
+            total = torch.zeros(V_).scatter_(0, idx, vals).cumsum(0, dtype=torch.float64)[-1]
+            cum = vals.cumsum(0, dtype=torch.float64)
+            target = torch.tensor(p.top_p, dtype=torch.float32).double() * total - 1e-6
+            over = torch.nonzero(cum - vals >= target).flatten()
+            keep = min(keep, int(over[0]) if over.numel() else V_)
+        vals = torch.where(torch.arange(V_) < keep, vals, 0.0)
+        out = torch.zeros(V_).scatter_(0, idx, vals)
+        if p.min_p > 0:
+            out = out.masked_fill(out < torch.tensor(p.min_p) * out.max(), 0.0)
+        rows.append(out / out.cumsum(0, dtype=torch.float64)[-1].float())
+    return torch.stack(rows)
+
+
+def _filter_cases(seed: int, rows: int, vocab: int) -> tuple[torch.Tensor, list[SamplingParams]]:
+    """Peaked, middling and flat rows, some with tied probabilities, and every filter mix."""
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.tensor([8.0, 3.0, 1.0, 0.2])[torch.randint(0, 4, (rows,), generator=g)]
+    logits = torch.randn(rows, vocab, generator=g) * scales[:, None]
+    ties = torch.rand(rows, generator=g) < 0.3
+    logits[ties] = (logits[ties] * 2).round() / 2  # many exactly equal probabilities
+    rng = torch.Generator().manual_seed(seed + 1)
+
+    def pick(options):
+        return options[int(torch.randint(0, len(options), (1,), generator=rng))]
+
+    params = [SamplingParams(temperature=pick([0.5, 0.7, 1.0, 1.5]),
+                             top_k=pick([-1, -1, 1, 3, 40, 300, 2000]),
+                             top_p=pick([1.0, 0.5, 0.9, 0.95, 0.999]),
+                             min_p=pick([0.0, 0.0, 0.05]), seed=pick([None, 3]))
+              for _ in range(rows)]
+    return logits, params
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_top_k_top_p_candidates_equal_the_full_sort_bit_for_bit(seed, monkeypatch) -> None:
+    """process_logits settles top-k / top-p on each row's most likely tokens when it can: its
+    probabilities are the full-sort definition's, bits included, whatever the candidate sizes
+    (tiny ones force the tie and escalation paths), alone or in any batch."""
+    import runtime.sampling.sampler as sampler
+
+    vocab = 3000
+    logits, params = _filter_cases(seed, 48, vocab)
+    want = _filter_by_definition(logits, params)
+    info = SamplingBatchInfo.from_params(params, vocab_size=vocab)
+    for sizes in (sampler.TOP_CANDIDATES, (2, 16), (1,), ()):
+        monkeypatch.setattr(sampler, "TOP_CANDIDATES", sizes)
+        got = process_logits(logits, info)
+        assert torch.equal(got, want), f"candidates {sizes}"
+    for i in range(0, 48, 7):
+        alone = SamplingBatchInfo.from_params(params[i:i + 1], vocab_size=vocab)
+        assert torch.equal(process_logits(logits[i:i + 1], alone)[0], want[i])
+
+
+def test_top_p_on_a_flat_row_falls_back_to_the_full_sort() -> None:
+    # 3000 nearly equal tokens: top-p 0.9 needs ~2700 of them, beyond every candidate size
+    vocab = 3000
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(9)) * 0.01
+    p = [SamplingParams(top_p=0.9)]
+    got = process_logits(logits, SamplingBatchInfo.from_params(p, vocab_size=vocab))
+    assert 2500 < int((got > 0).sum()) < 2800
+    assert torch.equal(got, _filter_by_definition(logits, p))
+
+
 def test_seeded_token_depends_only_on_seed_and_position() -> None:
     seeded = SamplingParams(temperature=1.0, seed=1234)
     logits = _random_logits(6, seed=6) / 4  # flat enough that 16 positions are not all one token

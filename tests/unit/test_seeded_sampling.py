@@ -61,10 +61,11 @@ def test_noise_is_standard_gumbel():
     assert abs(float((g <= 0).double().mean()) - math.exp(-1)) < 0.005
 
 
-def test_seeded_sample_is_the_argmax_of_the_perturbed_scores_over_the_support():
+@pytest.mark.parametrize("cut", [0.2, 0.0001, 0.0])  # sparse support, dense, full
+def test_seeded_sample_is_the_argmax_of_the_perturbed_scores_over_the_support(cut):
     gen = torch.Generator().manual_seed(0)
     probs = torch.rand(6, 500, generator=gen) ** 4
-    probs[probs < 0.2] = 0.0  # a filtered distribution: most tokens have no mass
+    probs[probs < cut] = 0.0  # 0.2: a filtered distribution, most tokens have no mass
     seeds = [seed_to_int64(s) for s in (1, 2, 3, 1, 1, 2**63 + 5)]
     positions = [10, 10, 10, 11, 12, 10]
     got = seeded_sample(probs, seeds, positions)
