@@ -10,7 +10,8 @@
   warmed up with one short request, measured, shut down. Fresh, because the NGRAM trie is shared
   by all requests of a server: a second pass over the same prompts would draft from the first
   pass's outputs and inflate acceptance. The temperatures of `--temperature` (comma-separated,
-  e.g. 0,0.7) are measured one after another on that engine, with `flush_cache` (radix cache
+  e.g. 0,0.7; sampled requests take `--top-p` / `--top-k`) are measured one after another on
+  that engine, with `flush_cache` (radix cache
   and drafter state, the n-gram trie included) before each.
 - Interleaved (the default): the baseline's and every config's engines run side by side and
   take turns, request by request at c = 1 (4c requests at a time at concurrency c, the first
@@ -105,6 +106,16 @@ def interleave_block(concurrency: int) -> int:
     return 1 if concurrency == 1 else 4 * concurrency
 
 
+def sampling_filters(args: argparse.Namespace) -> dict[str, Any]:
+    """--top-p / --top-k for the sampled requests (only those set away from their defaults)."""
+    out: dict[str, Any] = {}
+    if getattr(args, "top_p", 1.0) < 1.0:
+        out["top_p"] = args.top_p
+    if getattr(args, "top_k", -1) > 0:
+        out["top_k"] = args.top_k
+    return out
+
+
 def measure(
     targets: list[tuple[Target, str, dict[str, Any]]], dataset: str, reqs: list[BenchRequest],
     prompts: list[list[int]], concurrency: int, temperature: float, args: argparse.Namespace,
@@ -133,7 +144,7 @@ def measure(
             recs, wall = asyncio.run(run_requests(
                 target, reqs[s : s + block], prompts[s : s + block], concurrency, temperature,
                 None if args.unseeded else args.seed + s, f"{desc} {config}",
-                args.disable_tqdm or interleaved,
+                args.disable_tqdm or interleaved, sampling_filters(args),
             ))
             records[k] += recs
             walls[k] += wall
@@ -372,6 +383,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="1", help="comma-separated, e.g. 1,8")
     p.add_argument("--temperature", default="0", help="comma-separated, e.g. 0,0.7: every "
                    "config and the baseline are measured at each")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="top_p of the sampled requests (temperature > 0)")
+    p.add_argument("--top-k", type=int, default=-1,
+                   help="top_k of the sampled requests (temperature > 0; -1: off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--unseeded", action="store_true",
                    help="sampled requests carry no seed (default: request i gets --seed + i)")
@@ -410,6 +425,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"e.g. --temperature 0,{fmt_temperatures(args.temperature)}")
     if args.num_prompts < 1 or args.max_new_tokens < 1:
         p.error("--num-prompts and --max-new-tokens must be positive")
+    if not 0.0 < args.top_p <= 1.0:
+        p.error(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.baseline_url and not args.base_url:
         p.error("--baseline-url needs --base-url")
     if args.base_url and args.configs:

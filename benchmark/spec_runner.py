@@ -92,13 +92,16 @@ class HttpTarget:
         return f"{algo or 'no-spec'}@{urlparse(self.base_url).netloc}"
 
 
-def sampling_params(req: BenchRequest, temperature: float, seed: int | None
-                    ) -> dict[str, Any]:
-    """`seed` None: an unseeded sampled request (speculative sampling's rejection path)."""
+def sampling_params(req: BenchRequest, temperature: float, seed: int | None,
+                    filters: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`seed` None: an unseeded sampled request (speculative sampling's rejection path);
+    `filters` (top_p, top_k, ...) apply to sampled requests only."""
     params: dict[str, Any] = {"max_new_tokens": req.max_new_tokens, "temperature": temperature}
-    if temperature > 0 and seed is not None:
-        # per request: sampled runs are reproducible and, seeded, equal to the baseline's
-        params["seed"] = seed
+    if temperature > 0:
+        params.update(filters or {})
+        if seed is not None:
+            # per request: sampled runs are reproducible and, seeded, equal to the baseline's
+            params["seed"] = seed
     return params
 
 
@@ -121,6 +124,7 @@ def fill_record(rec: SpecRecord, out: dict[str, Any], e2e_s: float) -> None:
 async def run_requests(
     target: Target, reqs: list[BenchRequest], prompts: list[list[int]], concurrency: int,
     temperature: float, seed: int | None, desc: str, disable_tqdm: bool,
+    filters: dict[str, Any] | None = None,
 ) -> tuple[list[SpecRecord], float]:
     """Every request with at most `concurrency` in flight (request i seeded with seed + i, none
     when `seed` is None); returns (records, wall seconds)."""
@@ -134,7 +138,8 @@ async def run_requests(
             rec.start_s = t0 - t_zero
             try:
                 out = await target.generate(
-                    ids, sampling_params(req, temperature, None if seed is None else seed + i))
+                    ids, sampling_params(req, temperature, None if seed is None else seed + i,
+                                         filters))
             except Exception as exc:  # noqa: BLE001 - a failed request is counted, not fatal
                 rec.error = f"{type(exc).__name__}: {exc}"
             else:

@@ -403,6 +403,18 @@ def test_unseeded_sampled_requests_carry_no_seed() -> None:
     assert sampling_params(req, 0.7, 4)["seed"] == 4
 
 
+def test_top_p_and_top_k_reach_sampled_requests_only() -> None:
+    req = BenchRequest(id="x", prompt_len=1, max_new_tokens=9)
+    filters = bench_speculative.sampling_filters(parse_args(["--top-p", "0.9", "--top-k", "50"]))
+    assert filters == {"top_p": 0.9, "top_k": 50}
+    assert sampling_params(req, 0.7, 4, filters) == {"max_new_tokens": 9, "temperature": 0.7,
+                                                     "top_p": 0.9, "top_k": 50, "seed": 4}
+    assert sampling_params(req, 0.0, 4, filters) == {"max_new_tokens": 9, "temperature": 0.0}
+    assert bench_speculative.sampling_filters(parse_args([])) == {}
+    with pytest.raises(SystemExit):
+        parse_args(["--top-p", "0"])
+
+
 def test_fill_record_marks_aborts_as_failures() -> None:
     rec = SpecRecord("x", "k", 3, 8)
     fill_record(rec, {"output_ids": [1], "meta_info": {"finish_reason": {"type": "abort"}}}, 0.1)
