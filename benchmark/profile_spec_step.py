@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from benchmark.common import format_table, write_json
 from benchmark.spec_metrics import parse_spec_config
+from benchmark.spec_runner import render_prompts
 from corpora.datasets import SPLITS, chat_prompt_ids, load_bench_tokenizer, sample_requests
 
 WARMUP_PROMPTS = 2
@@ -89,7 +90,7 @@ def serve(label: str, server_args: dict, prompts: list[tuple[list[int], int]],
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dataset", default="rewrite", choices=["rewrite", "sharegpt"])
+    p.add_argument("--dataset", default="rewrite", choices=["rewrite", "sharegpt", "schema"])
     p.add_argument("--split", default="train", choices=SPLITS)
     p.add_argument("--num-prompts", type=int, default=12)
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -106,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     tok = load_bench_tokenizer(None)
     reqs = sample_requests(args.dataset, args.num_prompts + WARMUP_PROMPTS, tok, args.seed,
                            args.max_new_tokens, split=args.split)
-    prompts = [(chat_prompt_ids(tok, r.messages), r.max_new_tokens) for r in reqs]
+    ids = render_prompts(reqs, lambda m: chat_prompt_ids(tok, m),
+                         lambda t: tok.encode(t, add_special_tokens=False))
+    prompts = [(p, r.max_new_tokens) for p, r in zip(ids, reqs)]
     runs = [serve("baseline", {}, prompts, args.threads)]
     runs += [serve(c.label, c.server_args, prompts, args.threads) for c in configs]
     decode = runs[0]["forwards"].get("DECODE:1", {}).get("median_ms")

@@ -1,4 +1,5 @@
-"""Replay greedy outputs through the NGRAM drafter to compare drafting policies without the model.
+"""Replay greedy outputs through a model-free drafter (NGRAM, SUFFIX) to compare drafting
+policies without the model.
 
     python -m benchmark.bench_speculative --dataset rewrite sharegpt --split train \\
         --num-prompts 40 --configs NGRAM --concurrency 1 --output results/train_ngram.json
@@ -16,8 +17,11 @@ copy oracle's tokens per step: the same node count as one chain, placed with hin
 request's own context continues the answer longest (`replay`). Tune on the
 `train` split; measure the winner on `heldout` with `bench_speculative`.
 
-`--configs` are NGRAM configs written as for `bench_speculative` (`NGRAM[:key=value,...]`, keys
-are `speculative_<key>` server flags), resolved like the server resolves them.
+`--configs` are NGRAM or SUFFIX configs written as for `bench_speculative`
+(`SUFFIX[:key=value,...]`, keys are `speculative_<key>` server flags), resolved like the server
+resolves them. The cost curve (`--cost-curve`: `cpu` / `torch`, the stored tables of
+`runtime/verify_cost.py`, or n:ratio points) both prices the steps and is the curve a drafter
+that sizes its trees by cost (SUFFIX) plans with, as the worker hands it over.
 """
 
 from __future__ import annotations
@@ -33,31 +37,40 @@ from tqdm import tqdm
 
 from benchmark.common import format_table, write_json
 from benchmark.spec_metrics import parse_spec_config
+from benchmark.spec_runner import render_prompts
 from corpora.datasets import chat_prompt_ids, load_bench_tokenizer, sample_requests
 from runtime.server_args import ServerArgs
-from speculative.base import SpecConfig
+from runtime.verify_cost import VERIFY_COST, VerifyCost
+from speculative.base import ALGORITHMS, SpecConfig, create_drafter
 from speculative.ngram_context import ContextIndex
 
-# T(n)/T(1) of an n-node TARGET_VERIFY forward against a decode step, default model, CPU, 2
-# threads, timed inside the serving loop (decode 24.0 ms, 8 nodes 30.4 ms, 16 nodes 37.2 ms on
-# 2026-11-22; `benchmark.profile_spec_step` on a quieter machine later gave 1.21-1.25 and 1.47,
-# docs/benchmarks.md); between points linear. Pass your own with --cost-curve.
-DEFAULT_CURVE = "1:1.0,4:1.08,8:1.27,16:1.55,32:2.3"
+# T(n)/T(1) of an n-node TARGET_VERIFY forward against a decode step: the CPU engine's stored
+# curve (runtime/verify_cost.py); between points linear. Until 2026-11-23 (the torch engine)
+# the default was "1:1.0,4:1.08,8:1.27,16:1.55,32:2.3". Pass your own with --cost-curve.
+DEFAULT_CURVE = "cpu"
 MATCH_BUCKETS = 13  # by-match statistics for m = 1..11 and 12+ (0 never drafts)
 
 
+REPLAYABLE = ("NGRAM", "SUFFIX")  # deterministic, model-free drafters
+
+
 def parse_curve(text: str) -> tuple[list[float], list[float]]:
+    if text in VERIFY_COST:
+        c = VERIFY_COST[text]
+        return [float(n) for n in c.rows], list(c.ratios)
     pts = sorted((float(n), float(r)) for n, r in (p.split(":") for p in text.split(",")))
     return [n for n, _ in pts], [r for _, r in pts]
 
 
 def resolve(config: str) -> tuple[str, SpecConfig, int]:
-    """An NGRAM config string → (label, SpecConfig, max draft tokens), as the server has them."""
+    """A config string → (label, SpecConfig, max draft tokens), as the server has them."""
     cfg = parse_spec_config(config)
-    if cfg.server_args.get("speculative_algorithm") != "NGRAM":
-        raise ValueError(f"{config!r}: only NGRAM configs replay without the model")
-    args = ServerArgs(**cfg.server_args).resolve()
-    return cfg.label, args.spec_config(), args.speculative_ngram_max_draft_tokens
+    algo = cfg.server_args.get("speculative_algorithm")
+    if algo not in REPLAYABLE:
+        raise ValueError(f"{config!r}: only {' / '.join(REPLAYABLE)} configs replay without "
+                         "the model")
+    spec = ServerArgs(**cfg.server_args).resolve().spec_config()
+    return cfg.label, spec, ALGORITHMS[algo].scheduler_sizes(spec)[1]
 
 
 def copy_reach(index: ContextIndex, history: list[int], truth: list[int], cap: int) -> int:
@@ -87,13 +100,15 @@ def replay(items: list[tuple[list[int], list[int]]], spec: SpecConfig, max_draft
     from runtime.sampling.sampling_params import SamplingParams
     from runtime.scheduler.scheduler import draft_sizes
     from speculative.base import SpecReq
-    from speculative.drafters.ngram import NgramDrafter
     from speculative.verify import verify_greedy
     from speculative.worker import SpecEntry, SpeculativeWorker
 
     base = spec.num_draft_tokens
-    drafter = NgramDrafter(spec, runner=None)
-    worker = SpeculativeWorker(spec, drafter, runner=None)
+    drafter = create_drafter(spec, runner=None)
+    rows = tuple(int(n) for n in curve[0])
+    curve_fn = VerifyCost(rows, tuple(curve[1])) if rows[0] == 1 and len(rows) > 1 else None
+    worker = SpeculativeWorker(spec, drafter, runner=None, verify_cost=curve_fn)
+    match_sizing = ALGORITHMS[spec.algorithm].scheduler_sizes(spec)[2]
     state = SimpleNamespace(params=SamplingParams(temperature=0.0))
     steps = tokens = 0
     cost = base_cost = 0.0
@@ -111,8 +126,7 @@ def replay(items: list[tuple[list[int], list[int]]], spec: SpecConfig, max_draft
         index.catch_up(history)
         pos, last_accepted, req_cost = 1, 0, 0.0
         while pos < len(out):
-            fresh = draft_sizes([last_accepted], base, max_draft_tokens,
-                                not spec.ngram_disable_match_sizing)[0]
+            fresh = draft_sizes([last_accepted], base, max_draft_tokens, match_sizing)[0]
             prefix = len(history) - 1
             entry = SpecEntry(rid, history, prefix, torch.empty(prefix + fresh), state)
             budget, backed_off = worker._budget(entry)
@@ -135,7 +149,9 @@ def replay(items: list[tuple[list[int], list[int]]], spec: SpecConfig, max_draft
             reach = copy_reach(index, history, truth, drafted) if drafted else 0
             oracle_tokens += min(reach + 1, len(truth))
             if drafted:
-                row = by_match[min(drafter.cache.last_match_len, MATCH_BUCKETS - 1)]
+                cache = getattr(drafter, "cache", None)  # NGRAM's trie; SUFFIX: bucket 0
+                m = cache.last_match_len if cache is not None else 0
+                row = by_match[min(m, MATCH_BUCKETS - 1)]
                 row[0] += 1
                 row[1] += tree.num_nodes
                 row[2] += len(res.accepted_tokens)
@@ -185,7 +201,8 @@ def load_items(path: str, dataset: str) -> list[tuple[list[int], list[int]]]:
     items = []
     for q in reqs:
         r = recs[q.id]
-        prompt = chat_prompt_ids(tok, q.messages)
+        prompt = render_prompts([q], lambda m: chat_prompt_ids(tok, m),
+                                lambda t: tok.encode(t, add_special_tokens=False))[0]
         if len(prompt) != r["prompt_len"]:
             raise ValueError(f"{q.id}: re-rendered prompt has {len(prompt)} tokens, the run "
                              f"had {r['prompt_len']} (another tokenizer or template?)")
@@ -199,8 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--datasets", nargs="+", default=None,
                    help="datasets of the JSON to replay (default: all)")
     p.add_argument("--configs", nargs="+", default=["NGRAM:ngram_max_draft_tokens=8", "NGRAM"],
-                   help="NGRAM[:key=value,...] per config, as for bench_speculative")
-    p.add_argument("--cost-curve", default=DEFAULT_CURVE, help="n:T(n)/T(1),... points")
+                   help="NGRAM / SUFFIX[:key=value,...] per config, as for bench_speculative")
+    p.add_argument("--cost-curve", default=DEFAULT_CURVE,
+                   help="cpu / torch (the stored curves) or n:T(n)/T(1),... points")
     p.add_argument("--step-overhead", type=float, default=0.03,
                    help="extra cost of a drafting step, in decode steps (drafting, masks, "
                         "verification, commit)")

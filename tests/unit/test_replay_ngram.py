@@ -96,3 +96,20 @@ def test_copy_oracle_is_reported_per_step_and_per_match_length():
               [rng.randrange(100, 30000) for _ in range(60)]) for _ in range(2)]
     res = replay(noise, spec, deep_nodes, CURVE)
     assert res["oracle_tokens_per_step"] < 1.1  # nothing in the context to copy
+
+
+def test_suffix_replays_with_the_curve_it_plans_with():
+    """SUFFIX replays too; its trees are cut by the curve handed over (a steep curve cuts
+    more nodes than a flat one), and the cpu / torch names give the stored curves."""
+    items = copy_items(4)
+    label, spec, deep_nodes = resolve("SUFFIX")
+    assert spec.algorithm == "SUFFIX" and deep_nodes == 2 * spec.num_draft_tokens
+    flat = replay(items, spec, deep_nodes, parse_curve("1:1,64:1.01"))
+    steep = replay(items, spec, deep_nodes, parse_curve("1:1,2:2,64:64"))
+    total = sum(len(out) - 1 for _, out in items)
+    for res in (flat, steep):
+        assert res["tokens_per_step"] * res["verify_steps"] == pytest.approx(total)
+    assert flat["tokens_per_step"] > 2
+    assert steep["verify_steps"] > flat["verify_steps"]
+    rows, ratios = parse_curve("cpu")
+    assert rows[0] == 1 and ratios[0] == 1.0 and len(rows) > 4
