@@ -57,6 +57,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from runtime.sampling.argmax import argmax_rows
 from speculative.tree import DraftTree
 
 
@@ -114,7 +115,7 @@ def verify_greedy_batch(trees: list[DraftTree], target_logits_flat: Tensor) -> l
     assert target_logits_flat.shape[0] == total, (
         f"target_logits_flat has {target_logits_flat.shape[0]} rows, the trees {total} nodes"
     )
-    argmax = target_logits_flat.argmax(dim=-1).tolist()  # [sum N]
+    argmax = argmax_rows(target_logits_flat).tolist()  # [sum N]
     out, off = [], 0
     for t in trees:
         out.append(_greedy_walk(t, argmax[off : off + t.num_nodes]))

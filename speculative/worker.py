@@ -30,7 +30,7 @@ import torch
 
 from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.sampling.penalties import RowHistory, apply_penalties
-from runtime.sampling.sampler import SamplingBatchInfo, expand, process_logits
+from runtime.sampling.sampler import SamplingBatchInfo, argmax_rows, expand, process_logits
 from runtime.sampling.seeded import seed_to_int64, seeded_sample
 from runtime.verify_cost import VerifyCost, measure_verify_cost, stored_verify_cost
 from speculative.base import Drafter, SpecReq, TargetRows
@@ -263,7 +263,7 @@ class SpeculativeWorker:
         out = self.drafter.target_forward(batch, trees, self.drafter.needs_final_hidden)
         results = self._verify(entries, trees, out.logits)  # logits [sum n, vocab]
         if self.drafter.wants_node_argmax and any(t.num_nodes > 1 for t in trees):
-            am = out.logits.argmax(dim=-1).tolist()
+            am = argmax_rows(out.logits).tolist()
             per_req, off = [], 0
             for t in trees:
                 per_req.append(am[off : off + t.num_nodes])
@@ -319,7 +319,7 @@ class SpeculativeWorker:
         results: list[VerifyResult | None] = [None] * len(entries)
         greedy = [b for b, p in enumerate(params) if p.is_greedy]
         if greedy:
-            argmax = logits.argmax(dim=-1)  # [sum n]
+            argmax = argmax_rows(logits)  # [sum n]
             if self.tree_ops is not None:
                 rows = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in greedy])
                 res = self.tree_ops.walk_tokens([trees[b] for b in greedy],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from runtime.sampling.argmax import argmax_rows
 from runtime.sampling.penalties import RowHistory, apply_penalties
 from runtime.sampling.sampler import (
     SamplingBatchInfo,
@@ -20,6 +21,7 @@ __all__ = [
     "SamplingBatchInfo",
     "SamplingParams",
     "apply_penalties",
+    "argmax_rows",
     "expand",
     "process_logits",
     "sample",

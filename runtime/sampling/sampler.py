@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from runtime.sampling.argmax import argmax_rows
 from runtime.sampling.penalties import RowHistory, apply_penalties
 from runtime.sampling.sampling_params import SamplingParams
 from runtime.sampling.seeded import seed_to_int64, seeded_sample
@@ -143,7 +144,7 @@ def expand(info: SamplingBatchInfo, repeats: Sequence[int] | torch.Tensor) -> Sa
 
 def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
     probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)  # [B, V]
-    return probs.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return probs.scatter_(1, argmax_rows(logits).unsqueeze(-1).to(logits.device), 1.0)
 
 
 def process_logits(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
@@ -307,7 +308,7 @@ def sample(
         assert prompt_ids is not None and output_ids is not None, "penalties need token history"
         logits = apply_penalties(logits, info, prompt_ids, output_ids)
     if info.all_greedy:
-        return logits.argmax(dim=-1)
+        return argmax_rows(logits)
     probs = process_logits(logits, info)  # greedy rows are one-hot on the argmax
     return sample_from_probs(probs, info, positions=positions)
 

@@ -27,6 +27,8 @@ from collections.abc import Sequence
 
 import torch
 
+from runtime.sampling.argmax import argmax_rows
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -101,9 +103,9 @@ def seeded_sample(
     if nnz * 4 >= R * V:  # most tokens compete (no top-k / top-p): dense, no index lists
         noise = gumbel(keys[:, None], torch.arange(V, device=dev)[None, :])  # [R, V]
         scores = torch.where(support, probs.double().log() + noise, -torch.inf)
-        return scores.argmax(dim=-1)
+        return argmax_rows(scores)
     rows, toks = torch.nonzero(support, as_tuple=True)  # [nnz] each
     score = probs[rows, toks].double().log() + gumbel(keys[rows], toks)  # [nnz]
     scores = torch.full((R, V), -torch.inf, dtype=torch.float64, device=dev)
     scores[rows, toks] = score
-    return scores.argmax(dim=-1)
+    return argmax_rows(scores)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from runtime.sampling.sampler import SamplingBatchInfo, process_logits
+from runtime.sampling.sampler import SamplingBatchInfo, argmax_rows, process_logits
 from runtime.sampling.seeded import gumbel_noise
 from speculative.base import Drafter, SpecReq
 from speculative.eagle_tree import SampledTree, TopKTree, level_widths, topk_children
@@ -263,7 +263,7 @@ class ChainDrafter(Drafter):
 
     def _pick(self, active: list[Chain], logits: Tensor) -> list[int]:
         logits = logits[:, : self.vocab_size].float()
-        out = logits.argmax(dim=-1).tolist()
+        out = argmax_rows(logits).tolist()
         sampled = [b for b, c in enumerate(active)
                    if c.req.params is not None and not c.req.params.is_greedy]
         if not sampled:

@@ -329,3 +329,15 @@ def test_sample_applies_penalties_before_greedy_argmax() -> None:
     info = SamplingBatchInfo.from_params(
         [SamplingParams(temperature=0.0, repetition_penalty=2.0)], vocab_size=3)
     assert int(sample(logits, info, prompt_ids=[[0]], output_ids=[[]])[0]) == 1
+
+
+def test_argmax_rows_is_torch_argmax_first_maximum_included() -> None:
+    from runtime.sampling import argmax_rows
+
+    x = torch.randn(5, 3000, generator=torch.Generator().manual_seed(3))
+    x[1, 7] = x[1, 2000] = 50.0  # tie: the first index wins
+    x[2, 11] = float("nan")  # NaN counts as the maximum, as in torch
+    for t in (x, x.double(), x[:, ::2], x.t().contiguous().t(), x[0], x.bfloat16()):
+        got = argmax_rows(t)
+        assert got.dtype == torch.int64 and torch.equal(got, t.argmax(dim=-1))
+    assert int(argmax_rows(x)[1]) == 7 and int(argmax_rows(x)[2]) == 11
