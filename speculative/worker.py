@@ -29,8 +29,9 @@ from dataclasses import dataclass
 import torch
 
 from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
+from runtime.sampling.argmax import argmax_rows
 from runtime.sampling.penalties import RowHistory, apply_penalties
-from runtime.sampling.sampler import SamplingBatchInfo, argmax_rows, expand, process_logits
+from runtime.sampling.sampler import SamplingBatchInfo, expand, process_logits
 from runtime.sampling.seeded import seed_to_int64, seeded_sample
 from runtime.verify_cost import VerifyCost, measure_verify_cost, stored_verify_cost
 from speculative.base import Drafter, SpecReq, TargetRows

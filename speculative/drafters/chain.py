@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from runtime.sampling.sampler import SamplingBatchInfo, argmax_rows, process_logits
+from runtime.sampling.argmax import argmax_rows
+from runtime.sampling.sampler import SamplingBatchInfo, process_logits
 from runtime.sampling.seeded import gumbel_noise
 from speculative.base import Drafter, SpecReq
 from speculative.eagle_tree import SampledTree, TopKTree, level_widths, topk_children
