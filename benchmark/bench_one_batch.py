@@ -4,7 +4,9 @@
 
 - engines: `--engines` lists weight formats (`auto` = the CPU engine on the checkpoint's own
   format, `torch` = the fp32 reference engine, or f32|bf16|f16|q8_0|q4_0|q4_1), each optionally
-  `:D` for D activation digits (e.g. `auto:1`); all are measured in the same run;
+  `:D` for D activation digits (e.g. `auto:1`) and `@ISA` for the CPU engine's instruction set
+  (`auto@avx512`, `auto@amx`: `SPECSERVE_CPU_ISA` for that engine); all are measured in the
+  same run;
 - prefill: one EXTEND over `--input-len` tokens per request;
 - decode: tokens/s of steady-state decode steps at each batch size (`--output-len` steps);
 - verify-cost curve: one TARGET_VERIFY forward of n chain nodes on a `--verify-prefix`-token
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
 
 import torch
@@ -114,7 +117,12 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"machine": machine_info(), "args": vars(args), "model_dir": model_dir,
               "engines": [], "hf": None}
     for spec in tqdm(args.engines.split(","), desc="engines"):
-        fmt, _, digits = spec.partition(":")
+        spec_isa, _, isa = spec.partition("@")
+        fmt, _, digits = spec_isa.partition(":")
+        # the CPU engine reads its instruction set when it is built (kernels/cpu: pick_isa)
+        saved_isa = os.environ.get("SPECSERVE_CPU_ISA")
+        if isa:
+            os.environ["SPECSERVE_CPU_ISA"] = isa
         runner = ModelRunner(RunnerConfig(
             model_dir, args.device, args.dtype,
             max_total_tokens=max(args.verify_prefix + 128, max(args.batch_sizes)
@@ -122,7 +130,13 @@ def main(argv: list[str] | None = None) -> dict:
             pack_weights=not args.no_pack, weight_format=fmt,
             activation_digits=int(digits) if digits else DEFAULT_ACTIVATION_DIGITS,
         ))
-        eng = {"engine": spec, "kind": runner.engine, "dtype": str(runner.dtype),
+        if isa:
+            if saved_isa is None:
+                del os.environ["SPECSERVE_CPU_ISA"]
+            else:
+                os.environ["SPECSERVE_CPU_ISA"] = saved_isa
+        eng = {"engine": spec, "kind": runner.engine,
+               "isa": getattr(getattr(runner, "model", None), "isa", None), "dtype": str(runner.dtype),
                "decode": [bench_decode(runner, bs, args) for bs in args.batch_sizes],
                "verify_curve": bench_verify_curve(runner, args)}
         result["engines"].append(eng)

@@ -5,7 +5,7 @@ It is compiled by this project on first use (`torch.utils.cpp_extension.load`, n
 system g++) into `<cache>/cpu_ext/`, keyed by a hash of the sources, and reused afterwards;
 `make serve` / `make test` build it during set-up (`python -m kernels.cpu.build`). The kernels
 for AVX-512 (+VNNI), AVX2+FMA and plain C++ are all compiled in; the widest one the CPU has is
-chosen at run time (`SPECSERVE_CPU_ISA=avx2|generic` forces a narrower one).
+chosen at run time (`SPECSERVE_CPU_ISA=amx|avx512|avx2|generic` forces one the CPU has).
 
 `load()` returns the module, or raises `CpuExtensionUnavailable` with the reason; `available()`
 answers without raising (callers then fall back to the torch reference engine and say so).

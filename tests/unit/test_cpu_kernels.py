@@ -35,7 +35,7 @@ def ext():
 
 def isas() -> list[str]:
     """Instruction sets this CPU runs (the wider ones drop out where unsupported)."""
-    return [i for i in ("avx512", "avx2", "generic") if ext().isa_name(i) == i]
+    return [i for i in ("amx", "avx512", "avx2", "generic") if ext().isa_name(i) == i]
 
 
 def make_linear(fmt: Fmt, n: int, k: int, seed: int = 0):
@@ -141,7 +141,7 @@ def test_a_single_tile_packs_and_multiplies(fmt):
     assert (y - ref).abs().max() <= KERNEL_TOL * ref.abs().max()
 
 
-@pytest.mark.parametrize("isa", ["avx512", "avx2", "generic"])
+@pytest.mark.parametrize("isa", ["amx", "avx512", "avx2", "generic"])
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS + FLOAT_FORMATS)
 @pytest.mark.parametrize("digits", [1, 2, 3])
 def test_linear_equals_float64_reference(isa, fmt, digits):
@@ -161,7 +161,7 @@ def test_linear_equals_float64_reference(isa, fmt, digits):
     assert (y - exact).abs().max() <= DIGIT_TOL[digits] * scale
 
 
-@pytest.mark.parametrize("isa", ["avx512", "avx2", "generic"])
+@pytest.mark.parametrize("isa", ["amx", "avx512", "avx2", "generic"])
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS + FLOAT_FORMATS)
 def test_rows_are_bit_identical_for_every_m_and_thread_count(isa, fmt):
     if isa not in isas():
@@ -178,6 +178,36 @@ def test_rows_are_bit_identical_for_every_m_and_thread_count(isa, fmt):
             for threads in (1, 3):
                 alone = ext().linear(lin, x[i : i + 1], levels=digits, nthreads=threads, isa=isa)
                 assert torch.equal(alone[0], full[i])
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_amx_tiles_give_the_vpdpbusd_kernels_bits(fmt):
+    """The AMX table multiplies block formats on the tile unit from M x digits >= 30 rows (the
+    vpdpbusd kernel below): the same integers, the same float steps, so every output equals the
+    AVX-512 table's bit for bit, on both sides of the switch, with bias and every epilogue."""
+    if "amx" not in isas():
+        pytest.skip("this CPU (or its kernel) has no AMX-INT8")
+    n, k = 80, 160  # 5 tiles: two pairs and a lone one
+    rng = np.random.default_rng(4)
+    w = (rng.standard_normal((n, k)) * 0.1).astype(np.float32)
+    data = torch.from_numpy(pack_blocks(quantize(fmt, w)))
+    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    lins = [ext().PackedLinear(int(fmt), k, n, data),
+            ext().PackedLinear(int(fmt), k, n, data, bias)]
+    fused = ext().PackedLinear(int(fmt), k, 64, data[: data.numel() * 64 // n].clone())
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(5)) * 4
+    for digits in (1, 2, 3):
+        for m in (1, 9, 10, 11, 15, 16, 17, 29, 30, 31, 33, 40):
+            for lin in lins:
+                for epi in (EPI_STORE, EPI_ADD):
+                    y0 = torch.randn(m, n)
+                    out = {isa: ext().linear(lin, x[:m], levels=digits, nthreads=2, isa=isa,
+                                             epilogue=epi, y=y0.clone() if epi else None)
+                           for isa in ("avx512", "amx")}
+                    assert torch.equal(out["avx512"], out["amx"]), (digits, m, epi)
+            silu = {isa: ext().linear(fused, x[:m], levels=digits, nthreads=3, isa=isa,
+                                      epilogue=EPI_SILU_MUL) for isa in ("avx512", "amx")}
+            assert torch.equal(silu["avx512"], silu["amx"]), (digits, m)
 
 
 def test_a_row_does_not_depend_on_its_neighbours():
@@ -266,7 +296,7 @@ def dense_attention(q, kc, vc, heads, slots_per_row):
     return out
 
 
-@pytest.mark.parametrize("isa", ["avx512", "avx2", "generic"])
+@pytest.mark.parametrize("isa", ["amx", "avx512", "avx2", "generic"])
 @pytest.mark.parametrize("head_dim", [16, 64])
 def test_tree_attention_rows_equal_decode_rows_bit_for_bit(isa, head_dim):
     if isa not in isas():

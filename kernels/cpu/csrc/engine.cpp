@@ -9,6 +9,10 @@
 // for bit (tests/unit/test_cpu_engine.py).
 #include <torch/extension.h>
 
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <cmath>
 #include <cstdlib>
 #include <chrono>
@@ -31,6 +35,19 @@ bool cpu_has(const char* f) {
            __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c") &&
            __builtin_cpu_supports("fma");
   }
+  if (!std::strcmp(f, "amx")) {
+    // AMX-TILE and AMX-INT8 (CPUID 7.0 EDX bits 24, 25), and the kernel's permission to use the
+    // tile data state (Linux >= 5.16 asks each process to request it; it fails where the OS
+    // does not enable AMX). Asked once.
+    static const bool ok = [] {
+      unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+      if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+      if (!((edx >> 24) & 1) || !((edx >> 25) & 1)) return false;
+      constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+      return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+    }();
+    return ok && cpu_has("avx512");
+  }
   if (!std::strcmp(f, "avx2")) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
            __builtin_cpu_supports("f16c");
@@ -42,10 +59,14 @@ bool cpu_has(const char* f) {
 const IsaKernels* pick_isa(const std::string& want) {
   const char* env = std::getenv("SPECSERVE_CPU_ISA");
   std::string w = !want.empty() ? want : (env ? env : "auto");
-  if ((w == "auto" || w == "avx512") && cpu_has("avx512")) return avx512_kernels();
-  if ((w == "auto" || w == "avx512" || w == "avx2") && cpu_has("avx2")) return avx2_kernels();
-  if (w != "auto" && w != "avx512" && w != "avx2" && w != "generic") {
-    throw std::invalid_argument("SPECSERVE_CPU_ISA must be auto, avx512, avx2 or generic, got " + w);
+  if ((w == "auto" || w == "amx") && cpu_has("amx")) return amx_kernels();
+  if ((w == "auto" || w == "amx" || w == "avx512") && cpu_has("avx512")) return avx512_kernels();
+  if ((w == "auto" || w == "amx" || w == "avx512" || w == "avx2") && cpu_has("avx2")) {
+    return avx2_kernels();
+  }
+  if (w != "auto" && w != "amx" && w != "avx512" && w != "avx2" && w != "generic") {
+    throw std::invalid_argument(
+        "SPECSERVE_CPU_ISA must be auto, amx, avx512, avx2 or generic, got " + w);
   }
   return generic_kernels();
 }

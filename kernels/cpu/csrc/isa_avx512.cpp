@@ -9,7 +9,9 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 
 #include "kernels.h"
 
@@ -545,12 +547,318 @@ void attention(const AttnArgs& a, int i0, int i1, AttnScratch& s) {
 }  // namespace
 }  // namespace specserve
 
+// ---- AMX-INT8 block-format matmul ---------------------------------------------------------------
+//
+// The same integers, from the tile unit. For a tile-block (16 output rows x 32 weights) one
+// TDPBSSD multiplies up to 16 activation-digit rows (A: digit rows x 32 int8, the digits as
+// quantize() wrote them, stride K) by the weights (B: 8 x 64 bytes, exactly the packed
+// "group g = 16 rows x weights 4g..4g+3" layout, as signed bytes: Q4 nibbles 0..15 unpacked,
+// Q8 used as stored). C[digit row][output row] is then that digit's exact block dot product; the
+// epilogue combines a row's digits by the same Horner steps, subtracts the same offsets and runs
+// the same float conversion and FMAs, in the same block order, as block_tiles() above. Integer
+// sums are exact (no overflow, see above), so every output is bit-identical to the AVX-512
+// table's, whatever M (tests/unit/test_cpu_kernels.py). What changes is the cost per row: one
+// TDPBSSD does the work of 8 vpdpbusd per digit row for 16 digit rows at once.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c,avx2,bmi,bmi2,amx-tile,amx-int8")
+
+namespace specserve {
+namespace {
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Two A tiles (digit rows of two row groups) x two B tiles (the unit's two weight tiles) = four
+// independent C tiles per block, so the tile unit has work in flight while the vector units
+// finish the previous block. tmm0..3: C[group][tile] (rows x 16 int32); tmm4 / tmm5: A of
+// groups 0 / 1 (rows x 32 digit bytes); tmm6 / tmm7: B of the two tiles (8 x 64 bytes). The tile
+// state is per thread: loaded on every call (a thread of the pool may run any call).
+inline void amx_config(int rows0, int rows1) {
+  TileConfig c;
+  for (int i : {0, 1, 4}) c.rows[i] = (uint8_t)rows0;
+  c.colsb[0] = c.colsb[1] = 64;
+  c.colsb[4] = QK;
+  if (rows1) {
+    for (int i : {2, 3, 5}) c.rows[i] = (uint8_t)rows1;
+    c.colsb[2] = c.colsb[3] = 64;
+    c.colsb[5] = QK;
+  }
+  c.rows[6] = c.rows[7] = 8;
+  c.colsb[6] = c.colsb[7] = 64;
+  _tile_loadconfig(&c);
+}
+
+// Per-thread staging of one unit's weights: B tiles (Q4: nibbles unpacked to bytes) and scales.
+struct AmxStage {
+  uint8_t* b = nullptr;
+  float* d = nullptr;
+  float* mn = nullptr;
+  int cap = 0;  // blocks per tile
+  ~AmxStage() {
+    std::free(b);
+    std::free(d);
+    std::free(mn);
+  }
+  void reserve(int nb) {
+    if (nb <= cap) return;
+    std::free(b);
+    std::free(d);
+    std::free(mn);
+    b = (uint8_t*)std::aligned_alloc(64, (size_t)2 * nb * 512);
+    d = (float*)std::aligned_alloc(64, (size_t)2 * nb * 64);
+    mn = (float*)std::aligned_alloc(64, (size_t)2 * nb * 64);
+    cap = nb;
+  }
+};
+
+// One activation row's digits (C rows cr, cr + 16, ...) of one tile-block into its accumulator.
+template <int FMT, int L>
+inline void amx_epilogue(const GemmArgs& a, const int32_t* cr, int64_t m, int b, __m512 d,
+                         __m512 mn, float* acc) {
+  constexpr bool Q8 = FMT == Q8_0;
+  constexpr int32_t OFF = FMT == Q4_0 ? 8 : 0;  // Q8: signed weights, no offset
+  const int nb = a.K / QK;
+  __m512 f;
+  if (Q8) {
+    f = _mm512_cvtepi32_ps(_mm512_load_si512(cr));
+    if (L > 1) {
+      __m512i lo = _mm512_load_si512(cr + 16);
+      for (int l = 2; l < L; ++l) {
+        lo = _mm512_add_epi32(_mm512_slli_epi32(lo, 7), _mm512_load_si512(cr + 16 * l));
+      }
+      f = _mm512_fmadd_ps(f, _mm512_set1_ps((float)(1 << (7 * (L - 1)))), _mm512_cvtepi32_ps(lo));
+    }
+  } else {
+    __m512i s = _mm512_load_si512(cr);
+    for (int l = 1; l < L; ++l) {
+      s = _mm512_add_epi32(_mm512_slli_epi32(s, 7), _mm512_load_si512(cr + 16 * l));
+    }
+    if (OFF) {
+      const int32_t* sums = a.act.sums + m * L * nb + b;
+      s = _mm512_sub_epi32(s, _mm512_set1_epi32(OFF * horner_sums<L>(sums, nb, 0)));
+    }
+    f = _mm512_cvtepi32_ps(s);
+  }
+  const __m512 sc = _mm512_set1_ps(a.act.scale[m * nb + b]);
+  __m512 v = _mm512_fmadd_ps(_mm512_mul_ps(d, sc), f, _mm512_load_ps(acc));
+  if (FMT == Q4_1) v = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.act.fsum[m * nb + b]), v);
+  _mm512_store_ps(acc, v);
+}
+
+// acc[t][r] (16 floats) for rows m0..m0+mr0+mr1-1 of tiles[0..NT-1], every block: rows
+// m0..m0+mr0-1 in A tile 4, the next mr1 in A tile 5 (configured for mr0 * L, mr1 * L rows).
+template <int FMT, int L>
+inline void amx_rows(const GemmArgs& a, const AmxStage& st, const uint8_t* const* bsrc, int NT,
+                     int m0, int mr0, int mr1, float (*acc)[32][16]) {
+  const int nb = a.K / QK, K = a.K;
+  const int mr = mr0 + mr1;
+  // C of block b goes to buffer b & 1; the vector epilogue of block b - 1 runs after block b's
+  // tile work is issued, so the tile unit and the vector units overlap (the stores of block b
+  // do not alias the buffer the epilogue reads)
+  alignas(64) int32_t c[2][2][2][16][16];  // [block parity][group][tile]
+  for (int t = 0; t < NT; ++t)
+    for (int r = 0; r < mr; ++r) _mm512_store_ps(acc[t][r], _mm512_setzero_ps());
+  const int8_t* a0 = a.act.q + (int64_t)m0 * L * K;
+  const int8_t* a1 = a0 + (int64_t)mr0 * L * K;
+  auto epilogue = [&](int b) {
+    auto& cb = c[b & 1];
+    for (int t = 0; t < NT; ++t) {
+      const int sb = t * st.cap + b;
+      const __m512 d = _mm512_load_ps(st.d + 16 * sb);
+      const __m512 mn = FMT == Q4_1 ? _mm512_load_ps(st.mn + 16 * sb) : d;
+      for (int r = 0; r < mr0; ++r) {
+        amx_epilogue<FMT, L>(a, cb[0][t][r * L], m0 + r, b, d, mn, acc[t][r]);
+      }
+      for (int r = 0; r < mr1; ++r) {
+        amx_epilogue<FMT, L>(a, cb[1][t][r * L], m0 + mr0 + r, b, d, mn, acc[t][mr0 + r]);
+      }
+    }
+  };
+  for (int b = 0; b < nb; ++b) {
+    auto& cb = c[b & 1];
+    _tile_zero(0);
+    _tile_loadd(4, a0 + b * QK, K);
+    _tile_loadd(6, bsrc[0] + (int64_t)b * 512, 64);
+    _tile_dpbssd(0, 4, 6);
+    if (NT == 2) {
+      _tile_zero(1);
+      _tile_loadd(7, bsrc[1] + (int64_t)b * 512, 64);
+      _tile_dpbssd(1, 4, 7);
+    }
+    if (mr1) {
+      _tile_zero(2);
+      _tile_loadd(5, a1 + b * QK, K);
+      _tile_dpbssd(2, 5, 6);
+      if (NT == 2) {
+        _tile_zero(3);
+        _tile_dpbssd(3, 5, 7);
+      }
+    }
+    _tile_stored(0, cb[0][0], 64);
+    if (NT == 2) _tile_stored(1, cb[0][1], 64);
+    if (mr1) {
+      _tile_stored(2, cb[1][0], 64);
+      if (NT == 2) _tile_stored(3, cb[1][1], 64);
+    }
+    if (b > 0) epilogue(b - 1);
+  }
+  if (nb > 0) epilogue(nb - 1);
+}
+
+// Stage tile `tile` as unit member t: its B tiles and scales.
+template <int FMT>
+inline const uint8_t* amx_stage(const GemmArgs& a, int tile, int t, AmxStage& st) {
+  constexpr int TBB = tbb<FMT>();
+  const int nb = a.K / QK;
+  const __m512i lo4 = _mm512_set1_epi8(0x0f);
+  uint8_t* out = st.b + (size_t)t * st.cap * 512;
+  for (int b = 0; b < nb; ++b) {
+    const uint8_t* tb = a.w + block_offset(tile, b, nb, a.tiles, TBB);
+    _mm_prefetch((const char*)tb + 4 * TBB, _MM_HINT_T0);
+    _mm_prefetch((const char*)tb + 4 * TBB + 64, _MM_HINT_T0);
+    _mm_prefetch((const char*)tb + 4 * TBB + 128, _MM_HINT_T0);
+    _mm_prefetch((const char*)tb + 4 * TBB + 192, _MM_HINT_T0);
+    _mm_prefetch((const char*)tb + 4 * TBB + 256, _MM_HINT_T0);
+    if (FMT == Q8_0) {
+      for (int g = 0; g < 8; ++g) {
+        _mm512_store_si512(out + b * 512 + 64 * g, _mm512_loadu_si512(tb + 64 * g));
+      }
+    } else {
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(tb + 64 * c);
+        _mm512_store_si512(out + b * 512 + 64 * c, _mm512_and_si512(v, lo4));
+        _mm512_store_si512(out + b * 512 + 64 * (c + 4),
+                           _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4));
+      }
+    }
+    const uint8_t* sc = tb + (FMT == Q8_0 ? 512 : 256);
+    const int sb = t * st.cap + b;
+    _mm512_store_ps(st.d + 16 * sb, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)sc)));
+    if (FMT == Q4_1) {
+      _mm512_store_ps(st.mn + 16 * sb,
+                      _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sc + 32))));
+    }
+  }
+  return out;
+}
+
+// One unit: tiles[0..NT-1] (a pair, a lone last tile, or a (gate, up) pair for EPI_SILU_MUL
+// with column index `col`), every row.
+template <int FMT, int L>
+void amx_unit(const GemmArgs& a, const int* tiles, int NT, int silu_col, AmxStage& st) {
+  const uint8_t* bsrc[2];
+  for (int t = 0; t < NT; ++t) bsrc[t] = amx_stage<FMT>(a, tiles[t], t, st);
+  constexpr int RPC = 16 / L;  // activation rows per A tile (all their digits in one tile)
+  alignas(64) float acc[2][32][16];
+  int configured = -1;
+  for (int m0 = 0; m0 < a.M; m0 += 2 * RPC) {
+    const int left = a.M - m0;
+    const int mr0 = left < RPC ? left : RPC;
+    const int mr1 = left - mr0 < RPC ? left - mr0 : RPC;
+    const int mr = mr0 + mr1;
+    if (mr0 * 32 + mr1 != configured) {
+      amx_config(mr0 * L, mr1 * L);
+      configured = mr0 * 32 + mr1;
+    }
+    amx_rows<FMT, L>(a, st, bsrc, NT, m0, mr0, mr1, acc);
+    for (int t = 0; t < NT; ++t) {
+      if (!a.bias) break;
+      const __m512 bias = _mm512_loadu_ps(a.bias + tiles[t] * NR);
+      for (int r = 0; r < mr; ++r) {
+        _mm512_store_ps(acc[t][r], _mm512_add_ps(_mm512_load_ps(acc[t][r]), bias));
+      }
+    }
+    if (silu_col >= 0) {
+      const __mmask16 mask = col_mask(a, silu_col);
+      for (int r = 0; r < mr; ++r) {
+        float* out = a.y + (int64_t)(m0 + r) * a.ldy + silu_col;
+        _mm512_mask_storeu_ps(out, mask, _mm512_mul_ps(silu512(_mm512_load_ps(acc[0][r])),
+                                                       _mm512_load_ps(acc[1][r])));
+      }
+      continue;
+    }
+    for (int t = 0; t < NT; ++t) {
+      const __mmask16 mask = col_mask(a, tiles[t] * NR);
+      if (!mask) continue;
+      for (int r = 0; r < mr; ++r) {
+        float* y = a.y + (int64_t)(m0 + r) * a.ldy + tiles[t] * NR;
+        __m512 v = _mm512_load_ps(acc[t][r]);
+        if (a.epilogue == EPI_ADD) v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, y), v);
+        _mm512_mask_storeu_ps(y, mask, v);
+      }
+    }
+  }
+}
+
+template <int FMT, int L>
+void amx_fmt(const GemmArgs& a, int t0, int t1) {
+  thread_local AmxStage st;
+  st.reserve(a.K / QK);
+  if (a.epilogue == EPI_SILU_MUL) {
+    for (int t = t0; t < t1; ++t) {
+      const int tiles[2] = {2 * t, 2 * t + 1};
+      amx_unit<FMT, L>(a, tiles, 2, t * NR, st);
+    }
+  } else {
+    int t = t0;
+    for (; t + 1 < t1; t += 2) {
+      const int tiles[2] = {t, t + 1};
+      amx_unit<FMT, L>(a, tiles, 2, -1, st);
+    }
+    if (t < t1) {
+      const int tiles[1] = {t};
+      amx_unit<FMT, L>(a, tiles, 1, -1, st);
+    }
+  }
+  _tile_release();
+}
+
+template <int FMT>
+void amx_levels(const GemmArgs& a, int t0, int t1) {
+  switch (a.act.levels) {
+    case 1: amx_fmt<FMT, 1>(a, t0, t1); break;
+    case 2: amx_fmt<FMT, 2>(a, t0, t1); break;
+    default: amx_fmt<FMT, 3>(a, t0, t1); break;
+  }
+}
+
+// Below this many digit rows (M x digits) the tile unit's fixed cost per block (C tiles zeroed,
+// multiplied and stored, then read back, whatever their fill) loses to the vpdpbusd kernel,
+// which gives the same bits. Measured on a Sapphire Rapids (one thread, 3072 x 576 Q4_1, three
+// digits): M = 5 1.07x the vpdpbusd time, M = 10 0.9x, M = 30 0.7x; a whole verify pass of 8
+// rows was slower through the tiles (bench_one_batch --engines auto@avx512,auto@amx).
+constexpr int kAmxMinDigitRows = 30;
+
+void gemm_amx(const GemmArgs& a, int t0, int t1) {
+  if (a.M * a.act.levels < kAmxMinDigitRows) return gemm(a, t0, t1);
+  switch (a.fmt) {
+    case Q8_0: amx_levels<Q8_0>(a, t0, t1); break;
+    case Q4_0: amx_levels<Q4_0>(a, t0, t1); break;
+    case Q4_1: amx_levels<Q4_1>(a, t0, t1); break;
+    default: gemm(a, t0, t1); break;  // float formats: the AVX-512 kernels
+  }
+}
+
+}  // namespace
+}  // namespace specserve
+
+#pragma GCC pop_options
+
 #pragma GCC pop_options
 
 namespace specserve {
 // Outside the target region: this runs on any CPU (the engine calls it only after checking).
 const IsaKernels* avx512_kernels() {
   static const IsaKernels table = {"avx512", gemm, quantize, rmsnorm, attention};
+  return &table;
+}
+// The AVX-512 table with the AMX-INT8 block-format matmul (the engine checks the CPU and asks
+// the kernel for the tile state before choosing it).
+const IsaKernels* amx_kernels() {
+  static const IsaKernels table = {"amx", gemm_amx, quantize, rmsnorm, attention};
   return &table;
 }
 }  // namespace specserve

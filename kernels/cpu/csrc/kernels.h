@@ -178,6 +178,7 @@ inline uint16_t load_u16(const uint8_t* p) {
 }
 
 const IsaKernels* avx512_kernels();  // null when not compiled in
+const IsaKernels* amx_kernels();     // AVX-512 + AMX-INT8 block-format matmul
 const IsaKernels* avx2_kernels();
 const IsaKernels* generic_kernels();
 
