@@ -588,6 +588,9 @@ inline void amx_config(int rows0, int rows1) {
   }
   c.rows[6] = c.rows[7] = 8;
   c.colsb[6] = c.colsb[7] = 64;
+  // GCC's _tile_loadconfig tells the compiler it reads 8 bytes of the config, so without this
+  // barrier the row and column counts are dead stores it may drop (it did, at -O3)
+  __asm__ __volatile__("" : : "r"(&c) : "memory");
   _tile_loadconfig(&c);
 }
 
@@ -708,6 +711,118 @@ inline void amx_rows(const GemmArgs& a, const AmxStage& st, const uint8_t* const
   if (nb > 0) epilogue(nb - 1);
 }
 
+// amx_rows for a compile-time shape (three digits, a tile pair: the default engine's every
+// call), the accumulators in registers across blocks instead of memory: ~10% less time at
+// M = 30. The arithmetic is amx_rows' step for step.
+template <int FMT, int L, int MR0, int MR1, int NT>
+inline void amx_rows_reg(const GemmArgs& a, const AmxStage& st, const uint8_t* const* bsrc,
+                         int m0, float (*accm)[32][16]) {
+  constexpr bool Q8 = FMT == Q8_0;
+  constexpr int32_t OFF = FMT == Q4_0 ? 8 : 0;
+  constexpr int MR = MR0 + MR1;
+  const int nb = a.K / QK, K = a.K;
+  alignas(64) int32_t c[2][2][2][16][16];  // [block parity][group][tile]  // [block parity][group][tile]
+  __m512 acc[NT][MR];
+  for (int t = 0; t < NT; ++t)
+    for (int r = 0; r < MR; ++r) acc[t][r] = _mm512_setzero_ps();
+  const int8_t* a0 = a.act.q + (int64_t)m0 * L * K;
+  const int8_t* a1 = a0 + (int64_t)MR0 * L * K;
+  auto epilogue = [&](int b) {
+    auto& cb = c[b & 1];
+    __m512 d[NT], mn[NT];
+    for (int t = 0; t < NT; ++t) {
+      const int sb = t * st.cap + b;
+      d[t] = _mm512_load_ps(st.d + 16 * sb);
+      mn[t] = FMT == Q4_1 ? _mm512_load_ps(st.mn + 16 * sb) : d[t];
+    }
+    for (int r = 0; r < MR; ++r) {
+      const int g = r < MR0 ? 0 : 1, row = (r < MR0 ? r : r - MR0) * L;
+      const int64_t m = m0 + r;
+      const __m512 sc = _mm512_set1_ps(a.act.scale[m * nb + b]);
+      __m512 fs = sc;
+      if (FMT == Q4_1) fs = _mm512_set1_ps(a.act.fsum[m * nb + b]);
+      __m512i off = _mm512_setzero_si512();
+      if (OFF) off = _mm512_set1_epi32(OFF * horner_sums<L>(a.act.sums + m * L * nb + b, nb, 0));
+      for (int t = 0; t < NT; ++t) {
+        const int32_t* cr = cb[g][t][row];
+        __m512 f;
+        if (Q8) {
+          f = _mm512_cvtepi32_ps(_mm512_load_si512(cr));
+          if (L > 1) {
+            __m512i lo = _mm512_load_si512(cr + 16);
+            for (int l = 2; l < L; ++l) {
+              lo = _mm512_add_epi32(_mm512_slli_epi32(lo, 7), _mm512_load_si512(cr + 16 * l));
+            }
+            f = _mm512_fmadd_ps(f, _mm512_set1_ps((float)(1 << (7 * (L - 1)))),
+                                _mm512_cvtepi32_ps(lo));
+          }
+        } else {
+          __m512i s = _mm512_load_si512(cr);
+          for (int l = 1; l < L; ++l) {
+            s = _mm512_add_epi32(_mm512_slli_epi32(s, 7), _mm512_load_si512(cr + 16 * l));
+          }
+          if (OFF) s = _mm512_sub_epi32(s, off);
+          f = _mm512_cvtepi32_ps(s);
+        }
+        acc[t][r] = _mm512_fmadd_ps(_mm512_mul_ps(d[t], sc), f, acc[t][r]);
+        if (FMT == Q4_1) acc[t][r] = _mm512_fmadd_ps(mn[t], fs, acc[t][r]);
+      }
+    }
+  };
+  for (int b = 0; b < nb; ++b) {
+    auto& cb = c[b & 1];
+    _tile_zero(0);
+    _tile_loadd(4, a0 + b * QK, K);
+    _tile_loadd(6, bsrc[0] + (int64_t)b * 512, 64);
+    _tile_dpbssd(0, 4, 6);
+    if (NT == 2) {
+      _tile_zero(1);
+      _tile_loadd(7, bsrc[1] + (int64_t)b * 512, 64);
+      _tile_dpbssd(1, 4, 7);
+    }
+    if (MR1) {
+      _tile_zero(2);
+      _tile_loadd(5, a1 + b * QK, K);
+      _tile_dpbssd(2, 5, 6);
+      if (NT == 2) {
+        _tile_zero(3);
+        _tile_dpbssd(3, 5, 7);
+      }
+    }
+    _tile_stored(0, cb[0][0], 64);
+    if (NT == 2) _tile_stored(1, cb[0][1], 64);
+    if (MR1) {
+      _tile_stored(2, cb[1][0], 64);
+      if (NT == 2) _tile_stored(3, cb[1][1], 64);
+    }
+    if (b > 0) epilogue(b - 1);
+  }
+  if (nb > 0) epilogue(nb - 1);
+  for (int t = 0; t < NT; ++t)
+    for (int r = 0; r < MR; ++r) _mm512_store_ps(accm[t][r], acc[t][r]);
+}
+
+// The register-accumulator shapes a default call meets (rows per A tile 5 at three digits):
+// (5, 5), (5, k) and (k, 0). Returns false for any other shape.
+template <int FMT, int L>
+inline bool amx_rows_fixed(const GemmArgs& a, const AmxStage& st, const uint8_t* const* bsrc,
+                           int NT, int m0, int mr0, int mr1, float (*acc)[32][16]) {
+  if constexpr (L == 3) {
+    if (NT != 2) return false;
+    switch (mr0 * 8 + mr1) {
+#define SPECSERVE_AMX_SHAPE(R0, R1) \
+  case R0 * 8 + R1: amx_rows_reg<FMT, 3, R0, R1, 2>(a, st, bsrc, m0, acc); return true;
+      SPECSERVE_AMX_SHAPE(5, 5) SPECSERVE_AMX_SHAPE(5, 4) SPECSERVE_AMX_SHAPE(5, 3)
+      SPECSERVE_AMX_SHAPE(5, 2) SPECSERVE_AMX_SHAPE(5, 1) SPECSERVE_AMX_SHAPE(5, 0)
+      SPECSERVE_AMX_SHAPE(4, 0) SPECSERVE_AMX_SHAPE(3, 0) SPECSERVE_AMX_SHAPE(2, 0)
+      SPECSERVE_AMX_SHAPE(1, 0)
+#undef SPECSERVE_AMX_SHAPE
+      default: return false;
+    }
+  }
+  return false;
+}
+
 // Stage tile `tile` as unit member t: its B tiles and scales.
 template <int FMT>
 inline const uint8_t* amx_stage(const GemmArgs& a, int tile, int t, AmxStage& st) {
@@ -763,7 +878,9 @@ void amx_unit(const GemmArgs& a, const int* tiles, int NT, int silu_col, AmxStag
       amx_config(mr0 * L, mr1 * L);
       configured = mr0 * 32 + mr1;
     }
-    amx_rows<FMT, L>(a, st, bsrc, NT, m0, mr0, mr1, acc);
+    if (!amx_rows_fixed<FMT, L>(a, st, bsrc, NT, m0, mr0, mr1, acc)) {
+      amx_rows<FMT, L>(a, st, bsrc, NT, m0, mr0, mr1, acc);
+    }
     for (int t = 0; t < NT; ++t) {
       if (!a.bias) break;
       const __m512 bias = _mm512_loadu_ps(a.bias + tiles[t] * NR);
