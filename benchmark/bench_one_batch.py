@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> dict:
             else:
                 os.environ["SPECSERVE_CPU_ISA"] = saved_isa
         eng = {"engine": spec, "kind": runner.engine,
-               "isa": getattr(getattr(runner, "model", None), "isa", None), "dtype": str(runner.dtype),
+               "isa": getattr(getattr(runner, "model", None), "isa", None),
+               "dtype": str(runner.dtype),
                "decode": [bench_decode(runner, bs, args) for bs in args.batch_sizes],
                "verify_curve": bench_verify_curve(runner, args)}
         result["engines"].append(eng)

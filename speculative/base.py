@@ -103,6 +103,10 @@ class Drafter(ABC):
     # whether `propose` judges a backed-off request's draft itself (`SpecReq.backed_off`); if
     # not, a backed-off request gets budget 1 (no draft) except on the worker's probe steps
     drafts_when_backed_off: bool = False
+    # while the drafter as a whole does not pay (speculative/worker.py: `_off_step`), steps in
+    # which nobody drafts may skip it entirely (no `propose`, no capture, no `draft_extend`);
+    # it hears of them through `skipped`. For drafters whose per-step work only serves drafting
+    skips_when_off: ClassVar[bool] = False
 
     def __init__(self, cfg: SpecConfig, runner) -> None:
         self.cfg = cfg
@@ -183,6 +187,10 @@ class Drafter(ABC):
         """After a verify forward (only when `wants_node_argmax`, and only for a step in which
         some request drafted): per request, the target's argmax of the raw logits at each node
         of its tree and the accepted nodes (root first)."""
+
+    def skipped(self, rids: list[str]) -> None:  # noqa: B027
+        """These requests decoded one token in a step the worker ran without the drafter
+        (only for `skips_when_off` drafters): no rows reached `draft_extend`."""
 
     def observe(self, rid: str, tokens: list[int], num_new: int) -> None:  # noqa: B027
         """The request's history grew by its last `num_new` tokens (prompt first time)."""

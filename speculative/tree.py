@@ -25,6 +25,9 @@ def _as_long(x: Tensor | Sequence[int], name: str) -> Tensor:
     return t.to(torch.int64)
 
 
+_ROOT_PARENTS = torch.tensor([-1], dtype=torch.int64)  # read only
+
+
 @dataclass(slots=True, eq=False)
 class DraftTree:
     """One request's draft tree, nodes in topological order (parents[i] < i).
@@ -82,6 +85,11 @@ class DraftTree:
         tokens = torch.cat([torch.tensor([root_token], dtype=torch.int64), drafts])
         parents = torch.arange(-1, drafts.numel(), dtype=torch.int64)
         return cls(tokens, parents, draft_probs)
+
+    @classmethod
+    def root(cls, root_token: int) -> DraftTree:
+        """The one-node tree of a step without a draft."""
+        return cls(torch.tensor([root_token], dtype=torch.int64), _ROOT_PARENTS)
 
     @classmethod
     def from_parents(

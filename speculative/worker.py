@@ -230,12 +230,49 @@ class SpeculativeWorker:
                                                           self.MAX_PROBE_INTERVAL)
             st.probe_bar = None
 
+    # While the drafter as a whole does not pay on the current traffic (the server-wide regime
+    # above), a step in which no request drafts and no server-wide probe is due within
+    # WARM_STEPS runs as plain decoding for a `skips_when_off` drafter: no propose, no capture
+    # of target hidden states, no draft extend (`_plain_step`). What a never-drafting EAGLE-3
+    # server paid per step was that work plus its effect on the next forward (measured: ~0.3
+    # ms outside the forward and ~0.2 ms inside a 3.2 ms decode step at batch 1,
+    # `benchmark.profile_spec_step`). The WARM_STEPS steps before each server-wide probe run
+    # the full path, so the probing request's head has fresh rows; the rows of skipped steps
+    # never reach the head (a stale stretch of head KV: acceptance, never exactness).
+    WARM_STEPS = 8
+
+    def _off_step(self, entries: list[SpecEntry], budgets: list[tuple[int, bool]]) -> bool:
+        if not self.drafter.skips_when_off or self.cfg.disable_adaptive:
+            return False
+        if any(b != (1, False) for b in budgets):
+            return False
+        if self.prior_accept >= self.break_even(len(entries)):
+            return False  # the drafter pays in general: requests probe on their own
+        return self.global_interval - self.steps_since_global > self.WARM_STEPS
+
+    def _plain_step(self, entries: list[SpecEntry],
+                    t_step: float) -> tuple[list[list[int]], list[dict]]:
+        """One plain decode step for every request (see `_off_step`): the target's own
+        forward and sampling, exactly what the speculative path gives a one-node tree."""
+        trees = [DraftTree.root(e.tokens[-1]) for e in entries]
+        batch = ForwardBatch.build(ForwardMode.DECODE, [[e.tokens[-1]] for e in entries],
+                                   [e.slots[: e.prefix_len + 1] for e in entries],
+                                   [e.prefix_len for e in entries])
+        out = self.runner.forward(batch, False)
+        results = self._verify(entries, trees, out.logits)
+        self.drafter.skipped([e.rid for e in entries])
+        self._measure(trees, time.perf_counter() - t_step)
+        return ([r.output_tokens for r in results],
+                [{"drafted": 0, "accepted": 0, "draft_s": 0.0} for _ in entries])
+
     def step(self, entries: list[SpecEntry]) -> tuple[list[list[int]], list[dict]]:
         t_step = time.perf_counter()
         reqs = []
         probe = self._global_probe(entries)
-        for e in entries:
-            budget, backed_off = self._budget(e, len(entries), probe)
+        budgets = [self._budget(e, len(entries), probe) for e in entries]
+        if self._off_step(entries, budgets):
+            return self._plain_step(entries, t_step)
+        for e, (budget, backed_off) in zip(entries, budgets):
             reqs.append(SpecReq(e.rid, e.tokens, budget, e.state.params,
                                 prefix_slots=e.slots[: e.prefix_len], backed_off=backed_off,
                                 fresh_slots=e.slots[e.prefix_len :]))

@@ -145,6 +145,7 @@ class _Growing:
 @register_algorithm("EAGLE")
 class EagleDrafter(Drafter):
     q_mode = QMode.WITHOUT_REPLACEMENT  # for the sampled trees; top-k trees carry no q
+    skips_when_off = True  # an idle request's per-step work (features, pending rows) only drafts
     head_kind = "eagle"
     options = EagleOptions
     vllm_methods = ("eagle",)
@@ -452,6 +453,10 @@ class EagleDrafter(Drafter):
         self.head.kv_pool = pool
         self.backend = self.head.create_backend()
         logger.info("EAGLE head scratch KV grown to %d slots", self.scratch)
+
+    def skipped(self, rids: list[str]) -> None:
+        for rid in rids:
+            self.idle[rid] = self.idle.get(rid, 0) + 1
 
     def release(self, rid: str) -> None:
         if self.idle.pop(rid, 0) >= self.IDLE_STEPS and (p := self.pending.pop(rid, None)):

@@ -388,3 +388,55 @@ def test_load_aware_budget_drafts_alone_and_not_when_the_batch_is_compute_bound(
     # these requests would accept everything (the prior has not learned that yet)
     assert all(set(s) == {1} for s in busy)
     h.sched.check_no_leak()
+
+
+class OffRecordingOracle(OracleMixDrafter):
+    """An oracle drafter that may be skipped while it does not pay; records what it saw."""
+
+    skips_when_off = True
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.proposed_steps = 0
+        self.skipped_rows = 0
+
+    def propose(self, reqs):
+        self.proposed_steps += 1
+        return super().propose(reqs)
+
+    def skipped(self, rids):
+        self.skipped_rows += len(rids)
+
+
+@pytest.mark.parametrize("skips", [True, False])
+def test_a_drafter_that_does_not_pay_is_skipped_between_server_wide_probes(tiny, skips):  # noqa: F811
+    """While the server-wide acceptance is below the bar, steps with no draft and no probe due
+    within WARM_STEPS run as plain decoding without the drafter (a `skips_when_off` drafter
+    hears of them through `skipped`); the steps before each server-wide probe, and the probes,
+    run the full path. Greedy output is plain decoding's either way, and no KV leaks."""
+    ps = prompts(6, seed=21)
+    ref = reference(tiny, ps, ignore_eos=True, max_new_tokens=40)
+    truth = {tuple(p): r for p, r in zip(ps, ref)}
+    h = Harness(tiny, num_draft_tokens=4, max_running_requests=3, chunked_prefill_size=32)
+    runner = tiny[1]
+    cfg = SpecConfig("TEST", 4)
+    drafter = OffRecordingOracle(cfg, runner, truth, 3)
+    drafter.skips_when_off = skips
+    worker = SpeculativeWorker(cfg, drafter, runner)
+    worker.prior_accept = 0.0  # the drafter does not pay on this traffic
+    worker.global_interval = 64  # (as after a few probes that did not pay)
+    worker.PRIOR_WEIGHT = 0.0  # keep it so (what the probes accept must not bring it back)
+    h.worker = RunnerWorker(runner, worker)
+    h.sched.run_batch = h.worker.run
+    for i, p in enumerate(ps):
+        h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=40)
+    h.run()
+    assert [h.outputs[f"r{i}"] for i in range(6)] == ref
+    if skips:
+        assert drafter.skipped_rows > 0
+        # only the WARM_STEPS steps before each server-wide probe (and the probe) proposed
+        assert drafter.proposed_steps <= (worker.WARM_STEPS + 1) * 3, drafter.proposed_steps
+        assert drafter.proposed_steps > 0  # the server-wide probes still run
+    else:
+        assert drafter.skipped_rows == 0 and drafter.proposed_steps > 40
+    h.sched.check_no_leak()
