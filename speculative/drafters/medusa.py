@@ -92,6 +92,10 @@ class MedusaDrafter(Drafter):
             opts = dataclasses.replace(opts, num_draft_tokens=len(choices) + 1)
         return super().resolve_options(opts, ctx)
 
+    # a probe reads only the last committed row's hidden state, which the full steps before
+    # it (the worker's WARM_STEPS) keep current
+    skips_when_off = True
+
     def __init__(self, cfg: SpecConfig, runner) -> None:
         super().__init__(cfg, runner)
         mc = runner.model_config
