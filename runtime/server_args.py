@@ -48,6 +48,12 @@ class BaseServerArgs:
         DEFAULT_ACTIVATION_DIGITS, "CPU engine, block formats: int8 digits per activation (3: "
         "~22 bits, logits within ~1e-4 of float32; 2: ~15 bits; 1: int8 activations like "
         "llama.cpp, fastest verify, least accurate)", ACTIVATION_DIGITS)
+    kv_cache_dtype: str = _arg(
+        "auto", "KV cache dtype. auto: the activations' (float32 on the CPU engine, --dtype on "
+        "the torch engine); float16: the CPU engine stores K / V as IEEE half (half the KV "
+        "memory and the attention's memory traffic; attention then sees K / V rounded to 11 "
+        "bits, the same for every batch, so speculative output still equals plain output)",
+        ("auto", "float32", "float16"))
     device: str = _arg("auto", "auto, cpu or cuda", ("auto", "cpu", "cuda"))
     attention_backend: str = _arg("auto", "auto (cpu with the CPU engine; on CUDA flashinfer, "
                                   "then triton, where they import; else torch_native), "

@@ -42,6 +42,22 @@ class RunnerConfig:
     # CPU engine, block formats: int8 digits per activation (1: int8 like llama.cpp, 3: ~22 bits)
     activation_digits: int = DEFAULT_ACTIVATION_DIGITS
     num_threads: int | None = None  # CPU engine threads (default: torch's)
+    kv_cache_dtype: str = "auto"  # auto | float32 | float16 (float16: the CPU engine only)
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, engine: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's dtype for `--kv-cache-dtype`: auto (and float32) keep the activations'
+    dtype; float16 is the CPU engine's half-precision cache."""
+    want = {"float32": torch.float32, "float16": torch.float16}.get(kv_cache_dtype)
+    if kv_cache_dtype == "auto" or want == dtype:
+        return dtype
+    if want is None:
+        raise ValueError(f"--kv-cache-dtype must be auto, float32 or float16, got "
+                         f"{kv_cache_dtype!r}")
+    if engine == "cpu" and want == torch.float16:
+        return want
+    raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} is for the CPU engine (the torch engine "
+                     f"keeps KV in --dtype, here {str(dtype).removeprefix('torch.')})")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -107,10 +123,11 @@ class ModelRunner:
         self.kernel_threads = cfg.num_threads or torch.get_num_threads()
         capacity = cfg.max_total_tokens or max(4 * self.context_length, 8192)
         if self.engine == "cpu":
-            self.dtype = torch.float32  # activations and KV; weights keep their packed format
+            self.dtype = torch.float32  # activations; weights keep their packed format
+        self.kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.engine, self.dtype)
         self.kv_pool = KVPool(
             capacity, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
-            self.dtype, self.device,
+            self.kv_dtype, self.device,
         )
         if self.engine == "cpu":
             if cfg.attention_backend not in ("auto", "cpu"):
@@ -121,7 +138,7 @@ class ModelRunner:
             backend = "cpu"
             detail = (f"{self.model.isa} kernels, weights {self.model.packed.formats} "
                       f"({self.model.packed.nbytes / 2**20:.0f} MiB), activation digits "
-                      f"{cfg.activation_digits}")
+                      f"{cfg.activation_digits}, KV {str(self.kv_dtype).removeprefix('torch.')}")
         else:
             model = LlamaForCausalLM(mc, self.device, self.dtype)
             model.to(device=self.device, dtype=self.dtype)

@@ -209,7 +209,7 @@ def run_model_runner_process(server_args, ipc_dir: str, parent_pid: int) -> None
             server_args.attention_backend, server_args.max_total_tokens,
             server_args.context_length, weight_format=server_args.weight_format,
             activation_digits=server_args.activation_digits,
-            num_threads=server_args.num_threads,
+            num_threads=server_args.num_threads, kv_cache_dtype=server_args.kv_cache_dtype,
         ))
         spec = _create_spec(server_args, runner)  # a draft head that does not fit fails here
         single_torch_thread(runner)

@@ -60,7 +60,8 @@ class CpuLlamaForCausalLM:
 
     def __init__(self, cfg: ModelConfig, packed: PackedModel, kv_pool: KVPool,
                  rotary: RotaryEmbedding, activation_digits: int, num_threads: int) -> None:
-        assert kv_pool.dtype == torch.float32 and kv_pool.device.type == "cpu", "fp32 CPU KV"
+        assert kv_pool.dtype in (torch.float32, torch.float16) and kv_pool.device.type == "cpu", (
+            "the CPU engine's KV is float32 or float16 on the CPU")
         ext = cpu.load()
         self.config = cfg
         self.packed = packed

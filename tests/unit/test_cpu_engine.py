@@ -73,7 +73,37 @@ def test_captured_and_final_hidden_states_match_the_torch_engine(gguf_dirs):
 
 @pytest.mark.parametrize("digits", [1, 3])
 def test_a_tokens_logits_are_the_same_in_every_kind_of_forward(gguf_dirs, digits):
-    r = runner(gguf_dirs["q4_1"], digits=digits)
+    every_kind_of_forward(runner(gguf_dirs["q4_1"], digits=digits))
+
+
+def test_fp16_kv_keeps_every_forward_exact_and_stays_close_to_fp32_kv(gguf_dirs):
+    """--kv-cache-dtype float16: the KV written once as half and read back by every row, so a
+    token's logits are still the same in prefill, chunked prefill, decode and a tree; they
+    differ from the float32 cache's by the rounding of K / V only."""
+    half = runner(gguf_dirs["q4_1"], kv_cache_dtype="float16")
+    assert half.kv_pool.dtype == torch.float16
+    full16 = every_kind_of_forward(half)
+    full32 = prefill_logits(runner(gguf_dirs["q4_1"]), PROMPT).logits
+    assert not torch.equal(full16, full32)  # the cache really is half
+    assert (full16 - full32).abs().max() <= 2e-2 * full32.abs().max()
+    assert torch.equal(full16.argmax(-1), full32.argmax(-1))
+
+
+def test_kv_cache_dtype_is_checked():
+    from runtime.model_runner.model_runner import resolve_kv_dtype
+
+    assert resolve_kv_dtype("auto", "cpu", torch.float32) == torch.float32
+    assert resolve_kv_dtype("float16", "cpu", torch.float32) == torch.float16
+    assert resolve_kv_dtype("float16", "torch", torch.float16) == torch.float16
+    with pytest.raises(ValueError, match="for the CPU engine"):
+        resolve_kv_dtype("float16", "torch", torch.float32)
+    with pytest.raises(ValueError, match="auto, float32 or float16"):
+        resolve_kv_dtype("fp8", "cpu", torch.float32)
+
+
+def every_kind_of_forward(r) -> torch.Tensor:
+    """A prompt's logits by prefill, chunked prefill, decode steps and a draft tree's
+    verify rows are the same bits; returns the prefill's [n, V]."""
     n = len(PROMPT)
     full = prefill_logits(r, PROMPT).logits  # [n, V]
     # prefill in chunks of 5
@@ -104,6 +134,7 @@ def test_a_tokens_logits_are_the_same_in_every_kind_of_forward(gguf_dirs, digits
     tree = r.forward(b).logits
     for node, pos in ((0, 8), (1, 9), (3, 10), (5, 11)):  # the path that copies the prompt
         assert torch.equal(tree[node], full[pos]), f"node {node}"
+    return full
 
 
 def test_a_request_batched_with_others_gets_its_single_logits(gguf_dirs):

@@ -296,15 +296,32 @@ def dense_attention(q, kc, vc, heads, slots_per_row):
     return out
 
 
+def test_the_engines_half_conversion_is_ieee_round_to_nearest_even():
+    """fp16 KV is written by the engine's scalar float_to_half: it must give torch's (IEEE
+    round-to-nearest-even) bits for normals, subnormals, ties, overflow and infinities."""
+    gen = torch.Generator().manual_seed(0)
+    parts = [torch.randn(20000, generator=gen) * 10.0 ** e for e in range(-9, 6)]
+    halves = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    finite = halves[torch.isfinite(halves)].float()
+    ties = (finite[:-1].double() + finite[1:].double()) / 2  # exact midpoints (in float32)
+    parts += [finite, ties.float(), finite.nextafter(torch.tensor(float("inf"))),
+              finite.nextafter(torch.tensor(float("-inf"))),
+              torch.tensor([65504.0, 65519.99, 65520.0, 1e6, -1e6, float("inf"), float("-inf"),
+                            0.0, -0.0, 2.0 ** -25, 2.0 ** -26, 2.0 ** -24 * 1.5])]
+    x = torch.cat([p.float() for p in parts])
+    assert torch.equal(ext().to_half(x).view(torch.int16), x.half().view(torch.int16))
+
+
 @pytest.mark.parametrize("isa", ["amx", "avx512", "avx2", "generic"])
 @pytest.mark.parametrize("head_dim", [16, 64])
-def test_tree_attention_rows_equal_decode_rows_bit_for_bit(isa, head_dim):
+@pytest.mark.parametrize("kv", ["float32", "float16"])
+def test_tree_attention_rows_equal_decode_rows_bit_for_bit(isa, head_dim, kv):
     if isa not in isas():
         pytest.skip(f"this CPU has no {isa}")
     rng = np.random.default_rng(head_dim)
     heads, kvh, slots = 6, 2, 400
-    kc = torch.randn(slots, kvh, head_dim)
-    vc = torch.randn(slots, kvh, head_dim)
+    kc = torch.randn(slots, kvh, head_dim).to(getattr(torch, kv))
+    vc = torch.randn(slots, kvh, head_dim).to(getattr(torch, kv))
     free = iter(rng.permutation(np.arange(1, slots)).tolist())
     reqs, masks, visible = [], [], []
     for prefix, n in ((37, 9), (5, 1), (120, 16)):  # batch of trees, different prefixes
@@ -316,7 +333,8 @@ def test_tree_attention_rows_equal_decode_rows_bit_for_bit(isa, head_dim):
             visible.append(s[:prefix] + [s[prefix + j] for j in range(n) if m[i, j]])
     q = torch.randn(sum(n for _, _, n in reqs), heads * head_dim)
     out = attention_call(q, kc, vc, heads, reqs, masks, isa=isa)
-    assert torch.allclose(out.double(), dense_attention(q, kc, vc, heads, visible), atol=1e-5)
+    ref = dense_attention(q, kc.float(), vc.float(), heads, visible)  # fp16: the stored values
+    assert torch.allclose(out.double(), ref, atol=1e-5)
     for t, vis in enumerate(visible):
         # the same token as a decode step: its visible keys as prefix + itself, in order
         dec = attention_call(q[t : t + 1], kc, vc, heads, [(vis, len(vis) - 1, 1)], isa=isa,

@@ -316,10 +316,17 @@ class CpuModel {
     cos_ = f32(cos);
     sin_ = f32(sin);
   }
+  // One fp32 or one fp16 tensor per layer, all of the same dtype (fp16: the cache holds the
+  // half-rounded K / V, written by float_to_half and widened exactly by every read).
   void set_kv(std::vector<torch::Tensor> k, std::vector<torch::Tensor> v) {
     TORCH_CHECK(k.size() == layers_.size() && v.size() == layers_.size(), "one KV per layer");
-    for (auto& t : k) TORCH_CHECK(t.dtype() == torch::kFloat32 && t.is_contiguous(), "fp32 KV");
-    for (auto& t : v) TORCH_CHECK(t.dtype() == torch::kFloat32 && t.is_contiguous(), "fp32 KV");
+    TORCH_CHECK(!k.empty(), "no KV tensors");
+    const auto dt = k[0].dtype();
+    TORCH_CHECK(dt == torch::kFloat32 || dt == torch::kFloat16, "KV must be float32 or float16");
+    for (auto* list : {&k, &v}) {
+      for (auto& t : *list) TORCH_CHECK(t.dtype() == dt && t.is_contiguous(), "KV dtype mixed");
+    }
+    kv_half_ = dt == torch::kFloat16;
     k_ = std::move(k);
     v_ = std::move(v);
   }
@@ -378,6 +385,7 @@ class CpuModel {
   PackedLinear embed_, lm_head_;
   torch::Tensor final_norm_, cos_, sin_;
   std::vector<torch::Tensor> k_, v_;
+  bool kv_half_ = false;
   // scratch, grown on demand
   std::vector<float> x_, xn_, qkv_, attn_, h_, fin_;
   ActBuffers act_;
@@ -560,8 +568,10 @@ std::vector<torch::Tensor> CpuModel::forward(
       // q/k norm (Qwen3), rotary, and this layer's K/V into the cache: items (token, head)
       int i0, i1;
       split_range(T * (Hq_ + KVH_), tid, n, &i0, &i1);
-      float* kc = k_[li].data_ptr<float>();
-      float* vc = v_[li].data_ptr<float>();
+      float* kc = kv_half_ ? nullptr : k_[li].data_ptr<float>();
+      float* vc = kv_half_ ? nullptr : v_[li].data_ptr<float>();
+      uint16_t* kh16 = kv_half_ ? (uint16_t*)k_[li].data_ptr<at::Half>() : nullptr;
+      uint16_t* vh16 = kv_half_ ? (uint16_t*)v_[li].data_ptr<at::Half>() : nullptr;
       for (int it = i0; it < i1; ++it) {
         const int t = it / (Hq_ + KVH_), hh = it % (Hq_ + KVH_);
         float* row = qkv + (int64_t)t * Nqkv;
@@ -579,8 +589,16 @@ std::vector<torch::Tensor> CpuModel::forward(
                                                 D_, 0, 1);
           rope_inplace(kh, c, s, D_);
           const float* vh = row + Nq + KVH_ * D_ + g * D_;
-          std::memcpy(kc + (loc[t] * KVH_ + g) * D_, kh, sizeof(float) * D_);
-          std::memcpy(vc + (loc[t] * KVH_ + g) * D_, vh, sizeof(float) * D_);
+          const int64_t at = (loc[t] * KVH_ + g) * D_;
+          if (kv_half_) {
+            for (int d = 0; d < D_; ++d) {
+              kh16[at + d] = float_to_half(kh[d]);
+              vh16[at + d] = float_to_half(vh[d]);
+            }
+          } else {
+            std::memcpy(kc + at, kh, sizeof(float) * D_);
+            std::memcpy(vc + at, vh, sizeof(float) * D_);
+          }
         }
       }
       tp.barrier(tid);
@@ -588,6 +606,8 @@ std::vector<torch::Tensor> CpuModel::forward(
       AttnArgs la = aa;
       la.k_cache = kc;
       la.v_cache = vc;
+      la.k_half = kh16;
+      la.v_half = vh16;
       split_range(num_items, tid, n, &i0, &i1);
       if (i1 > i0) isa_->attention(la, i0, i1, scratch[tid]);
       tp.barrier(tid);
@@ -686,8 +706,15 @@ torch::Tensor attention_op(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   a.ldq = (int64_t)num_heads * D;
   a.out = out.data_ptr<float>();
   a.ldo = a.ldq;
-  a.k_cache = k_cache.data_ptr<float>();
-  a.v_cache = v_cache.data_ptr<float>();
+  TORCH_CHECK(k_cache.dtype() == v_cache.dtype() && k_cache.is_contiguous() &&
+              v_cache.is_contiguous(), "k / v caches: one dtype, contiguous");
+  if (k_cache.dtype() == torch::kFloat16) {
+    a.k_half = (const uint16_t*)k_cache.data_ptr<at::Half>();
+    a.v_half = (const uint16_t*)v_cache.data_ptr<at::Half>();
+  } else {
+    a.k_cache = k_cache.data_ptr<float>();
+    a.v_cache = v_cache.data_ptr<float>();
+  }
   a.tok_req = tok_req.data_ptr<int32_t>();
   a.tok_local = tok_local.data_ptr<int32_t>();
   a.kv_indptr = kv_indptr.data_ptr<int64_t>();
@@ -714,6 +741,16 @@ torch::Tensor attention_op(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     if (i1 > i0) k->attention(a, i0, i1, scratch[tid]);
   };
   if (T > 0) parallel(nthreads, body);
+  return out;
+}
+
+// float32 -> float16 by the engine's own conversion (the one that writes fp16 KV): for tests
+torch::Tensor to_half_op(torch::Tensor x) {
+  x = x.contiguous().to(torch::kFloat32);
+  auto out = torch::empty(x.sizes(), torch::kFloat16);
+  const float* p = x.data_ptr<float>();
+  uint16_t* o = (uint16_t*)out.data_ptr<at::Half>();
+  for (int64_t i = 0; i < x.numel(); ++i) o[i] = float_to_half(p[i]);
   return out;
 }
 
@@ -795,5 +832,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention_op, py::call_guard<py::gil_scoped_release>());
   m.def("rmsnorm", &rmsnorm_op, py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("isa") = "");
   m.def("isa_name", &isa_name, py::arg("isa") = "");
+  m.def("to_half", &to_half_op, py::arg("x"));
   m.def("quantize", &quantize_op, py::arg("x"), py::arg("levels"), py::arg("isa") = "");
 }

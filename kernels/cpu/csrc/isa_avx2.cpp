@@ -322,20 +322,26 @@ void rmsnorm(const float* x, int64_t ldx, const float* w, float eps, int D, floa
   }
 }
 
-template <int NV>  // head_dim = 8 * NV
+// 8 lanes of a KV row: fp32 as stored, fp16 widened (exact)
+inline __m256 kv_load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 kv_load8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+}
+
+template <int NV, class KV>  // head_dim = 8 * NV; KV: float or uint16_t (fp16) cache
 void attention_query(const AttnArgs& a, int t, int h, const int64_t* slots, int L,
                      float* scores) {
   const int D = 8 * NV, g = h / (a.num_heads / a.num_kv_heads);
   const int64_t kv_stride = (int64_t)a.num_kv_heads * D;
   const float* qp = a.q + (int64_t)t * a.ldq + h * D;
-  const float* kc = a.k_cache + (int64_t)g * D;
-  const float* vc = a.v_cache + (int64_t)g * D;
+  const KV* kc = kv_cache_k<KV>(a) + (int64_t)g * D;
+  const KV* vc = kv_cache_v<KV>(a) + (int64_t)g * D;
   const int Lp = (L + 7) & ~7;
   for (int j = 0; j < L; ++j) {
-    const float* kp = kc + slots[j] * kv_stride;
-    __m256 p = _mm256_mul_ps(_mm256_loadu_ps(qp), _mm256_loadu_ps(kp));
+    const KV* kp = kc + slots[j] * kv_stride;
+    __m256 p = _mm256_mul_ps(_mm256_loadu_ps(qp), kv_load8(kp));
     for (int v = 1; v < NV; ++v) {
-      p = _mm256_fmadd_ps(_mm256_loadu_ps(qp + 8 * v), _mm256_loadu_ps(kp + 8 * v), p);
+      p = _mm256_fmadd_ps(_mm256_loadu_ps(qp + 8 * v), kv_load8(kp + 8 * v), p);
     }
     scores[j] = hsum256(p) * a.scale;
   }
@@ -352,34 +358,42 @@ void attention_query(const AttnArgs& a, int t, int h, const int64_t* slots, int 
   __m256 o[NV];
   for (int v = 0; v < NV; ++v) o[v] = _mm256_setzero_ps();
   for (int j = 0; j < L; ++j) {
-    const float* vp = vc + slots[j] * kv_stride;
+    const KV* vp = vc + slots[j] * kv_stride;
     const __m256 e = _mm256_set1_ps(scores[j]);
-    for (int v = 0; v < NV; ++v) o[v] = _mm256_fmadd_ps(e, _mm256_loadu_ps(vp + 8 * v), o[v]);
+    for (int v = 0; v < NV; ++v) o[v] = _mm256_fmadd_ps(e, kv_load8(vp + 8 * v), o[v]);
   }
   const __m256 inv = _mm256_set1_ps(1.f / hsum256(vsum));
   float* op = a.out + (int64_t)t * a.ldo + h * D;
   for (int v = 0; v < NV; ++v) _mm256_storeu_ps(op + 8 * v, _mm256_mul_ps(o[v], inv));
 }
 
-template <int NV>
+template <int NV, class KV>
 void attention_d(const AttnArgs& a, int i0, int i1, AttnScratch& s) {
   for (int item = i0; item < i1; ++item) {
     const int32_t* it = a.items + 4 * item;
     for (int t = it[0]; t < it[1]; ++t) {
       const int L = visible_keys(a, t, s.slots);
-      for (int h = it[2]; h < it[3]; ++h) attention_query<NV>(a, t, h, s.slots, L, s.scores);
+      for (int h = it[2]; h < it[3]; ++h) {
+        attention_query<NV, KV>(a, t, h, s.slots, L, s.scores);
+      }
     }
   }
 }
 
-void attention(const AttnArgs& a, int i0, int i1, AttnScratch& s) {
+template <class KV>
+void attention_kv(const AttnArgs& a, int i0, int i1, AttnScratch& s) {
   switch (a.head_dim) {
-    case 64: return attention_d<8>(a, i0, i1, s);
-    case 128: return attention_d<16>(a, i0, i1, s);
-    case 32: return attention_d<4>(a, i0, i1, s);
-    case 96: return attention_d<12>(a, i0, i1, s);
+    case 64: return attention_d<8, KV>(a, i0, i1, s);
+    case 128: return attention_d<16, KV>(a, i0, i1, s);
+    case 32: return attention_d<4, KV>(a, i0, i1, s);
+    case 96: return attention_d<12, KV>(a, i0, i1, s);
     default: return generic_kernels()->attention(a, i0, i1, s);
   }
+}
+
+void attention(const AttnArgs& a, int i0, int i1, AttnScratch& s) {
+  if (a.k_half) return attention_kv<uint16_t>(a, i0, i1, s);
+  attention_kv<float>(a, i0, i1, s);
 }
 
 }  // namespace

@@ -421,9 +421,15 @@ inline __m512 reduce16(const __m512 (&p)[16]) {
                        _mm512_shuffle_f32x4(y01, y23, 0xDD));
 }
 
+// 16 lanes of a KV row: fp32 as stored, fp16 widened (exact)
+inline __m512 kv_load(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 kv_load(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+}
+
 // The 16 scores of keys j0..j0+15 of one query (masked to -inf past its L keys).
-template <int NV>
-inline __m512 scores16(const __m512 (&q)[NV], const float* kc, int64_t kv_stride,
+template <int NV, class KV>
+inline __m512 scores16(const __m512 (&q)[NV], const KV* kc, int64_t kv_stride,
                        const int64_t* slots, int j0, int L, __m512 scale) {
   __m512 p[16];
   for (int j = 0; j < 16; ++j) {
@@ -431,9 +437,9 @@ inline __m512 scores16(const __m512 (&q)[NV], const float* kc, int64_t kv_stride
       p[j] = _mm512_setzero_ps();
       continue;
     }
-    const float* kp = kc + slots[j0 + j] * kv_stride;
-    __m512 acc = _mm512_mul_ps(q[0], _mm512_loadu_ps(kp));
-    for (int v = 1; v < NV; ++v) acc = _mm512_fmadd_ps(q[v], _mm512_loadu_ps(kp + 16 * v), acc);
+    const KV* kp = kc + slots[j0 + j] * kv_stride;
+    __m512 acc = _mm512_mul_ps(q[0], kv_load(kp));
+    for (int v = 1; v < NV; ++v) acc = _mm512_fmadd_ps(q[v], kv_load(kp + 16 * v), acc);
     p[j] = acc;
   }
   const int valid = L - j0 < 16 ? L - j0 : 16;
@@ -446,7 +452,7 @@ inline __m512 scores16(const __m512 (&q)[NV], const float* kc, int64_t kv_stride
 // others. Every query's own float operations are those it would do alone (scores per block of
 // 16 keys, lane maxima, exp, sums and V accumulation in key order): a verify or prefill row gives
 // exactly the bits of the same token's decode row.
-template <int NV>  // head_dim = 16 * NV
+template <int NV, class KV>  // head_dim = 16 * NV; KV: float or uint16_t (fp16) cache
 void attention_d(const AttnArgs& a, int i0, int i1, AttnScratch& s) {
   constexpr int D = 16 * NV;
   const int group = a.num_heads / a.num_kv_heads;
@@ -465,8 +471,8 @@ void attention_d(const AttnArgs& a, int i0, int i1, AttnScratch& s) {
       sl[r] = row;
       Lmax = Lr[r] > Lmax ? Lr[r] : Lmax;
     }
-    const float* kc = a.k_cache + (int64_t)g * D;
-    const float* vc = a.v_cache + (int64_t)g * D;
+    const KV* kc = kv_cache_k<KV>(a) + (int64_t)g * D;
+    const KV* vc = kv_cache_v<KV>(a) + (int64_t)g * D;
     __m512 vmax[kAttnRows * 8];
     for (int i = 0; i < R * G; ++i) vmax[i] = _mm512_set1_ps(-INFINITY);
     for (int j0 = 0; j0 < Lmax; j0 += 16) {
@@ -476,7 +482,7 @@ void attention_d(const AttnArgs& a, int i0, int i1, AttnScratch& s) {
           const float* qp = a.q + (int64_t)(t0 + r) * a.ldq + (h0 + hh) * D;
           __m512 q[NV];
           for (int v = 0; v < NV; ++v) q[v] = _mm512_loadu_ps(qp + 16 * v);
-          const __m512 sc = scores16<NV>(q, kc, kv_stride, sl[r], j0, Lr[r], scale);
+          const __m512 sc = scores16<NV, KV>(q, kc, kv_stride, sl[r], j0, Lr[r], scale);
           const int qi = r * G + hh;
           _mm512_storeu_ps(s.scores + qi * sstride + j0, sc);
           vmax[qi] = _mm512_max_ps(vmax[qi], sc);
@@ -511,9 +517,9 @@ void attention_d(const AttnArgs& a, int i0, int i1, AttnScratch& s) {
           __m512 o[NV];
           for (int v = 0; v < NV; ++v) o[v] = _mm512_loadu_ps(op + 16 * v);
           for (int j = j0; j < j1; ++j) {
-            const float* vp = vc + sl[r][j] * kv_stride;
+            const KV* vp = vc + sl[r][j] * kv_stride;
             const __m512 ej = _mm512_set1_ps(e[j]);
-            for (int v = 0; v < NV; ++v) o[v] = _mm512_fmadd_ps(ej, _mm512_loadu_ps(vp + 16 * v), o[v]);
+            for (int v = 0; v < NV; ++v) o[v] = _mm512_fmadd_ps(ej, kv_load(vp + 16 * v), o[v]);
           }
           for (int v = 0; v < NV; ++v) _mm512_storeu_ps(op + 16 * v, o[v]);
         }
@@ -533,15 +539,21 @@ void attention_d(const AttnArgs& a, int i0, int i1, AttnScratch& s) {
   }
 }
 
-void attention(const AttnArgs& a, int i0, int i1, AttnScratch& s) {
+template <class KV>
+void attention_kv(const AttnArgs& a, int i0, int i1, AttnScratch& s) {
   switch (a.head_dim) {
-    case 64: return attention_d<4>(a, i0, i1, s);
-    case 128: return attention_d<8>(a, i0, i1, s);
-    case 32: return attention_d<2>(a, i0, i1, s);
-    case 96: return attention_d<6>(a, i0, i1, s);
-    case 256: return attention_d<16>(a, i0, i1, s);
+    case 64: return attention_d<4, KV>(a, i0, i1, s);
+    case 128: return attention_d<8, KV>(a, i0, i1, s);
+    case 32: return attention_d<2, KV>(a, i0, i1, s);
+    case 96: return attention_d<6, KV>(a, i0, i1, s);
+    case 256: return attention_d<16, KV>(a, i0, i1, s);
     default: return generic_kernels()->attention(a, i0, i1, s);
   }
+}
+
+void attention(const AttnArgs& a, int i0, int i1, AttnScratch& s) {
+  if (a.k_half) return attention_kv<uint16_t>(a, i0, i1, s);
+  attention_kv<float>(a, i0, i1, s);
 }
 
 }  // namespace

@@ -148,14 +148,18 @@ void rmsnorm(const float* x, int64_t ldx, const float* w, float eps, int D, floa
   }
 }
 
+inline float kv_value(const float* p, int d) { return p[d]; }
+inline float kv_value(const uint16_t* p, int d) { return half_to_float(p[d]); }
+
+template <class KV>  // float or uint16_t (fp16) cache
 void attention_query(const AttnArgs& a, int t, int h, const int64_t* slots, int L, float* scores) {
   const int D = a.head_dim, g = h / (a.num_heads / a.num_kv_heads);
   const float* q = a.q + (int64_t)t * a.ldq + h * D;
   float mx = -INFINITY;
   for (int j = 0; j < L; ++j) {
-    const float* k = a.k_cache + (slots[j] * a.num_kv_heads + g) * D;
+    const KV* k = kv_cache_k<KV>(a) + (slots[j] * a.num_kv_heads + g) * D;
     float dot = 0.f;
-    for (int d = 0; d < D; ++d) dot = std::fma(q[d], k[d], dot);
+    for (int d = 0; d < D; ++d) dot = std::fma(q[d], kv_value(k, d), dot);
     scores[j] = dot * a.scale;
     mx = std::fmax(mx, scores[j]);
   }
@@ -167,8 +171,8 @@ void attention_query(const AttnArgs& a, int t, int h, const int64_t* slots, int 
   float* o = a.out + (int64_t)t * a.ldo + h * D;
   for (int d = 0; d < D; ++d) o[d] = 0.f;
   for (int j = 0; j < L; ++j) {
-    const float* v = a.v_cache + (slots[j] * a.num_kv_heads + g) * D;
-    for (int d = 0; d < D; ++d) o[d] = std::fma(scores[j], v[d], o[d]);
+    const KV* v = kv_cache_v<KV>(a) + (slots[j] * a.num_kv_heads + g) * D;
+    for (int d = 0; d < D; ++d) o[d] = std::fma(scores[j], kv_value(v, d), o[d]);
   }
   const float inv = 1.f / sum;
   for (int d = 0; d < D; ++d) o[d] *= inv;
@@ -179,7 +183,13 @@ void attention(const AttnArgs& a, int i0, int i1, AttnScratch& s) {
     const int32_t* it = a.items + 4 * item;
     for (int t = it[0]; t < it[1]; ++t) {
       const int L = visible_keys(a, t, s.slots);
-      for (int h = it[2]; h < it[3]; ++h) attention_query(a, t, h, s.slots, L, s.scores);
+      for (int h = it[2]; h < it[3]; ++h) {
+        if (a.k_half) {
+          attention_query<uint16_t>(a, t, h, s.slots, L, s.scores);
+        } else {
+          attention_query<float>(a, t, h, s.slots, L, s.scores);
+        }
+      }
     }
   }
 }

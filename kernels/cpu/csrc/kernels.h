@@ -85,6 +85,10 @@ struct AttnArgs {
   int64_t ldo = 0;
   const float* k_cache = nullptr;  // [slots][num_kv_heads][head_dim]
   const float* v_cache = nullptr;
+  // fp16 KV (`--kv-cache-dtype float16`): IEEE half values, widened exactly by the kernels;
+  // when set the kernels read these instead of k_cache / v_cache
+  const uint16_t* k_half = nullptr;
+  const uint16_t* v_half = nullptr;
   const int32_t* tok_req = nullptr;    // [T] request of each query row
   const int32_t* tok_local = nullptr;  // [T] index of the row among its request's new tokens
   const int64_t* kv_indptr = nullptr;  // [B+1] into kv_indices
@@ -163,6 +167,41 @@ inline float half_to_float(uint16_t h) {
   std::memcpy(&f, &bits, 4);
   return f;
 }
+
+// float32 -> fp16, round to nearest even (IEEE; what F16C's vcvtps2ph does with RNE): overflow
+// to infinity, subnormal halves, NaN kept quiet. Scalar, so every ISA writes the same KV bits.
+inline uint16_t float_to_half(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint16_t sign = (uint16_t)((x >> 16) & 0x8000);
+  const uint32_t ax = x & 0x7fffffffu;
+  if (ax >= 0x7f800000u) {  // inf or NaN
+    return (uint16_t)(sign | 0x7c00 | (ax > 0x7f800000u ? 0x200 | ((ax >> 13) & 0x3ff) : 0));
+  }
+  if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00);  // rounds to >= 65520: infinity
+  if (ax < 0x38800000u) {  // below the smallest normal half (2^-14): subnormal or zero
+    if (ax < 0x33000000u) return sign;  // below half of the smallest subnormal (2^-25): zero
+    const uint32_t e = ax >> 23, m = (ax & 0x7fffff) | 0x800000;
+    const int shift = 126 - (int)e;  // 14..24: the half subnormal is m >> shift (2^-24 units)
+    uint32_t v = m >> shift;
+    const uint32_t rem = m & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+    if (rem > halfway || (rem == halfway && (v & 1))) ++v;
+    return (uint16_t)(sign | v);
+  }
+  uint32_t v = ax - 0x38000000u;  // rebias the exponent (127 -> 15)
+  const uint32_t rem = v & 0x1fff;
+  v >>= 13;
+  if (rem > 0x1000 || (rem == 0x1000 && (v & 1))) ++v;  // may carry into the exponent: fine
+  return (uint16_t)(sign | v);
+}
+
+// The K / V cache pointer of an attention call, typed: float (fp32 KV) or uint16_t (fp16 KV).
+template <class KV> inline const KV* kv_cache_k(const AttnArgs& a);
+template <class KV> inline const KV* kv_cache_v(const AttnArgs& a);
+template <> inline const float* kv_cache_k<float>(const AttnArgs& a) { return a.k_cache; }
+template <> inline const float* kv_cache_v<float>(const AttnArgs& a) { return a.v_cache; }
+template <> inline const uint16_t* kv_cache_k<uint16_t>(const AttnArgs& a) { return a.k_half; }
+template <> inline const uint16_t* kv_cache_v<uint16_t>(const AttnArgs& a) { return a.v_half; }
 
 inline float bf16_to_float(uint16_t h) {
   const uint32_t bits = (uint32_t)h << 16;
