@@ -21,7 +21,7 @@ import statistics
 import torch
 from tqdm import tqdm
 
-from benchmark.common import format_table, machine_info, write_json
+from benchmark.common import format_table, machine_info, parse_engine_spec, write_json
 from corpora.datasets import chat_prompt_ids, sample_requests
 from runtime.model_loader.default_model import resolve_model_path
 from runtime.model_loader.tokenizer import load_tokenizer
@@ -34,10 +34,11 @@ NEAR_TIE = 1e-4
 
 
 def make_runner(model_dir: str, spec: str, capacity: int) -> ModelRunner:
-    fmt, _, digits = spec.partition(":")
-    kw = {"activation_digits": int(digits)} if digits else {}
+    """An engine from `FMT[:DIGITS][/KV]` (e.g. `auto:3`, `auto:3/float16`)."""
+    fmt, digits, _, kv = parse_engine_spec(spec)
+    kw = {"activation_digits": digits} if digits else {}
     return ModelRunner(RunnerConfig(model_dir, "cpu", "float32", max_total_tokens=capacity,
-                                    weight_format=fmt, **kw))
+                                    weight_format=fmt, kv_cache_dtype=kv or "auto", **kw))
 
 
 def answer_logits(runner: ModelRunner, prompt: list[int], answer: list[int]) -> torch.Tensor:

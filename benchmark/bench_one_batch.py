@@ -4,9 +4,9 @@
 
 - engines: `--engines` lists weight formats (`auto` = the CPU engine on the checkpoint's own
   format, `torch` = the fp32 reference engine, or f32|bf16|f16|q8_0|q4_0|q4_1), each optionally
-  `:D` for D activation digits (e.g. `auto:1`) and `@ISA` for the CPU engine's instruction set
-  (`auto@avx512`, `auto@amx`: `SPECSERVE_CPU_ISA` for that engine); all are measured in the
-  same run;
+  `:D` for D activation digits (e.g. `auto:1`), `@ISA` for the CPU engine's instruction set
+  (`auto@avx512`, `auto@amx`: `SPECSERVE_CPU_ISA` for that engine) and `/KV` for its KV cache
+  dtype (`auto/float16`); all are measured in the same run;
 - prefill: one EXTEND over `--input-len` tokens per request;
 - decode: tokens/s of steady-state decode steps at each batch size (`--output-len` steps);
 - verify-cost curve: one TARGET_VERIFY forward of n chain nodes on a `--verify-prefix`-token
@@ -26,7 +26,13 @@ import time
 import torch
 from tqdm import tqdm
 
-from benchmark.common import format_table, machine_info, median_time, write_json
+from benchmark.common import (
+    format_table,
+    machine_info,
+    median_time,
+    parse_engine_spec,
+    write_json,
+)
 from kernels.cpu import DEFAULT_ACTIVATION_DIGITS
 from runtime.model_loader.default_model import resolve_model_path
 from runtime.model_runner.local_generator import GenerateTimings, LocalGenerator
@@ -117,8 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"machine": machine_info(), "args": vars(args), "model_dir": model_dir,
               "engines": [], "hf": None}
     for spec in tqdm(args.engines.split(","), desc="engines"):
-        spec_isa, _, isa = spec.partition("@")
-        fmt, _, digits = spec_isa.partition(":")
+        fmt, digits, isa, kv = parse_engine_spec(spec)
         # the CPU engine reads its instruction set when it is built (kernels/cpu: pick_isa)
         saved_isa = os.environ.get("SPECSERVE_CPU_ISA")
         if isa:
@@ -128,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
             max_total_tokens=max(args.verify_prefix + 128, max(args.batch_sizes)
                                  * (args.input_len + args.output_len + 8)),
             pack_weights=not args.no_pack, weight_format=fmt,
-            activation_digits=int(digits) if digits else DEFAULT_ACTIVATION_DIGITS,
+            activation_digits=digits or DEFAULT_ACTIVATION_DIGITS, kv_cache_dtype=kv or "auto",
         ))
         if isa:
             if saved_isa is None:

@@ -25,6 +25,15 @@ def median_time(fn: Callable[[], Any], reps: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
+def parse_engine_spec(spec: str) -> tuple[str, int | None, str | None, str | None]:
+    """`FMT[:DIGITS][@ISA][/KV]` (e.g. `auto`, `auto:1`, `auto@avx512`, `auto/float16`) as
+    (weight format, activation digits, CPU instruction set, KV cache dtype), None where unset."""
+    rest, _, kv = spec.partition("/")
+    rest, _, isa = rest.partition("@")
+    fmt, _, digits = rest.partition(":")
+    return fmt, int(digits) if digits else None, isa or None, kv or None
+
+
 def machine_info() -> dict[str, Any]:
     return {
         "platform": platform.platform(),
