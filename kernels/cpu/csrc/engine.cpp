@@ -10,6 +10,7 @@
 #include <torch/extension.h>
 
 #include <cpuid.h>
+#include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -69,6 +70,30 @@ const IsaKernels* pick_isa(const std::string& want) {
         "SPECSERVE_CPU_ISA must be auto, amx, avx512, avx2 or generic, got " + w);
   }
   return generic_kernels();
+}
+
+// One row of K or V into an fp16 cache. F16C's round-to-nearest-even conversion gives exactly
+// float_to_half's bits (IEEE; tests/unit/test_cpu_kernels.py checks the scalar one against
+// torch), so which one runs does not change the cache.
+void half_row_scalar(const float* src, uint16_t* dst, int n) {
+  for (int i = 0; i < n; ++i) dst[i] = float_to_half(src[i]);
+}
+
+__attribute__((target("avx,f16c"))) void half_row_f16c(const float* src, uint16_t* dst, int n) {
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm_storeu_si128((__m128i*)(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  for (; i < n; ++i) dst[i] = float_to_half(src[i]);
+}
+
+using HalfRowFn = void (*)(const float*, uint16_t*, int);
+
+HalfRowFn half_row() {
+  static const HalfRowFn fn = cpu_has("avx2") ? half_row_f16c : half_row_scalar;
+  return fn;
 }
 
 ThreadPool& pool(int nthreads) {
@@ -591,10 +616,8 @@ std::vector<torch::Tensor> CpuModel::forward(
           const float* vh = row + Nq + KVH_ * D_ + g * D_;
           const int64_t at = (loc[t] * KVH_ + g) * D_;
           if (kv_half_) {
-            for (int d = 0; d < D_; ++d) {
-              kh16[at + d] = float_to_half(kh[d]);
-              vh16[at + d] = float_to_half(vh[d]);
-            }
+            half_row()(kh, kh16 + at, D_);
+            half_row()(vh, vh16 + at, D_);
           } else {
             std::memcpy(kc + at, kh, sizeof(float) * D_);
             std::memcpy(vc + at, vh, sizeof(float) * D_);
@@ -744,13 +767,13 @@ torch::Tensor attention_op(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   return out;
 }
 
-// float32 -> float16 by the engine's own conversion (the one that writes fp16 KV): for tests
-torch::Tensor to_half_op(torch::Tensor x) {
+// float32 -> float16 by the engine's own conversion (the one that writes fp16 KV: F16C where
+// the CPU has it, else scalar; `scalar` forces the scalar one): for tests
+torch::Tensor to_half_op(torch::Tensor x, bool scalar) {
   x = x.contiguous().to(torch::kFloat32);
   auto out = torch::empty(x.sizes(), torch::kFloat16);
-  const float* p = x.data_ptr<float>();
-  uint16_t* o = (uint16_t*)out.data_ptr<at::Half>();
-  for (int64_t i = 0; i < x.numel(); ++i) o[i] = float_to_half(p[i]);
+  const HalfRowFn fn = scalar ? half_row_scalar : half_row();
+  fn(x.data_ptr<float>(), (uint16_t*)out.data_ptr<at::Half>(), (int)x.numel());
   return out;
 }
 
@@ -832,6 +855,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention_op, py::call_guard<py::gil_scoped_release>());
   m.def("rmsnorm", &rmsnorm_op, py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("isa") = "");
   m.def("isa_name", &isa_name, py::arg("isa") = "");
-  m.def("to_half", &to_half_op, py::arg("x"));
+  m.def("to_half", &to_half_op, py::arg("x"), py::arg("scalar") = false);
   m.def("quantize", &quantize_op, py::arg("x"), py::arg("levels"), py::arg("isa") = "");
 }
