@@ -629,16 +629,13 @@ struct AmxStage {
   }
 };
 
-// One activation row's digits (C rows cr, cr + 16, ...) of one tile-block into its accumulator.
+// One activation row's digit dots of one tile-block (C rows cr, cr + 16, ...) as floats: Horner
+// over the digits, Q4_0's offset (`off`) subtracted, converted; Q8_0's first digit converted
+// apart and met in one FMA (block_tiles' steps exactly).
 template <int FMT, int L>
-inline void amx_epilogue(const GemmArgs& a, const int32_t* cr, int64_t m, int b, __m512 d,
-                         __m512 mn, float* acc) {
-  constexpr bool Q8 = FMT == Q8_0;
-  constexpr int32_t OFF = FMT == Q4_0 ? 8 : 0;  // Q8: signed weights, no offset
-  const int nb = a.K / QK;
-  __m512 f;
-  if (Q8) {
-    f = _mm512_cvtepi32_ps(_mm512_load_si512(cr));
+inline __m512 amx_digits(const int32_t* cr, __m512i off) {
+  if (FMT == Q8_0) {
+    __m512 f = _mm512_cvtepi32_ps(_mm512_load_si512(cr));
     if (L > 1) {
       __m512i lo = _mm512_load_si512(cr + 16);
       for (int l = 2; l < L; ++l) {
@@ -646,78 +643,97 @@ inline void amx_epilogue(const GemmArgs& a, const int32_t* cr, int64_t m, int b,
       }
       f = _mm512_fmadd_ps(f, _mm512_set1_ps((float)(1 << (7 * (L - 1)))), _mm512_cvtepi32_ps(lo));
     }
-  } else {
-    __m512i s = _mm512_load_si512(cr);
-    for (int l = 1; l < L; ++l) {
-      s = _mm512_add_epi32(_mm512_slli_epi32(s, 7), _mm512_load_si512(cr + 16 * l));
-    }
-    if (OFF) {
-      const int32_t* sums = a.act.sums + m * L * nb + b;
-      s = _mm512_sub_epi32(s, _mm512_set1_epi32(OFF * horner_sums<L>(sums, nb, 0)));
-    }
-    f = _mm512_cvtepi32_ps(s);
+    return f;
   }
-  const __m512 sc = _mm512_set1_ps(a.act.scale[m * nb + b]);
-  __m512 v = _mm512_fmadd_ps(_mm512_mul_ps(d, sc), f, _mm512_load_ps(acc));
-  if (FMT == Q4_1) v = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.act.fsum[m * nb + b]), v);
-  _mm512_store_ps(acc, v);
+  __m512i s = _mm512_load_si512(cr);
+  for (int l = 1; l < L; ++l) {
+    s = _mm512_add_epi32(_mm512_slli_epi32(s, 7), _mm512_load_si512(cr + 16 * l));
+  }
+  if (FMT == Q4_0) s = _mm512_sub_epi32(s, off);
+  return _mm512_cvtepi32_ps(s);
+}
+
+// Row m's scalars for block b: activation scale, Q4_1's block sum, Q4_0's digit-sum offset.
+template <int FMT, int L>
+inline void amx_row_scalars(const GemmArgs& a, int64_t m, int b, __m512* sc, __m512* fs,
+                            __m512i* off) {
+  const int nb = a.K / QK;
+  *sc = _mm512_set1_ps(a.act.scale[m * nb + b]);
+  *fs = FMT == Q4_1 ? _mm512_set1_ps(a.act.fsum[m * nb + b]) : *sc;
+  *off = FMT == Q4_0 ? _mm512_set1_epi32(8 * horner_sums<L>(a.act.sums + m * L * nb + b, nb, 0))
+                     : _mm512_setzero_si512();
+}
+
+// acc + (d sc) f (+ mn fs for Q4_1): one block's contribution, in block_tiles' order.
+template <int FMT>
+inline __m512 amx_accumulate(__m512 acc, __m512 f, __m512 d, __m512 mn, __m512 sc, __m512 fs) {
+  acc = _mm512_fmadd_ps(_mm512_mul_ps(d, sc), f, acc);
+  if (FMT == Q4_1) acc = _mm512_fmadd_ps(mn, fs, acc);
+  return acc;
+}
+
+// Block b's tile work: C[group][tile] = A(group) x B(tile) for the unit's NT weight tiles and
+// one or two row groups (A tiles 4, 5), stored to cb[group][tile].
+inline void amx_block(const int8_t* a0, const int8_t* a1, int64_t K, const uint8_t* const* bsrc,
+                      int NT, bool two_groups, int b, int32_t (*cb)[2][16][16]) {
+  _tile_zero(0);
+  _tile_loadd(4, a0 + b * QK, K);
+  _tile_loadd(6, bsrc[0] + (int64_t)b * 512, 64);
+  _tile_dpbssd(0, 4, 6);
+  if (NT == 2) {
+    _tile_zero(1);
+    _tile_loadd(7, bsrc[1] + (int64_t)b * 512, 64);
+    _tile_dpbssd(1, 4, 7);
+  }
+  if (two_groups) {
+    _tile_zero(2);
+    _tile_loadd(5, a1 + b * QK, K);
+    _tile_dpbssd(2, 5, 6);
+    if (NT == 2) {
+      _tile_zero(3);
+      _tile_dpbssd(3, 5, 7);
+    }
+  }
+  _tile_stored(0, cb[0][0], 64);
+  if (NT == 2) _tile_stored(1, cb[0][1], 64);
+  if (two_groups) {
+    _tile_stored(2, cb[1][0], 64);
+    if (NT == 2) _tile_stored(3, cb[1][1], 64);
+  }
 }
 
 // acc[t][r] (16 floats) for rows m0..m0+mr0+mr1-1 of tiles[0..NT-1], every block: rows
 // m0..m0+mr0-1 in A tile 4, the next mr1 in A tile 5 (configured for mr0 * L, mr1 * L rows).
+// C of block b goes to buffer b & 1 and the vector epilogue of block b - 1 runs after block b's
+// tile work is issued (the stores of block b do not alias the buffer the epilogue reads).
 template <int FMT, int L>
 inline void amx_rows(const GemmArgs& a, const AmxStage& st, const uint8_t* const* bsrc, int NT,
                      int m0, int mr0, int mr1, float (*acc)[32][16]) {
   const int nb = a.K / QK, K = a.K;
   const int mr = mr0 + mr1;
-  // C of block b goes to buffer b & 1; the vector epilogue of block b - 1 runs after block b's
-  // tile work is issued, so the tile unit and the vector units overlap (the stores of block b
-  // do not alias the buffer the epilogue reads)
   alignas(64) int32_t c[2][2][2][16][16];  // [block parity][group][tile]
   for (int t = 0; t < NT; ++t)
     for (int r = 0; r < mr; ++r) _mm512_store_ps(acc[t][r], _mm512_setzero_ps());
   const int8_t* a0 = a.act.q + (int64_t)m0 * L * K;
   const int8_t* a1 = a0 + (int64_t)mr0 * L * K;
   auto epilogue = [&](int b) {
-    auto& cb = c[b & 1];
-    for (int t = 0; t < NT; ++t) {
-      const int sb = t * st.cap + b;
-      const __m512 d = _mm512_load_ps(st.d + 16 * sb);
-      const __m512 mn = FMT == Q4_1 ? _mm512_load_ps(st.mn + 16 * sb) : d;
-      for (int r = 0; r < mr0; ++r) {
-        amx_epilogue<FMT, L>(a, cb[0][t][r * L], m0 + r, b, d, mn, acc[t][r]);
-      }
-      for (int r = 0; r < mr1; ++r) {
-        amx_epilogue<FMT, L>(a, cb[1][t][r * L], m0 + mr0 + r, b, d, mn, acc[t][mr0 + r]);
+    for (int r = 0; r < mr; ++r) {
+      const int g = r < mr0 ? 0 : 1, row = (r < mr0 ? r : r - mr0) * L;
+      __m512 sc, fs;
+      __m512i off;
+      amx_row_scalars<FMT, L>(a, m0 + r, b, &sc, &fs, &off);
+      for (int t = 0; t < NT; ++t) {
+        const int sb = t * st.cap + b;
+        const __m512 f = amx_digits<FMT, L>(c[b & 1][g][t][row], off);
+        const __m512 d = _mm512_load_ps(st.d + 16 * sb);
+        const __m512 mn = FMT == Q4_1 ? _mm512_load_ps(st.mn + 16 * sb) : d;
+        _mm512_store_ps(acc[t][r],
+                        amx_accumulate<FMT>(_mm512_load_ps(acc[t][r]), f, d, mn, sc, fs));
       }
     }
   };
   for (int b = 0; b < nb; ++b) {
-    auto& cb = c[b & 1];
-    _tile_zero(0);
-    _tile_loadd(4, a0 + b * QK, K);
-    _tile_loadd(6, bsrc[0] + (int64_t)b * 512, 64);
-    _tile_dpbssd(0, 4, 6);
-    if (NT == 2) {
-      _tile_zero(1);
-      _tile_loadd(7, bsrc[1] + (int64_t)b * 512, 64);
-      _tile_dpbssd(1, 4, 7);
-    }
-    if (mr1) {
-      _tile_zero(2);
-      _tile_loadd(5, a1 + b * QK, K);
-      _tile_dpbssd(2, 5, 6);
-      if (NT == 2) {
-        _tile_zero(3);
-        _tile_dpbssd(3, 5, 7);
-      }
-    }
-    _tile_stored(0, cb[0][0], 64);
-    if (NT == 2) _tile_stored(1, cb[0][1], 64);
-    if (mr1) {
-      _tile_stored(2, cb[1][0], 64);
-      if (NT == 2) _tile_stored(3, cb[1][1], 64);
-    }
+    amx_block(a0, a1, K, bsrc, NT, mr1 > 0, b, c[b & 1]);
     if (b > 0) epilogue(b - 1);
   }
   if (nb > 0) epilogue(nb - 1);
@@ -729,18 +745,15 @@ inline void amx_rows(const GemmArgs& a, const AmxStage& st, const uint8_t* const
 template <int FMT, int L, int MR0, int MR1, int NT>
 inline void amx_rows_reg(const GemmArgs& a, const AmxStage& st, const uint8_t* const* bsrc,
                          int m0, float (*accm)[32][16]) {
-  constexpr bool Q8 = FMT == Q8_0;
-  constexpr int32_t OFF = FMT == Q4_0 ? 8 : 0;
   constexpr int MR = MR0 + MR1;
   const int nb = a.K / QK, K = a.K;
-  alignas(64) int32_t c[2][2][2][16][16];  // [block parity][group][tile]  // [block parity][group][tile]
+  alignas(64) int32_t c[2][2][2][16][16];  // [block parity][group][tile]
   __m512 acc[NT][MR];
   for (int t = 0; t < NT; ++t)
     for (int r = 0; r < MR; ++r) acc[t][r] = _mm512_setzero_ps();
   const int8_t* a0 = a.act.q + (int64_t)m0 * L * K;
   const int8_t* a1 = a0 + (int64_t)MR0 * L * K;
   auto epilogue = [&](int b) {
-    auto& cb = c[b & 1];
     __m512 d[NT], mn[NT];
     for (int t = 0; t < NT; ++t) {
       const int sb = t * st.cap + b;
@@ -749,64 +762,17 @@ inline void amx_rows_reg(const GemmArgs& a, const AmxStage& st, const uint8_t* c
     }
     for (int r = 0; r < MR; ++r) {
       const int g = r < MR0 ? 0 : 1, row = (r < MR0 ? r : r - MR0) * L;
-      const int64_t m = m0 + r;
-      const __m512 sc = _mm512_set1_ps(a.act.scale[m * nb + b]);
-      __m512 fs = sc;
-      if (FMT == Q4_1) fs = _mm512_set1_ps(a.act.fsum[m * nb + b]);
-      __m512i off = _mm512_setzero_si512();
-      if (OFF) off = _mm512_set1_epi32(OFF * horner_sums<L>(a.act.sums + m * L * nb + b, nb, 0));
+      __m512 sc, fs;
+      __m512i off;
+      amx_row_scalars<FMT, L>(a, m0 + r, b, &sc, &fs, &off);
       for (int t = 0; t < NT; ++t) {
-        const int32_t* cr = cb[g][t][row];
-        __m512 f;
-        if (Q8) {
-          f = _mm512_cvtepi32_ps(_mm512_load_si512(cr));
-          if (L > 1) {
-            __m512i lo = _mm512_load_si512(cr + 16);
-            for (int l = 2; l < L; ++l) {
-              lo = _mm512_add_epi32(_mm512_slli_epi32(lo, 7), _mm512_load_si512(cr + 16 * l));
-            }
-            f = _mm512_fmadd_ps(f, _mm512_set1_ps((float)(1 << (7 * (L - 1)))),
-                                _mm512_cvtepi32_ps(lo));
-          }
-        } else {
-          __m512i s = _mm512_load_si512(cr);
-          for (int l = 1; l < L; ++l) {
-            s = _mm512_add_epi32(_mm512_slli_epi32(s, 7), _mm512_load_si512(cr + 16 * l));
-          }
-          if (OFF) s = _mm512_sub_epi32(s, off);
-          f = _mm512_cvtepi32_ps(s);
-        }
-        acc[t][r] = _mm512_fmadd_ps(_mm512_mul_ps(d[t], sc), f, acc[t][r]);
-        if (FMT == Q4_1) acc[t][r] = _mm512_fmadd_ps(mn[t], fs, acc[t][r]);
+        const __m512 f = amx_digits<FMT, L>(c[b & 1][g][t][row], off);
+        acc[t][r] = amx_accumulate<FMT>(acc[t][r], f, d[t], mn[t], sc, fs);
       }
     }
   };
   for (int b = 0; b < nb; ++b) {
-    auto& cb = c[b & 1];
-    _tile_zero(0);
-    _tile_loadd(4, a0 + b * QK, K);
-    _tile_loadd(6, bsrc[0] + (int64_t)b * 512, 64);
-    _tile_dpbssd(0, 4, 6);
-    if (NT == 2) {
-      _tile_zero(1);
-      _tile_loadd(7, bsrc[1] + (int64_t)b * 512, 64);
-      _tile_dpbssd(1, 4, 7);
-    }
-    if (MR1) {
-      _tile_zero(2);
-      _tile_loadd(5, a1 + b * QK, K);
-      _tile_dpbssd(2, 5, 6);
-      if (NT == 2) {
-        _tile_zero(3);
-        _tile_dpbssd(3, 5, 7);
-      }
-    }
-    _tile_stored(0, cb[0][0], 64);
-    if (NT == 2) _tile_stored(1, cb[0][1], 64);
-    if (MR1) {
-      _tile_stored(2, cb[1][0], 64);
-      if (NT == 2) _tile_stored(3, cb[1][1], 64);
-    }
+    amx_block(a0, a1, K, bsrc, NT, MR1 > 0, b, c[b & 1]);
     if (b > 0) epilogue(b - 1);
   }
   if (nb > 0) epilogue(nb - 1);
