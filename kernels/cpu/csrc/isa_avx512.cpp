@@ -740,8 +740,8 @@ inline void amx_rows(const GemmArgs& a, const AmxStage& st, const uint8_t* const
 }
 
 // amx_rows for a compile-time shape (three digits, a tile pair: the default engine's every
-// call), the accumulators in registers across blocks instead of memory: ~10% less time at
-// M = 30. The arithmetic is amx_rows' step for step.
+// call), the accumulators in registers across blocks instead of memory (two loads and a store
+// fewer per row, tile and block). The arithmetic is amx_rows' step for step.
 template <int FMT, int L, int MR0, int MR1, int NT>
 inline void amx_rows_reg(const GemmArgs& a, const AmxStage& st, const uint8_t* const* bsrc,
                          int m0, float (*accm)[32][16]) {
@@ -922,9 +922,9 @@ void amx_levels(const GemmArgs& a, int t0, int t1) {
 
 // Below this many digit rows (M x digits) the tile unit's fixed cost per block (C tiles zeroed,
 // multiplied and stored, then read back, whatever their fill) loses to the vpdpbusd kernel,
-// which gives the same bits. Measured on a Sapphire Rapids (one thread, 3072 x 576 Q4_1, three
-// digits): M = 5 1.07x the vpdpbusd time, M = 10 0.9x, M = 30 0.7x; a whole verify pass of 8
-// rows was slower through the tiles (bench_one_batch --engines auto@avx512,auto@amx).
+// which gives the same bits: with the switch at 24 digit rows a whole 8-row verify pass was
+// slower through the tiles, at 30 it is as fast as vpdpbusd while 16 and 32 rows gain
+// (`python -m benchmark.bench_one_batch --engines auto@amx,auto@avx512 --verify-ns 1,8,16,32`).
 constexpr int kAmxMinDigitRows = 30;
 
 void gemm_amx(const GemmArgs& a, int t0, int t1) {
