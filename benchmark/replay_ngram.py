@@ -49,6 +49,7 @@ from speculative.ngram_context import ContextIndex
 # the default was "1:1.0,4:1.08,8:1.27,16:1.55,32:2.3". Pass your own with --cost-curve.
 DEFAULT_CURVE = "cpu"
 MATCH_BUCKETS = 13  # by-match statistics for m = 1..11 and 12+ (0 never drafts)
+CALIBRATION_BUCKETS = 10  # drafted nodes by their estimated probability, in tenths
 
 
 REPLAYABLE = ("NGRAM", "SUFFIX")  # deterministic, model-free drafters
@@ -116,6 +117,9 @@ def replay(items: list[tuple[list[int], list[int]]], spec: SpecConfig, max_draft
     # drafting steps by the longest context match m (MATCH_BUCKETS - 1 = "that many or more"):
     # steps, nodes, accepted, any accepted, copy oracle's accepted
     by_match = [[0, 0, 0, 0, 0] for _ in range(MATCH_BUCKETS)]
+    # drafted nodes by the probability the drafter gave them (SUFFIX: `last_probs`):
+    # nodes, sum of estimates, nodes accepted
+    calib = [[0, 0.0, 0] for _ in range(CALIBRATION_BUCKETS)]
     oracle_tokens = 0
     for i, (prompt, out) in enumerate(items):
         rid = f"r{i}"
@@ -144,6 +148,13 @@ def replay(items: list[tuple[list[int], list[int]]], spec: SpecConfig, max_draft
                     on_path[u] = True
                     argmax[u] = truth[d] if d < len(truth) else -1
             res = verify_greedy(tree, torch.tensor(argmax))
+            probs = getattr(drafter, "last_probs", None)
+            if probs is not None and len(probs) == tree.num_nodes:
+                for u in range(1, tree.num_nodes):
+                    row = calib[min(int(probs[u] * CALIBRATION_BUCKETS), CALIBRATION_BUCKETS - 1)]
+                    row[0] += 1
+                    row[1] += probs[u]
+                    row[2] += on_path[u]
             gained = min(len(res.accepted_tokens) + 1, len(truth))
             drafted = tree.num_nodes - 1
             reach = copy_reach(index, history, truth, drafted) if drafted else 0
@@ -179,7 +190,10 @@ def replay(items: list[tuple[list[int], list[int]]], spec: SpecConfig, max_draft
             "by_match": [{"match": m, "steps": n, "mean_nodes": nodes / n,
                           "mean_accepted": acc / n, "p_any_accepted": anyacc / n,
                           "oracle_mean_accepted": orc / n}
-                         for m, (n, nodes, acc, anyacc, orc) in enumerate(by_match) if n]}
+                         for m, (n, nodes, acc, anyacc, orc) in enumerate(by_match) if n],
+            "calibration": [{"bucket": b / CALIBRATION_BUCKETS, "nodes": n,
+                             "mean_estimate": est / n, "accepted": acc / n}
+                            for b, (n, est, acc) in enumerate(calib) if n]}
 
 
 def _bucket(m: int) -> str:
@@ -225,6 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--by-match", action="store_true",
                    help="also print, per config, the drafting steps by their longest context "
                    "match m: tree nodes, drafts accepted, how often any was")
+    p.add_argument("--calibration", action="store_true",
+                   help="also print, per config that reports its node probabilities (SUFFIX), "
+                   "the drafted nodes by estimated probability against how often they were "
+                   "accepted")
     p.add_argument("--output", default="results/replay_ngram.json")
     args = p.parse_args(argv)
     try:
@@ -251,6 +269,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{b['mean_nodes']:.1f}", f"{b['mean_accepted']:.2f}",
               f"{b['p_any_accepted']:.2f}", f"{b['oracle_mean_accepted']:.2f}"]
              for r in rows for b in r["by_match"]]))
+        print()
+    if args.calibration:
+        print(format_table(
+            ["dataset", "config", "estimate", "nodes", "mean estimate", "accepted"],
+            [[r["dataset"], r["config"],
+              f"{c['bucket']:.1f}-{c['bucket'] + 1 / CALIBRATION_BUCKETS:.1f}", c["nodes"],
+              f"{c['mean_estimate']:.2f}", f"{c['accepted']:.2f}"]
+             for r in rows for c in r["calibration"]]))
         print()
     print(format_table(
         ["dataset", "config", "verify steps", "tokens/step", "copy oracle tokens/step",

@@ -49,6 +49,49 @@ _ROOT = 0
 _MISSING = -1  # recorded version of an anchor whose n-gram is not in the trie (never matches)
 
 
+def grow_best_first(
+    root: int,
+    start: object,
+    expand: Callable[[object], tuple[int, list[tuple[int, int, object]]]],
+    limit: int,
+    min_prob: float,
+) -> tuple[list[int], list[int], list[float], float]:
+    """Suffix decoding's best-first tree below one matched suffix: (tokens, parents, probs,
+    score), at most `limit` drafts under `root`, nodes in best-first order (parents first).
+
+    `expand(handle)` gives a node's continuations as (total, [(token, count, child handle),
+    ...]): total counts every occurrence that continued, so a child's probability is its
+    parent's times count / total; children below `min_prob` are pruned, and count ties go to
+    the child listed first. The score is the sum of the drafts' probabilities (the expected
+    number accepted). Shared by the counted trie (`NgramCache.draft_scored`) and the
+    positional index of one request's own context (`ngram_context.ContextIndex`)."""
+    heappush, heappop = heapq.heappush, heapq.heappop
+    tokens, parents, probs, score = [root], [-1], [1.0], 0.0
+    heap: list[tuple[float, int, int, int, object]] = []  # (-p, seq, parent, token, handle)
+    seq, idx, handle, prob = 0, 0, start, 1.0
+    while True:
+        total, kids = expand(handle)
+        if total > 0:
+            scale = prob / total
+            for t, c, child in kids:
+                p = c * scale
+                if p >= min_prob:
+                    heappush(heap, (-p, seq, idx, t, child))
+                    seq += 1
+        if not heap or len(tokens) > limit:
+            break
+        negp, _, parent, t, handle = heappop(heap)
+        idx = len(tokens)
+        tokens.append(t)
+        parents.append(parent)
+        prob = -negp
+        probs.append(prob)
+        score += prob
+        if len(tokens) > limit:
+            break
+    return tokens, parents, probs, score
+
+
 @dataclass(frozen=True)
 class NgramConfig:
     """Trie and drafting parameters (names follow SGLang's --speculative-ngram-* flags).
@@ -545,36 +588,21 @@ class NgramCache:
         if max_nodes <= 1:
             return best
         cnt, tot, tok, kids = self._cnt, self._tot, self._tok, self._kids
-        heappush, heappop = heapq.heappush, heapq.heappop
+        top_children = self._top_children
+
+        def expand(tn: int) -> tuple[int, list[tuple[int, int, int]]]:
+            if kids[tn] is None or tot[tn] <= 0:
+                return 0, []
+            return tot[tn], [(tok[c], cnt[c], c) for c in top_children(tn)]
+
         for node, m in self._matches(tail, key):
             if not self.last_match_len:
                 self.last_match_len = m
             limit = min(max_nodes - 1, int(spec_factor * m + spec_offset + 1e-9))
             if limit <= best[3]:
                 continue
-            tokens, parents, probs, score = [tail[-1]], [-1], [1.0], 0.0
-            heap: list[tuple[float, int, int, int]] = []  # (-prob, seq, tree parent, trie node)
-            seq = 0
-            idx, tn, prob = 0, node, 1.0
-            while True:
-                if kids[tn] is not None and tot[tn] > 0:
-                    scale = prob / tot[tn]
-                    for child in self._top_children(tn):
-                        p = cnt[child] * scale
-                        if p >= min_prob:
-                            heappush(heap, (-p, seq, idx, child))
-                            seq += 1
-                if not heap or len(tokens) > limit:
-                    break
-                negp, _, parent, tn = heappop(heap)
-                idx = len(tokens)
-                tokens.append(tok[tn])
-                parents.append(parent)
-                prob = -negp
-                probs.append(prob)
-                score += prob
-                if len(tokens) > limit:
-                    break
+            tokens, parents, probs, score = grow_best_first(tail[-1], node, expand, limit,
+                                                            min_prob)
             if score > best[3]:
                 best = (tokens, parents, probs, score, m)
         return best

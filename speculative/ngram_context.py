@@ -29,10 +29,16 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 
+from speculative.ngram_cache import grow_best_first
+
 # Matches of at most this many tokens draft from the request's own context first.
 OWN_CONTEXT_MAX_MATCH = 3  # = ngram_cache.CONFIDENT_MATCH
 # Most earlier occurrences of the root token looked at per step (most recent first).
 OWN_CONTEXT_SCAN = 64
+# SUFFIX's own-context trees: occurrences of the root token compared per step (most recent
+# first). Larger than NGRAM's scan: every occurrence adds to the counts, not just the first
+# few distinct continuations.
+SUFFIX_SCAN = 256
 
 
 class ContextIndex:
@@ -79,6 +85,91 @@ class ContextIndex:
                     starts.append(j + 1)
             j = self.prev[j]
         return starts
+
+
+    def draft_scored(
+        self,
+        tokens: Sequence[int],
+        max_nodes: int,
+        *,
+        spec_factor: float,
+        spec_offset: float,
+        min_prob: float,
+        max_depth: int,
+        scan: int = SUFFIX_SCAN,
+    ) -> tuple[list[int], list[int], list[float], float, int]:
+        """Suffix decoding's tree from this request's own history, as
+        `NgramCache.draft_scored` draws it from a trie of depth `max_depth` holding the same
+        tokens: (tokens, parents, probs, score, match length), the best-scoring tree over the
+        matched suffix lengths m <= max_depth - 1, each at most min(max_nodes - 1,
+        spec_factor * m + spec_offset) drafts, reaching max_depth - m tokens past the root.
+
+        No trie: the up to `scan` most recent earlier occurrences of the root token are
+        compared backwards with the context (the match length of each), and a suffix of
+        length m continues wherever an occurrence matched >= m tokens; a tree node's
+        continuations are the next tokens at its occurrences. So a 10k-token prompt costs one
+        int per token to index, not the trie's ~D nodes per token, and a step costs
+        O(scan * match length + tree), flat in the context length. With `scan` covering
+        every occurrence the trees equal the trie's (test); past it, older occurrences are
+        not counted."""
+        n = len(tokens)
+        assert len(self.prev) == n, "index out of date: call catch_up first"
+        best: tuple[list[int], list[int], list[float], float, int] = (
+            [tokens[-1]] if n else [], [-1], [1.0], 0.0, 0)
+        if n < 2 or max_nodes <= 1:
+            return best
+        cap = max_depth - 1
+        prev, last = self.prev, n - 1
+        found: list[tuple[int, int]] = []  # (match length, start of the continuation)
+        j = prev[last]
+        while j >= 0 and scan > 0:
+            scan -= 1
+            m = 1
+            while m < cap and m <= j and tokens[j - m] == tokens[last - m]:
+                m += 1
+            found.append((m, j + 1))
+            j = prev[j]
+        if not found:
+            return best
+
+        capped = False  # whether the last tree grown had a node the depth bound stopped
+
+        def expand(node: tuple[list[int], int]) -> tuple[int, list[tuple[int, int, object]]]:
+            nonlocal capped
+            starts, d = node  # occurrences' continuation starts, d tokens already drafted
+            if d >= depth_left:
+                capped = capped or any(s + d < n for s in starts)
+                return 0, []
+            groups: dict[int, list[int]] = {}
+            for s in starts:
+                if s + d < n:
+                    groups.setdefault(tokens[s + d], []).append(s)
+            if not groups:
+                return 0, []
+            total = sum(len(g) for g in groups.values())
+            return total, [(t, len(g), (g, d + 1)) for t, g in groups.items()]
+
+        found.sort(key=lambda f: -f[0])  # longest first
+        starts: list[int] = []
+        i, grown = 0, -1
+        for m in range(found[0][0], 0, -1):  # as the trie: every suffix length that occurs
+            while i < len(found) and found[i][0] >= m:
+                starts.append(found[i][1])
+                i += 1
+            limit = min(max_nodes - 1, int(spec_factor * m + spec_offset + 1e-9))
+            if limit <= best[3]:
+                continue
+            if len(starts) == grown and not capped:
+                # the same occurrences as the tree just grown, a limit no larger, and no
+                # node that the depth bound stopped: its tree would be a prefix of that one
+                continue
+            depth_left = max_depth - m  # the trie's n-grams end at depth max_depth
+            ordered = sorted(starts, reverse=True)  # most recent first: count ties to recency
+            capped, grown = False, len(starts)
+            t, p, q, score = grow_best_first(tokens[-1], (ordered, 0), expand, limit, min_prob)
+            if score > best[3]:
+                best = (t, p, q, score, m)
+        return best
 
 
 def own_context_tree(

@@ -1,13 +1,17 @@
 """SUFFIX speculation: suffix decoding (Oliaro et al. 2024, arXiv 2411.04975; vLLM's
 `method="suffix"`), no draft model.
 
-Two suffix trees answer every step, both depth-bounded token tries with counts
-(`speculative.ngram_cache.NgramCache`, the matching core NGRAM drafts from too):
-- the request's own tree over its prompt and output so far (dropped when it finishes);
+Two suffix structures answer every step, through one best-first tree grower
+(`speculative.ngram_cache.grow_best_first`):
+- the request's own prompt and output so far, as a positional index (`ngram_context.ContextIndex`,
+  the one NGRAM's own-context drafts read): one int per token, so a long prompt costs nothing
+  to index, and its trees equal those of a depth-bounded count trie over the same tokens
+  (dropped when the request finishes);
 - one global tree over the outputs of earlier and running requests, bounded by
   `--speculative-suffix-max-cached-requests` (the oldest request's output is uncounted when a
   new one arrives beyond it) and by `--speculative-suffix-cache-capacity` nodes (least recently
-  used leaves evicted), so its memory has a fixed ceiling.
+  used leaves evicted), so its memory has a fixed ceiling; a depth-bounded token trie with
+  counts (`speculative.ngram_cache.NgramCache`, the trie NGRAM drafts from too).
 For each, every suffix of the context that the tree holds (up to `max_tree_depth` - 1 tokens)
 grows a best-first tree: a continuation's probability is the product of count / sibling total
 along its path, pruned below `min_token_prob`, at most `max_spec_factor * match_len +
@@ -31,16 +35,16 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from speculative.base import Drafter, SpecReq, register_algorithm
+from speculative.calibration import AcceptCalibration, best_first_order, reorder
 from speculative.ngram_cache import NgramCache, NgramConfig
+from speculative.ngram_context import ContextIndex
 from speculative.options import ResolveContext, SpecConfig, SpecOptions, flag, option
 from speculative.tree import DraftTree
 
 # A backed-off request (its drafts kept failing) still drafts a tree this confident: the
 # expected number of accepted drafts, the tree's score.
 CONFIDENT_SCORE = 2.0
-# Nodes of one request's own tree (~100 bytes each; least recently used leaves evicted beyond).
-REQUEST_TREE_NODES = 1 << 17
-# Requests whose own tree is kept at once (a request never released is dropped beyond this).
+# Requests whose own index is kept at once (a request never released is dropped beyond this).
 MAX_LIVE_TREES = 4096
 
 
@@ -92,6 +96,10 @@ class SuffixOptions(SpecOptions):
     suffix_min_token_prob: float = option(
         0.1, "SUFFIX: drop draft tokens whose estimated probability (product of frequencies "
         "along the path) is below this", vllm="suffix_decoding_min_token_prob")
+    suffix_disable_calibration: bool = option(
+        False, "SUFFIX: cut trees on the raw count estimates instead of on estimates "
+        "calibrated online against the acceptance this server measures "
+        "(`speculative/calibration.py`)")
     suffix_max_draft_tokens: int | None = option(
         None, "SUFFIX: tree nodes (root included) a request may draft while the step's total "
         "stays within it, i.e. when it decodes alone (default: 2x "
@@ -137,17 +145,18 @@ class SuffixDrafter(Drafter):
         depth = cfg.suffix_max_tree_depth
         # every child that can pass min_token_prob is among a node's top ceil(1/p) by count
         breadth = max(1, min(64, math.ceil(1.0 / cfg.suffix_min_token_prob)))
-        self._request_cfg = NgramConfig(capacity=max(REQUEST_TREE_NODES, depth * depth),
-                                        max_trie_depth=depth, max_bfs_breadth=breadth,
-                                        max_tracked_requests=1)
         self._global_cfg = NgramConfig(capacity=cfg.suffix_cache_capacity, max_trie_depth=depth,
                                        max_bfs_breadth=breadth)
         self.global_tree = NgramCache(self._global_cfg)
-        self.trees: OrderedDict[str, NgramCache] = OrderedDict()  # per live request
+        self.trees: OrderedDict[str, ContextIndex] = OrderedDict()  # per live request
         # outputs the global tree counts, oldest first (finished or running)
         self.outputs: OrderedDict[str, array] = OrderedDict()
         self._prompt_len: dict[str, int] = {}
         self.last_source = ""  # "request" / "global" / "": where the last draft came from
+        self.last_probs: list[float] = [1.0]  # the last draft's node probabilities (replay)
+        self.calibration = AcceptCalibration()
+        # rid -> the last draft (tokens, parents, raw estimates), until its step is observed
+        self._pending: dict[str, tuple[list[int], list[int], list[float]]] = {}
 
     def describe(self) -> str:
         c = self.cfg
@@ -163,17 +172,24 @@ class SuffixDrafter(Drafter):
 
     def draft_lists(self, r: SpecReq, batch_size: int = 1) -> tuple[list[int], list[int]]:
         root = ([r.tokens[-1]], [-1])
-        self.last_source = ""
+        self.last_source, self.last_probs = "", [1.0]
         if r.budget <= 1:
             return root
         c = self.cfg
+        best = 1.0 if c.suffix_disable_calibration else self.calibration.best_first_level()
+        if not self.could_pay(r.budget, batch_size, best):
+            return root  # not even the best chain could pay for its rows: skip the lookups
         tail = r.tokens[-c.suffix_max_tree_depth:]
         kw = {"spec_factor": c.suffix_max_spec_factor, "spec_offset": c.suffix_max_spec_offset,
               "min_prob": c.suffix_min_token_prob, "key": r.rid}
         found = []
         own = self.trees.get(r.rid)
         if own is not None:
-            found.append(("request", own.draft_scored(tail, r.budget, **kw)))
+            own.catch_up(r.tokens)
+            found.append(("request", own.draft_scored(
+                r.tokens, r.budget, spec_factor=c.suffix_max_spec_factor,
+                spec_offset=c.suffix_max_spec_offset, min_prob=c.suffix_min_token_prob,
+                max_depth=c.suffix_max_tree_depth)))
         if c.suffix_max_cached_requests > 0:
             found.append(("global", self.global_tree.draft_scored(tail, r.budget, **kw)))
         found = [(src, t) for src, t in found if t[3] > 0]
@@ -182,9 +198,30 @@ class SuffixDrafter(Drafter):
         self.last_source = max(found, key=lambda f: f[1][3])[0]
         if r.backed_off and max(t[3] for _, t in found) < CONFIDENT_SCORE:
             return root
-        tokens, parents, probs = merge_best_first([t for _, t in found], r.budget)
+        tokens, parents, raw = merge_best_first([t for _, t in found], r.budget)
+        probs = raw
+        if not c.suffix_disable_calibration:
+            probs = self.calibration.calibrate(parents, raw)
+            tokens, parents, probs, raw = reorder(best_first_order(probs), tokens, parents,
+                                                  probs, raw)
         k = self.worth_drafting(probs, batch_size)
+        self.last_probs = probs[:k]
+        if k > 1:
+            self._pending[r.rid] = (tokens[:k], parents[:k], raw[:k])
         return tokens[:k], parents[:k]
+
+    def could_pay(self, budget: int, batch_size: int, best: float = 1.0) -> bool:
+        """Whether any tree within `budget` nodes could pass `worth_drafting` in a batch of
+        this size, when no node can be rated above `best` (a node never rates above its
+        parent, so a chain of `best` nodes bounds every tree). In a busy batch on the CPU
+        engine, where a row costs about a whole token's share of the step, it does not, and
+        the step skips the trees' lookups."""
+        if self.verify_cost is None or self.cfg.disable_adaptive:
+            return True
+        others = max(batch_size, 1) - 1
+        base = (others + 1) / self.verify_cost(others + 1)
+        return any((others + 1 + (k - 1) * best) / self.verify_cost(others + k) > base
+                   for k in range(2, budget + 1))
 
     def worth_drafting(self, probs: list[float], batch_size: int = 1) -> int:
         """Nodes (root included) of a best-first tree worth verifying: the prefix that
@@ -213,16 +250,19 @@ class SuffixDrafter(Drafter):
         depth = self.cfg.suffix_max_tree_depth
         tree = self.trees.get(rid)
         if tree is None or num_new >= len(tokens):  # a new request: its prompt
-            tree = self.trees[rid] = NgramCache(self._request_cfg)
-            tree.extend(rid, [], tokens)
+            tree = self.trees[rid] = ContextIndex()
+            tree.catch_up(tokens)
             self._prompt_len[rid] = len(tokens)
             if len(self.trees) > MAX_LIVE_TREES:
                 old, _ = self.trees.popitem(last=False)
                 self._prompt_len.pop(old, None)
             return
         self.trees.move_to_end(rid)
-        context, new = tokens[-(depth + num_new):-num_new], tokens[-num_new:]
-        tree.extend(rid, context, new)
+        tree.catch_up(tokens)
+        pending = self._pending.pop(rid, None)
+        if pending is not None:  # what the step committed after the drafted root
+            self.calibration.record(*pending, tokens[-num_new:])
+        new = tokens[-num_new:]
         if self.cfg.suffix_max_cached_requests <= 0:
             return
         out = self.outputs.get(rid)
@@ -240,6 +280,7 @@ class SuffixDrafter(Drafter):
     def release(self, rid: str) -> None:
         self.trees.pop(rid, None)
         self._prompt_len.pop(rid, None)
+        self._pending.pop(rid, None)
         self.global_tree.release(rid)  # its output stays counted until it is the oldest
 
     def reset(self) -> None:
@@ -247,10 +288,12 @@ class SuffixDrafter(Drafter):
         self.trees.clear()
         self.outputs.clear()
         self._prompt_len.clear()
+        self._pending.clear()
+        self.calibration = AcceptCalibration()
 
     def memory_nodes(self) -> dict[str, int]:
-        """Nodes held: the global tree's and the live requests' own trees' (for tests and
-        /server_info-style reporting)."""
+        """What is held: the global tree's nodes (~100 bytes each) and the live requests'
+        indexed tokens (one int each) (for tests and /server_info-style reporting)."""
         return {"global": self.global_tree.num_nodes,
-                "requests": sum(t.num_nodes for t in self.trees.values()),
+                "requests": sum(len(t) for t in self.trees.values()),
                 "cached_requests": len(self.outputs), "live_requests": len(self.trees)}

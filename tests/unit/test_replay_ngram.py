@@ -113,3 +113,22 @@ def test_suffix_replays_with_the_curve_it_plans_with():
     assert steep["verify_steps"] > flat["verify_steps"]
     rows, ratios = parse_curve("cpu")
     assert rows[0] == 1 and ratios[0] == 1.0 and len(rows) > 4
+
+
+def test_suffix_calibration_table_counts_every_drafted_node():
+    """SUFFIX reports its node probabilities: the replay buckets every drafted node by them,
+    with the share accepted; NGRAM reports none."""
+    items = copy_items(5)
+    _, spec, deep = resolve("SUFFIX")
+    res = replay(items, spec, deep, CURVE)
+    cal = res["calibration"]
+    assert cal and sum(c["nodes"] for c in cal) > 0
+    for c in cal:
+        assert c["bucket"] <= c["mean_estimate"] <= c["bucket"] + 0.1 + 1e-9
+        assert 0.0 <= c["accepted"] <= 1.0
+    # on copies with rare edits, most confident nodes are accepted
+    top = [c for c in cal if c["bucket"] >= 0.7]
+    assert top and sum(c["accepted"] * c["nodes"] for c in top) / sum(
+        c["nodes"] for c in top) > 0.7
+    _, ngram, deep = resolve("NGRAM")
+    assert replay(items, ngram, deep, CURVE)["calibration"] == []

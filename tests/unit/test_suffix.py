@@ -80,6 +80,43 @@ def test_scored_tree_follows_frequencies_and_the_match_length():
     assert scored(cache, [42])[:4] == ([42], [-1], [1.0], 0.0)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_the_positional_index_draws_the_tries_trees(seed):
+    """A request's own history is indexed by position (one int per token), not counted into
+    a trie; its scored trees must be the trie's over the same tokens, at every context."""
+    import math
+
+    from speculative.ngram_context import ContextIndex
+
+    rng = random.Random(seed)
+    depth, p = rng.choice([(5, 0.1), (8, 0.05), (12, 0.2)])
+    vocab = rng.choice([3, 6, 20])
+    motif = [rng.randrange(vocab) for _ in range(15)]
+    seq = []
+    while len(seq) < 400:  # repeats with edits, so long and short matches both occur
+        seq += motif if rng.random() < 0.5 else [rng.randrange(vocab) for _ in range(7)]
+    checked = 0
+    # the trie counts, token by token, exactly the tokens indexed at each check
+    trie = NgramCache(NgramConfig(capacity=1_000_000, max_trie_depth=depth,
+                                  max_bfs_breadth=math.ceil(1 / p)))
+    index = ContextIndex()
+    for n in range(1, len(seq) + 1):
+        trie.extend("r", seq[:n - 1], seq[n - 1:n])
+        index.catch_up(seq[:n])
+        if n % 7:
+            continue
+        for max_nodes, factor, offset in ((8, 1.0, 0.0), (16, 2.0, 1.0), (4, 0.5, 0.0)):
+            a = trie.draft_scored(seq[:n], max_nodes, spec_factor=factor, spec_offset=offset,
+                                  min_prob=p)
+            b = index.draft_scored(seq[:n], max_nodes, spec_factor=factor, spec_offset=offset,
+                                   min_prob=p, max_depth=depth, scan=10**9)
+            assert b[3] == pytest.approx(a[3]) and b[4] == a[4], (n, a, b)
+            assert sorted(b[2]) == pytest.approx(sorted(a[2]))
+            assert len(b[0]) == len(a[0])
+            checked += a[3] > 0
+    assert checked > 20
+
+
 def suffix(**kw):
     return create_drafter(SpecConfig("SUFFIX", 8, **kw), None)
 
@@ -177,3 +214,100 @@ def test_the_request_and_global_trees_merge_best_first():
     assert tokens == [5, 6, 7, 9, 4, 8] and parents == [-1, 0, 1, 1, 0, 0]
     assert probs == [1.0, 0.9, 0.8, 0.45, 0.4, 0.1]
     assert merge_best_first([own, glob], 3)[0] == [5, 6, 7]
+
+
+def test_calibration_learns_what_estimates_are_worth():
+    from speculative.calibration import AcceptCalibration, best_first_order, reorder
+
+    cal = AcceptCalibration()
+    tokens, parents, probs = [9, 1, 2, 3], [-1, 0, 1, 0], [1.0, 1.0, 1.0, 0.5]
+    assert cal.calibrate(parents, probs) == probs  # no evidence: the estimates as they are
+    for i in range(400):  # 1 -> 2 is right half the time; 3 never
+        cal.record(tokens, parents, probs, [1, 2, 7] if i % 2 else [1, 5])
+    # node 1 (depth 1, est 1.0) accepted every time, node 2 (depth 2, est 1.0) half the time,
+    # node 3 (depth 1, est 0.5) never
+    got = cal.calibrate(parents, probs)
+    assert got[1] == pytest.approx(1.0, abs=0.02)
+    assert got[2] == pytest.approx(0.5, abs=0.03)
+    assert got[3] < 0.03
+    # ratings never fall as the estimate rises: a rarer continuation whose cell did well is
+    # capped by the likelier one's
+    cal2 = AcceptCalibration()
+    for _ in range(200):
+        cal2.record([9, 1, 2], [-1, 0, 1], [1.0, 0.3, 0.3], [1, 2, 0])  # depth 1 at 0.3: 1.0
+        cal2.record([9, 4], [-1, 0], [1.0, 0.9], [5])  # depth 1 at 0.9: never
+    c = cal2.calibrate([-1, 0, 0], [1.0, 0.35, 0.95])
+    assert c[1] <= c[2] < 0.05
+    assert cal2.best_first_level() == pytest.approx(cal2.rate(1, 1.0))
+    # a child is never rated above its parent, whatever its cell says
+    cal4 = AcceptCalibration()
+    for _ in range(200):
+        cal4.record([9, 1], [-1, 0], [1.0, 0.5], [3])  # depth 1 at 0.5: never
+    c = cal4.calibrate([-1, 0, 1], [1.0, 0.5, 0.5])  # its child's cell (depth 2) is empty
+    assert c[2] <= c[1] < 0.05
+    order = best_first_order([1.0, 0.2, 0.2, 0.6])
+    t, p, v = reorder(order, [9, 1, 2, 4], [-1, 0, 1, 0], [1.0, 0.2, 0.2, 0.6])
+    assert t == [9, 4, 1, 2] and p == [-1, 0, 0, 2] and v == [1.0, 0.6, 0.2, 0.2]
+    # the last committed token is the target's own: a draft equal to it was not accepted
+    cal3 = AcceptCalibration()
+    cal3.record([9, 1], [-1, 0], [1.0, 1.0], [1])
+    assert cal3.accepted[0][9] == 0 and cal3.expected[0][9] == 1.0
+
+
+def test_the_drafter_calibrates_from_its_verified_drafts():
+    from runtime.verify_cost import VERIFY_COST
+
+    d = suffix(suffix_max_draft_tokens=8)
+    d.verify_cost = VERIFY_COST["cpu"]
+    answer = list(range(50, 62))
+    for i in range(3):  # the global tree sees the same answer three times: estimates 1.0
+        feed(d, f"w{i}", [7, 8, 9], answer)
+        d.release(f"w{i}")
+    ctx = [30, 31] + answer[:6]
+    d.observe("x", ctx, len(ctx))
+    first, _ = d.draft_lists(SpecReq("x", ctx, 8))
+    assert first[1:] == answer[6:12]
+    # but this server's outputs never continue so: after enough wrong drafts, the same match
+    # drafts less (the estimates fell below what a verify row costs)
+    for i in range(60):
+        rid = f"y{i}"
+        d.observe(rid, ctx, len(ctx))
+        tokens, _ = d.draft_lists(SpecReq(rid, ctx, 8))
+        if len(tokens) > 1:
+            d.observe(rid, ctx + [99], 1)  # the target wrote 99: nothing accepted
+        d.release(rid)
+    assert d.calibration.recorded > 0
+    later, _ = d.draft_lists(SpecReq("x", ctx, 8))
+    assert len(later) < len(first)
+    # with calibration off, the raw counts draft the whole chain again
+    raw = suffix(suffix_max_draft_tokens=8, suffix_disable_calibration=True)
+    raw.verify_cost = VERIFY_COST["cpu"]
+    for i in range(3):
+        feed(raw, f"w{i}", [7, 8, 9], answer)
+        raw.release(f"w{i}")
+    raw.observe("x", ctx, len(ctx))
+    assert raw.draft_lists(SpecReq("x", ctx, 8))[0] == first
+
+
+def test_a_busy_batch_skips_lookups_no_tree_could_pay_for():
+    from runtime.verify_cost import VERIFY_COST
+
+    d = suffix(suffix_max_draft_tokens=8)
+    d.verify_cost = VERIFY_COST["cpu"]
+    # sure drafts would still pay a little at any batch size on the stored curve
+    assert d.could_pay(8, 1) and d.could_pay(8, 8) and d.could_pay(4, 32)
+    # once this server's best-rated drafts are accepted half the time, a batch of 8 skips
+    # (a row costs ~0.25 of the batch's 2.27-step verify: it must bring ~0.9 tokens)
+    for _ in range(300):
+        d.calibration.record([9, 1], [-1, 0], [1.0, 1.0], [1, 5] if _ % 2 else [3])
+    best = d.calibration.best_first_level()
+    assert 0.45 < best < 0.6
+    assert d.could_pay(8, 1, best) and not d.could_pay(8, 8, best)
+    answer = list(range(50, 62))
+    for i in range(3):
+        feed(d, f"w{i}", [7, 8, 9], answer)
+        d.release(f"w{i}")
+    ctx = [30, 31] + answer[:6]
+    d.observe("x", ctx, len(ctx))
+    assert d.draft_lists(SpecReq("x", ctx, 8), batch_size=8)[0] == [answer[5]]
+    assert len(d.draft_lists(SpecReq("x", ctx, 8), batch_size=1)[0]) > 1
