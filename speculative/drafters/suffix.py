@@ -35,7 +35,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from speculative.base import Drafter, SpecReq, register_algorithm
-from speculative.calibration import AcceptCalibration, best_first_order, reorder
 from speculative.ngram_cache import NgramCache, NgramConfig
 from speculative.ngram_context import ContextIndex
 from speculative.options import ResolveContext, SpecConfig, SpecOptions, flag, option
@@ -96,10 +95,6 @@ class SuffixOptions(SpecOptions):
     suffix_min_token_prob: float = option(
         0.1, "SUFFIX: drop draft tokens whose estimated probability (product of frequencies "
         "along the path) is below this", vllm="suffix_decoding_min_token_prob")
-    suffix_disable_calibration: bool = option(
-        False, "SUFFIX: cut trees on the raw count estimates instead of on estimates "
-        "calibrated online against the acceptance this server measures "
-        "(`speculative/calibration.py`)")
     suffix_max_draft_tokens: int | None = option(
         None, "SUFFIX: tree nodes (root included) a request may draft while the step's total "
         "stays within it, i.e. when it decodes alone (default: 2x "
@@ -154,9 +149,6 @@ class SuffixDrafter(Drafter):
         self._prompt_len: dict[str, int] = {}
         self.last_source = ""  # "request" / "global" / "": where the last draft came from
         self.last_probs: list[float] = [1.0]  # the last draft's node probabilities (replay)
-        self.calibration = AcceptCalibration()
-        # rid -> the last draft (tokens, parents, raw estimates), until its step is observed
-        self._pending: dict[str, tuple[list[int], list[int], list[float]]] = {}
 
     def describe(self) -> str:
         c = self.cfg
@@ -176,9 +168,6 @@ class SuffixDrafter(Drafter):
         if r.budget <= 1:
             return root
         c = self.cfg
-        best = 1.0 if c.suffix_disable_calibration else self.calibration.best_first_level()
-        if not self.could_pay(r.budget, batch_size, best):
-            return root  # not even the best chain could pay for its rows: skip the lookups
         tail = r.tokens[-c.suffix_max_tree_depth:]
         kw = {"spec_factor": c.suffix_max_spec_factor, "spec_offset": c.suffix_max_spec_offset,
               "min_prob": c.suffix_min_token_prob, "key": r.rid}
@@ -198,30 +187,10 @@ class SuffixDrafter(Drafter):
         self.last_source = max(found, key=lambda f: f[1][3])[0]
         if r.backed_off and max(t[3] for _, t in found) < CONFIDENT_SCORE:
             return root
-        tokens, parents, raw = merge_best_first([t for _, t in found], r.budget)
-        probs = raw
-        if not c.suffix_disable_calibration:
-            probs = self.calibration.calibrate(parents, raw)
-            tokens, parents, probs, raw = reorder(best_first_order(probs), tokens, parents,
-                                                  probs, raw)
+        tokens, parents, probs = merge_best_first([t for _, t in found], r.budget)
         k = self.worth_drafting(probs, batch_size)
         self.last_probs = probs[:k]
-        if k > 1:
-            self._pending[r.rid] = (tokens[:k], parents[:k], raw[:k])
         return tokens[:k], parents[:k]
-
-    def could_pay(self, budget: int, batch_size: int, best: float = 1.0) -> bool:
-        """Whether any tree within `budget` nodes could pass `worth_drafting` in a batch of
-        this size, when no node can be rated above `best` (a node never rates above its
-        parent, so a chain of `best` nodes bounds every tree). In a busy batch on the CPU
-        engine, where a row costs about a whole token's share of the step, it does not, and
-        the step skips the trees' lookups."""
-        if self.verify_cost is None or self.cfg.disable_adaptive:
-            return True
-        others = max(batch_size, 1) - 1
-        base = (others + 1) / self.verify_cost(others + 1)
-        return any((others + 1 + (k - 1) * best) / self.verify_cost(others + k) > base
-                   for k in range(2, budget + 1))
 
     def worth_drafting(self, probs: list[float], batch_size: int = 1) -> int:
         """Nodes (root included) of a best-first tree worth verifying: the prefix that
@@ -259,9 +228,6 @@ class SuffixDrafter(Drafter):
             return
         self.trees.move_to_end(rid)
         tree.catch_up(tokens)
-        pending = self._pending.pop(rid, None)
-        if pending is not None:  # what the step committed after the drafted root
-            self.calibration.record(*pending, tokens[-num_new:])
         new = tokens[-num_new:]
         if self.cfg.suffix_max_cached_requests <= 0:
             return
@@ -280,7 +246,6 @@ class SuffixDrafter(Drafter):
     def release(self, rid: str) -> None:
         self.trees.pop(rid, None)
         self._prompt_len.pop(rid, None)
-        self._pending.pop(rid, None)
         self.global_tree.release(rid)  # its output stays counted until it is the oldest
 
     def reset(self) -> None:
@@ -288,8 +253,6 @@ class SuffixDrafter(Drafter):
         self.trees.clear()
         self.outputs.clear()
         self._prompt_len.clear()
-        self._pending.clear()
-        self.calibration = AcceptCalibration()
 
     def memory_nodes(self) -> dict[str, int]:
         """What is held: the global tree's nodes (~100 bytes each) and the live requests'
