@@ -9,6 +9,14 @@ Every configuration sees the same prompts at a given concurrency (`--num-prompts
 at least `--prompts-per-slot` × concurrency). Prints a table last (output tok/s, TTFT, ITL p99,
 and each configuration's ratio to the first one at the same concurrency), writes the JSON and a
 plot beside it.
+
+`--rounds R` (R >= 1) interleaves instead: every configuration's server starts at once (an
+idle server blocks in its polls: memory, no CPU), and at each concurrency the configurations
+take turns, R rounds, the first to run rotating; each run starts from a flushed server (radix
+cache and drafter state, so no run drafts from an earlier run's answers to the same prompts).
+A cell reports its median round (by output tok/s; every round's figure is in the JSON). This
+machine's speed drifts by 10-20% over the minutes a sequential sweep takes, which one config
+after another turns into its ratios; taking turns puts the drift into every configuration alike.
 """
 
 from __future__ import annotations
@@ -101,6 +109,60 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+def _flush(url: str, tries: int = 50) -> None:
+    for _ in range(tries):
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.post(f"{url}/flush_cache", timeout=30).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"{url}: flush_cache refused {tries} times")
+
+
+def run_interleaved(args: argparse.Namespace) -> dict[str, Any]:
+    """Every server at once; per concurrency, `args.rounds` rounds in which each configuration
+    serves the level's requests from a flushed server, in rotating order; a cell keeps the
+    round with the median output tok/s."""
+    from tqdm import tqdm
+
+    tokenizer = load_bench_tokenizer(None)
+    labels = [label for label, _ in args.config]
+    results: dict[str, Any] = {label: {"server_args": sargs, "levels": {}}
+                               for label, sargs in args.config}
+    with contextlib.ExitStack() as stack:
+        urls = {}
+        for label, server_args in tqdm(args.config, desc="starting servers", unit="server"):
+            log = Path(args.output).with_suffix(f".{label}.log")
+            urls[label] = stack.enter_context(
+                server([*server_args, *shlex.split(args.common_args)], log))
+        bar = tqdm(total=len(args.concurrency) * args.rounds * len(labels), desc="sweep",
+                   unit="run")
+        for li, c in enumerate(args.concurrency):
+            n = max(args.num_prompts, args.prompts_per_slot * c)
+            reqs = sample_requests(args.dataset, n, tokenizer, args.seed, args.max_new_tokens,
+                                   split=args.split)
+            runs: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
+            for r in range(args.rounds):
+                first = (li + r) % len(labels)
+                for label in labels[first:] + labels[:first]:
+                    _flush(urls[label])
+                    cfg = BenchConfig(base_url=urls[label], max_concurrency=c, seed=args.seed,
+                                      disable_tqdm=True, warmup_requests=min(c, 4))
+                    runs[label].append(asyncio.run(run_benchmark(reqs, cfg, tokenizer)))
+                    bar.set_postfix_str(f"c={c} round {r + 1} {label}")
+                    bar.update()
+            for label in labels:
+                tps = [o["metrics"]["output_throughput"] for o in runs[label]]
+                median = sorted(range(len(tps)), key=lambda i: tps[i])[(len(tps) - 1) // 2]
+                out = runs[label][median]
+                results[label]["levels"][str(c)] = {
+                    "metrics": out["metrics"], "server_info": out["server_info"],
+                    "rounds_output_throughput": tps}
+                tqdm.write(f"{label} c={c}: {' / '.join(f'{t:.1f}' for t in tps)} tok/s "
+                           f"(rounds), {out['metrics']['completed']}/{n} ok")
+        bar.close()
+    return results
+
+
 def report(results: dict[str, Any]) -> str:
     labels = list(results)
     base = labels[0]
@@ -158,10 +220,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts-per-slot", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=0,
+                   help="interleave: all servers at once, configurations taking turns this "
+                   "many rounds per concurrency, each from a flushed server (0: one server "
+                   "after another, each serving every level once)")
     p.add_argument("--output", default="results/sweep_serving.json")
     args = p.parse_args(argv)
+    if args.rounds < 0:
+        p.error("--rounds must be >= 0")
     os.makedirs(Path(args.output).parent, exist_ok=True)
-    results = run_sweep(args)
+    results = run_interleaved(args) if args.rounds else run_sweep(args)
     path = write_json(args.output, {"config": {**vars(args), "config": args.config},
                                     "machine": machine_info(), "results": results})
     png = plot(results, Path(args.output).with_suffix(".png"))

@@ -1,0 +1,56 @@
+"""benchmark/sweep_serving --rounds: every server up at once, configurations taking turns in
+rotating order from flushed servers, each cell its median round."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+from benchmark import sweep_serving as sw
+
+
+def test_interleaved_rounds_rotate_flush_and_keep_the_median(monkeypatch, tmp_path):
+    events: list[tuple] = []
+    started: list[str] = []
+
+    @contextlib.contextmanager
+    def fake_server(args, log_path, timeout_s=300):
+        url = f"http://{args[0]}"
+        started.append(url)
+        yield url
+        events.append(("stop", url))
+
+    throughput = {"http://a": [10.0, 30.0, 20.0] * 2, "http://b": [5.0, 6.0, 7.0] * 2}
+
+    async def fake_bench(reqs, cfg, tokenizer):
+        events.append(("run", cfg.base_url, cfg.max_concurrency, len(reqs)))
+        tps = throughput[cfg.base_url].pop(0)
+        return {"metrics": {"output_throughput": tps, "completed": len(reqs)},
+                "server_info": {"url": cfg.base_url}}
+
+    monkeypatch.setattr(sw, "server", fake_server)
+    monkeypatch.setattr(sw, "run_benchmark", fake_bench)
+    monkeypatch.setattr(sw, "_flush", lambda url: events.append(("flush", url)))
+    monkeypatch.setattr(sw, "load_bench_tokenizer", lambda _: None)
+    monkeypatch.setattr(sw, "sample_requests",
+                        lambda ds, n, tok, seed, mx, split: list(range(n)))
+    args = argparse.Namespace(
+        config=[("A", ["a"]), ("B", ["b"])], common_args="", concurrency=[1, 4],
+        dataset="sharegpt", split="heldout", num_prompts=2, prompts_per_slot=2,
+        max_new_tokens=8, seed=1, rounds=3, output=str(tmp_path / "s.json"))
+    res = sw.run_interleaved(args)
+    assert started == ["http://a", "http://b"]  # all servers first
+    runs = [e for e in events if e[0] == "run"]
+    # every run follows a flush of its own server
+    for i, e in enumerate(events):
+        if e[0] == "run":
+            assert events[i - 1] == ("flush", e[1])
+    order = [e[1][-1].upper() for e in runs]
+    # c=1: rounds start with A, B, A; c=4: B, A, B (the first rotates)
+    assert order == list("ABBAAB") + list("BAABBA")
+    assert [e[3] for e in runs] == [2] * 6 + [8] * 6  # prompts per level: 2 per slot
+    a1 = res["A"]["levels"]["1"]
+    assert a1["rounds_output_throughput"] == [10.0, 30.0, 20.0]
+    assert a1["metrics"]["output_throughput"] == 20.0  # the median round
+    assert res["B"]["levels"]["4"]["metrics"]["output_throughput"] == 6.0
+    assert events[-2:] == [("stop", "http://b"), ("stop", "http://a")]
