@@ -86,7 +86,6 @@ class ContextIndex:
             j = self.prev[j]
         return starts
 
-
     def draft_scored(
         self,
         tokens: Sequence[int],
