@@ -87,6 +87,19 @@ def parse_config(text: str) -> tuple[str, list[str]]:
     return label, shlex.split(args)
 
 
+def _level_requests(args: argparse.Namespace, tokenizer, c: int) -> list:
+    """The requests of concurrency level c: `--num-prompts`, at least `--prompts-per-slot` x c."""
+    n = max(args.num_prompts, args.prompts_per_slot * c)
+    return sample_requests(args.dataset, n, tokenizer, args.seed, args.max_new_tokens,
+                           split=args.split)
+
+
+def _bench(url: str, c: int, reqs: list, tokenizer, seed: int) -> dict[str, Any]:
+    cfg = BenchConfig(base_url=url, max_concurrency=c, seed=seed, disable_tqdm=True,
+                      warmup_requests=min(c, 4))
+    return asyncio.run(run_benchmark(reqs, cfg, tokenizer))
+
+
 def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = load_bench_tokenizer(None)
     results: dict[str, Any] = {}
@@ -95,12 +108,9 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
         log = Path(args.output).with_suffix(f".{label}.log")
         with server([*server_args, *shlex.split(args.common_args)], log) as url:
             for c in args.concurrency:
-                n = max(args.num_prompts, args.prompts_per_slot * c)
-                reqs = sample_requests(args.dataset, n, tokenizer, args.seed, args.max_new_tokens,
-                                       split=args.split)
-                cfg = BenchConfig(base_url=url, max_concurrency=c, seed=args.seed,
-                                  disable_tqdm=True, warmup_requests=min(c, 4))
-                out = asyncio.run(run_benchmark(reqs, cfg, tokenizer))
+                reqs = _level_requests(args, tokenizer, c)
+                n = len(reqs)
+                out = _bench(url, c, reqs, tokenizer, args.seed)
                 m = out["metrics"]
                 results[label]["levels"][str(c)] = {"metrics": m,
                                                    "server_info": out["server_info"]}
@@ -137,17 +147,14 @@ def run_interleaved(args: argparse.Namespace) -> dict[str, Any]:
         bar = tqdm(total=len(args.concurrency) * args.rounds * len(labels), desc="sweep",
                    unit="run")
         for li, c in enumerate(args.concurrency):
-            n = max(args.num_prompts, args.prompts_per_slot * c)
-            reqs = sample_requests(args.dataset, n, tokenizer, args.seed, args.max_new_tokens,
-                                   split=args.split)
+            reqs = _level_requests(args, tokenizer, c)
+            n = len(reqs)
             runs: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
             for r in range(args.rounds):
                 first = (li + r) % len(labels)
                 for label in labels[first:] + labels[:first]:
                     _flush(urls[label])
-                    cfg = BenchConfig(base_url=urls[label], max_concurrency=c, seed=args.seed,
-                                      disable_tqdm=True, warmup_requests=min(c, 4))
-                    runs[label].append(asyncio.run(run_benchmark(reqs, cfg, tokenizer)))
+                    runs[label].append(_bench(urls[label], c, reqs, tokenizer, args.seed))
                     bar.set_postfix_str(f"c={c} round {r + 1} {label}")
                     bar.update()
             for label in labels:

@@ -54,3 +54,33 @@ def test_interleaved_rounds_rotate_flush_and_keep_the_median(monkeypatch, tmp_pa
     assert a1["metrics"]["output_throughput"] == 20.0  # the median round
     assert res["B"]["levels"]["4"]["metrics"]["output_throughput"] == 6.0
     assert events[-2:] == [("stop", "http://b"), ("stop", "http://a")]
+
+
+def test_sequential_sweep_serves_every_level_from_one_server_each(monkeypatch, tmp_path):
+    events: list[tuple] = []
+
+    @contextlib.contextmanager
+    def fake_server(args, log_path, timeout_s=300):
+        events.append(("start", args[0]))
+        yield f"http://{args[0]}"
+        events.append(("stop", args[0]))
+
+    async def fake_bench(reqs, cfg, tokenizer):
+        events.append(("run", cfg.base_url, cfg.max_concurrency, len(reqs)))
+        return {"metrics": {"output_throughput": 1.0, "completed": len(reqs)},
+                "server_info": {}}
+
+    monkeypatch.setattr(sw, "server", fake_server)
+    monkeypatch.setattr(sw, "run_benchmark", fake_bench)
+    monkeypatch.setattr(sw, "load_bench_tokenizer", lambda _: None)
+    monkeypatch.setattr(sw, "sample_requests",
+                        lambda ds, n, tok, seed, mx, split: list(range(n)))
+    args = argparse.Namespace(
+        config=[("A", ["a"]), ("B", ["b"])], common_args="", concurrency=[1, 8],
+        dataset="sharegpt", split="heldout", num_prompts=4, prompts_per_slot=2,
+        max_new_tokens=8, seed=1, rounds=0, output=str(tmp_path / "s.json"))
+    res = sw.run_sweep(args)
+    assert events == [("start", "a"), ("run", "http://a", 1, 4), ("run", "http://a", 8, 16),
+                      ("stop", "a"), ("start", "b"), ("run", "http://b", 1, 4),
+                      ("run", "http://b", 8, 16), ("stop", "b")]
+    assert set(res["B"]["levels"]) == {"1", "8"}
