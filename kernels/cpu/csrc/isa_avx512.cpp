@@ -593,11 +593,11 @@ inline void amx_config(int rows0, int rows1) {
   for (int i : {0, 1, 4}) c.rows[i] = (uint8_t)rows0;
   c.colsb[0] = c.colsb[1] = 64;
   c.colsb[4] = QK;
-  if (rows1) {
-    for (int i : {2, 3, 5}) c.rows[i] = (uint8_t)rows1;
-    c.colsb[2] = c.colsb[3] = 64;
-    c.colsb[5] = QK;
-  }
+  // one row group: tiles 2, 3, 5 take the odd blocks (amx_issue_one_group)
+  const int r1 = rows1 ? rows1 : rows0;
+  for (int i : {2, 3, 5}) c.rows[i] = (uint8_t)r1;
+  c.colsb[2] = c.colsb[3] = 64;
+  c.colsb[5] = QK;
   c.rows[6] = c.rows[7] = 8;
   c.colsb[6] = c.colsb[7] = 64;
   // GCC's _tile_loadconfig tells the compiler it reads 8 bytes of the config, so without this
@@ -628,6 +628,54 @@ struct AmxStage {
     cap = nb;
   }
 };
+
+// Stage block b of tile `tile` as unit member t: its B tile (Q4: nibbles unpacked to bytes) and
+// scales, at their place in `st`.
+template <int FMT>
+inline void amx_stage_block(const GemmArgs& a, int tile, int t, int b, AmxStage& st) {
+  constexpr int TBB = tbb<FMT>();
+  const int nb = a.K / QK;
+  const __m512i lo4 = _mm512_set1_epi8(0x0f);
+  uint8_t* out = st.b + (size_t)t * st.cap * 512 + (size_t)b * 512;
+  const uint8_t* tb = a.w + block_offset(tile, b, nb, a.tiles, TBB);
+  if (FMT == Q8_0) {
+    for (int g = 0; g < 8; ++g) _mm512_store_si512(out + 64 * g, _mm512_loadu_si512(tb + 64 * g));
+  } else {
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(tb + 64 * c);
+      _mm512_store_si512(out + 64 * c, _mm512_and_si512(v, lo4));
+      _mm512_store_si512(out + 64 * (c + 4), _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4));
+    }
+  }
+  const uint8_t* sc = tb + (FMT == Q8_0 ? 512 : 256);
+  const int sb = t * st.cap + b;
+  _mm512_store_ps(st.d + 16 * sb, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)sc)));
+  if (FMT == Q4_1) {
+    _mm512_store_ps(st.mn + 16 * sb, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sc + 32))));
+  }
+}
+
+// The first row group of a unit stages its weights block by block, kStageAhead blocks ahead of
+// the block the tile unit multiplies (staging a whole unit first left the tile unit idle while
+// the weights streamed in). Not the block itself: a tile load waits for the stores of the bytes
+// it reads to complete (no store forwarding into tiles), and a block staged and multiplied at
+// once took ~1.6x as long in a micro-benchmark.
+constexpr int kStageAhead = 4;
+
+// Block b of the unit's tiles staged, with the weights kPrefetchBlocks blocks ahead asked for
+// (as block_tiles does: staging is too little work per block for the hardware prefetcher alone).
+template <int FMT>
+inline void amx_stage_step(const GemmArgs& a, const int* tiles, int NT, int b, AmxStage& st) {
+  constexpr int TBB = tbb<FMT>();
+  const int nb = a.K / QK;
+  if (b + kPrefetchBlocks < nb) {
+    for (int t = 0; t < NT; ++t) {
+      const char* pf = (const char*)a.w + block_offset(tiles[t], b + kPrefetchBlocks, nb, a.tiles, TBB);
+      for (int off = 0; off < TBB; off += 64) _mm_prefetch(pf + off, _MM_HINT_T0);
+    }
+  }
+  for (int t = 0; t < NT; ++t) amx_stage_block<FMT>(a, tiles[t], t, b, st);
+}
 
 // One activation row's digit dots of one tile-block (C rows cr, cr + 16, ...) as floats: Horner
 // over the digits, Q4_0's offset (`off`) subtracted, converted; Q8_0's first digit converted
@@ -702,13 +750,83 @@ inline void amx_block(const int8_t* a0, const int8_t* a1, int64_t K, const uint8
   }
 }
 
+// One row group, block b: its products issued into the C and A tiles of the block's parity
+// (even blocks: C 0, 1 and A 4; odd: C 2, 3 and A 5) ...
+inline void amx_issue_one_group(const int8_t* a0, int64_t K, const uint8_t* const* bsrc, int NT,
+                                int b) {
+  if ((b & 1) == 0) {
+    _tile_zero(0);
+    _tile_loadd(4, a0 + b * QK, K);
+    _tile_loadd(6, bsrc[0] + (int64_t)b * 512, 64);
+    _tile_dpbssd(0, 4, 6);
+    if (NT == 2) {
+      _tile_zero(1);
+      _tile_loadd(7, bsrc[1] + (int64_t)b * 512, 64);
+      _tile_dpbssd(1, 4, 7);
+    }
+  } else {
+    _tile_zero(2);
+    _tile_loadd(5, a0 + b * QK, K);
+    _tile_loadd(6, bsrc[0] + (int64_t)b * 512, 64);
+    _tile_dpbssd(2, 5, 6);
+    if (NT == 2) {
+      _tile_zero(3);
+      _tile_loadd(7, bsrc[1] + (int64_t)b * 512, 64);
+      _tile_dpbssd(3, 5, 7);
+    }
+  }
+}
+
+// ... and stored to cb[0][t]. The tile unit runs its instructions in order, so block b's stores
+// are issued after block b + 1's products: they no longer wait out the products' latency with
+// nothing else queued (one row group leaves the tiles for two blocks in flight).
+inline void amx_store_one_group(int NT, int b, int32_t (*cb)[2][16][16]) {
+  if ((b & 1) == 0) {
+    _tile_stored(0, cb[0][0], 64);
+    if (NT == 2) _tile_stored(1, cb[0][1], 64);
+  } else {
+    _tile_stored(2, cb[0][0], 64);
+    if (NT == 2) _tile_stored(3, cb[0][1], 64);
+  }
+}
+
+// Every block of a unit's rows: staging (if `stage`: the first row group stages the weights,
+// kStageAhead blocks ahead), tile work into C buffer b & 1, and `epilogue(b)` once block b's C is
+// stored (block b - 1's epilogue runs after block b's tile work is issued; the stores of block b
+// do not alias the buffer the epilogue reads).
+template <int FMT, class Epilogue>
+inline void amx_blocks(const GemmArgs& a, AmxStage& st, const int8_t* a0, const int8_t* a1,
+                       const uint8_t* const* bsrc, int NT, bool two_groups, const int* stage,
+                       int32_t (*c)[2][2][16][16], Epilogue&& epilogue) {
+  const int nb = a.K / QK, K = a.K;
+  if (stage) {
+    for (int b = 0; b < kStageAhead && b < nb; ++b) amx_stage_step<FMT>(a, stage, NT, b, st);
+  }
+  if (two_groups) {
+    for (int b = 0; b < nb; ++b) {
+      if (stage && b + kStageAhead < nb) amx_stage_step<FMT>(a, stage, NT, b + kStageAhead, st);
+      amx_block(a0, a1, K, bsrc, NT, true, b, c[b & 1]);
+      if (b > 0) epilogue(b - 1);
+    }
+  } else {
+    if (nb > 0) amx_issue_one_group(a0, K, bsrc, NT, 0);
+    for (int b = 0; b < nb; ++b) {
+      if (stage && b + kStageAhead < nb) amx_stage_step<FMT>(a, stage, NT, b + kStageAhead, st);
+      if (b + 1 < nb) amx_issue_one_group(a0, K, bsrc, NT, b + 1);
+      amx_store_one_group(NT, b, c[b & 1]);
+      if (b > 0) epilogue(b - 1);
+    }
+  }
+  if (nb > 0) epilogue(nb - 1);
+}
+
 // acc[t][r] (16 floats) for rows m0..m0+mr0+mr1-1 of tiles[0..NT-1], every block: rows
 // m0..m0+mr0-1 in A tile 4, the next mr1 in A tile 5 (configured for mr0 * L, mr1 * L rows).
 // C of block b goes to buffer b & 1 and the vector epilogue of block b - 1 runs after block b's
 // tile work is issued (the stores of block b do not alias the buffer the epilogue reads).
 template <int FMT, int L>
-inline void amx_rows(const GemmArgs& a, const AmxStage& st, const uint8_t* const* bsrc, int NT,
-                     int m0, int mr0, int mr1, float (*acc)[32][16]) {
+inline void amx_rows(const GemmArgs& a, AmxStage& st, const uint8_t* const* bsrc, int NT,
+                     int m0, int mr0, int mr1, float (*acc)[32][16], const int* stage) {
   const int nb = a.K / QK, K = a.K;
   const int mr = mr0 + mr1;
   alignas(64) int32_t c[2][2][2][16][16];  // [block parity][group][tile]
@@ -732,19 +850,15 @@ inline void amx_rows(const GemmArgs& a, const AmxStage& st, const uint8_t* const
       }
     }
   };
-  for (int b = 0; b < nb; ++b) {
-    amx_block(a0, a1, K, bsrc, NT, mr1 > 0, b, c[b & 1]);
-    if (b > 0) epilogue(b - 1);
-  }
-  if (nb > 0) epilogue(nb - 1);
+  amx_blocks<FMT>(a, st, a0, a1, bsrc, NT, mr1 > 0, stage, c, epilogue);
 }
 
 // amx_rows for a compile-time shape (three digits, a tile pair: the default engine's every
 // call), the accumulators in registers across blocks instead of memory (two loads and a store
 // fewer per row, tile and block). The arithmetic is amx_rows' step for step.
 template <int FMT, int L, int MR0, int MR1, int NT>
-inline void amx_rows_reg(const GemmArgs& a, const AmxStage& st, const uint8_t* const* bsrc,
-                         int m0, float (*accm)[32][16]) {
+inline void amx_rows_reg(const GemmArgs& a, AmxStage& st, const uint8_t* const* bsrc,
+                         int m0, float (*accm)[32][16], const int* stage) {
   constexpr int MR = MR0 + MR1;
   const int nb = a.K / QK, K = a.K;
   alignas(64) int32_t c[2][2][2][16][16];  // [block parity][group][tile]
@@ -771,11 +885,7 @@ inline void amx_rows_reg(const GemmArgs& a, const AmxStage& st, const uint8_t* c
       }
     }
   };
-  for (int b = 0; b < nb; ++b) {
-    amx_block(a0, a1, K, bsrc, NT, MR1 > 0, b, c[b & 1]);
-    if (b > 0) epilogue(b - 1);
-  }
-  if (nb > 0) epilogue(nb - 1);
+  amx_blocks<FMT>(a, st, a0, a1, bsrc, NT, MR1 > 0, stage, c, epilogue);
   for (int t = 0; t < NT; ++t)
     for (int r = 0; r < MR; ++r) _mm512_store_ps(accm[t][r], acc[t][r]);
 }
@@ -783,13 +893,14 @@ inline void amx_rows_reg(const GemmArgs& a, const AmxStage& st, const uint8_t* c
 // The register-accumulator shapes a default call meets (rows per A tile 5 at three digits):
 // (5, 5), (5, k) and (k, 0). Returns false for any other shape.
 template <int FMT, int L>
-inline bool amx_rows_fixed(const GemmArgs& a, const AmxStage& st, const uint8_t* const* bsrc,
-                           int NT, int m0, int mr0, int mr1, float (*acc)[32][16]) {
+inline bool amx_rows_fixed(const GemmArgs& a, AmxStage& st, const uint8_t* const* bsrc,
+                           int NT, int m0, int mr0, int mr1, float (*acc)[32][16],
+                           const int* stage) {
   if constexpr (L == 3) {
     if (NT != 2) return false;
     switch (mr0 * 8 + mr1) {
 #define SPECSERVE_AMX_SHAPE(R0, R1) \
-  case R0 * 8 + R1: amx_rows_reg<FMT, 3, R0, R1, 2>(a, st, bsrc, m0, acc); return true;
+  case R0 * 8 + R1: amx_rows_reg<FMT, 3, R0, R1, 2>(a, st, bsrc, m0, acc, stage); return true;
       SPECSERVE_AMX_SHAPE(5, 5) SPECSERVE_AMX_SHAPE(5, 4) SPECSERVE_AMX_SHAPE(5, 3)
       SPECSERVE_AMX_SHAPE(5, 2) SPECSERVE_AMX_SHAPE(5, 1) SPECSERVE_AMX_SHAPE(5, 0)
       SPECSERVE_AMX_SHAPE(4, 0) SPECSERVE_AMX_SHAPE(3, 0) SPECSERVE_AMX_SHAPE(2, 0)
@@ -801,52 +912,15 @@ inline bool amx_rows_fixed(const GemmArgs& a, const AmxStage& st, const uint8_t*
   return false;
 }
 
-// Stage tile `tile` as unit member t: its B tiles and scales.
-template <int FMT>
-inline const uint8_t* amx_stage(const GemmArgs& a, int tile, int t, AmxStage& st) {
-  constexpr int TBB = tbb<FMT>();
-  const int nb = a.K / QK;
-  const __m512i lo4 = _mm512_set1_epi8(0x0f);
-  uint8_t* out = st.b + (size_t)t * st.cap * 512;
-  for (int b = 0; b < nb; ++b) {
-    const uint8_t* tb = a.w + block_offset(tile, b, nb, a.tiles, TBB);
-    _mm_prefetch((const char*)tb + 4 * TBB, _MM_HINT_T0);
-    _mm_prefetch((const char*)tb + 4 * TBB + 64, _MM_HINT_T0);
-    _mm_prefetch((const char*)tb + 4 * TBB + 128, _MM_HINT_T0);
-    _mm_prefetch((const char*)tb + 4 * TBB + 192, _MM_HINT_T0);
-    _mm_prefetch((const char*)tb + 4 * TBB + 256, _MM_HINT_T0);
-    if (FMT == Q8_0) {
-      for (int g = 0; g < 8; ++g) {
-        _mm512_store_si512(out + b * 512 + 64 * g, _mm512_loadu_si512(tb + 64 * g));
-      }
-    } else {
-      for (int c = 0; c < 4; ++c) {
-        const __m512i v = _mm512_loadu_si512(tb + 64 * c);
-        _mm512_store_si512(out + b * 512 + 64 * c, _mm512_and_si512(v, lo4));
-        _mm512_store_si512(out + b * 512 + 64 * (c + 4),
-                           _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4));
-      }
-    }
-    const uint8_t* sc = tb + (FMT == Q8_0 ? 512 : 256);
-    const int sb = t * st.cap + b;
-    _mm512_store_ps(st.d + 16 * sb, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)sc)));
-    if (FMT == Q4_1) {
-      _mm512_store_ps(st.mn + 16 * sb,
-                      _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sc + 32))));
-    }
-  }
-  return out;
-}
-
 // One unit: tiles[0..NT-1] (a pair, a lone last tile, or a (gate, up) pair for EPI_SILU_MUL
 // with column index `col`), every row.
 template <int FMT, int L>
-void amx_unit(const GemmArgs& a, const int* tiles, int NT, int silu_col, AmxStage& st) {
+void amx_unit(const GemmArgs& a, const int* tiles, int NT, int silu_col, AmxStage& st,
+              int& configured) {
   const uint8_t* bsrc[2];
-  for (int t = 0; t < NT; ++t) bsrc[t] = amx_stage<FMT>(a, tiles[t], t, st);
+  for (int t = 0; t < NT; ++t) bsrc[t] = st.b + (size_t)t * st.cap * 512;
   constexpr int RPC = 16 / L;  // activation rows per A tile (all their digits in one tile)
   alignas(64) float acc[2][32][16];
-  int configured = -1;
   for (int m0 = 0; m0 < a.M; m0 += 2 * RPC) {
     const int left = a.M - m0;
     const int mr0 = left < RPC ? left : RPC;
@@ -856,8 +930,9 @@ void amx_unit(const GemmArgs& a, const int* tiles, int NT, int silu_col, AmxStag
       amx_config(mr0 * L, mr1 * L);
       configured = mr0 * 32 + mr1;
     }
-    if (!amx_rows_fixed<FMT, L>(a, st, bsrc, NT, m0, mr0, mr1, acc)) {
-      amx_rows<FMT, L>(a, st, bsrc, NT, m0, mr0, mr1, acc);
+    const int* stage = m0 == 0 ? tiles : nullptr;  // the first row group stages the weights
+    if (!amx_rows_fixed<FMT, L>(a, st, bsrc, NT, m0, mr0, mr1, acc, stage)) {
+      amx_rows<FMT, L>(a, st, bsrc, NT, m0, mr0, mr1, acc, stage);
     }
     for (int t = 0; t < NT; ++t) {
       if (!a.bias) break;
@@ -892,20 +967,21 @@ template <int FMT, int L>
 void amx_fmt(const GemmArgs& a, int t0, int t1) {
   thread_local AmxStage st;
   st.reserve(a.K / QK);
+  int configured = -1;  // the tile shapes loaded (ldtilecfg is dear: once per shape, not per unit)
   if (a.epilogue == EPI_SILU_MUL) {
     for (int t = t0; t < t1; ++t) {
       const int tiles[2] = {2 * t, 2 * t + 1};
-      amx_unit<FMT, L>(a, tiles, 2, t * NR, st);
+      amx_unit<FMT, L>(a, tiles, 2, t * NR, st, configured);
     }
   } else {
     int t = t0;
     for (; t + 1 < t1; t += 2) {
       const int tiles[2] = {t, t + 1};
-      amx_unit<FMT, L>(a, tiles, 2, -1, st);
+      amx_unit<FMT, L>(a, tiles, 2, -1, st, configured);
     }
     if (t < t1) {
       const int tiles[1] = {t};
-      amx_unit<FMT, L>(a, tiles, 1, -1, st);
+      amx_unit<FMT, L>(a, tiles, 1, -1, st, configured);
     }
   }
   _tile_release();
