@@ -17,6 +17,11 @@ cache and drafter state, so no run drafts from an earlier run's answers to the s
 A cell reports its median round (by output tok/s; every round's figure is in the JSON). This
 machine's speed drifts by 10-20% over the minutes a sequential sweep takes, which one config
 after another turns into its ratios; taking turns puts the drift into every configuration alike.
+The table then also gives each configuration's paired ratio: the median over rounds of its
+tok/s over the baseline's in the same round (the runs of a round are a minute apart, the rounds
+several), which is less exposed to the drift between rounds than the ratio of the medians.
+
+`--report JSON` prints the table of an earlier run's JSON again (no servers).
 """
 
 from __future__ import annotations
@@ -24,10 +29,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -170,24 +177,42 @@ def run_interleaved(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+def paired_ratio(rounds: list[float], base_rounds: list[float]) -> float | None:
+    """Median over rounds of tok/s over the baseline's tok/s in the same round (None unless
+    both ran the same rounds)."""
+    if not rounds or len(rounds) != len(base_rounds) or not all(base_rounds):
+        return None
+    return statistics.median(a / b for a, b in zip(rounds, base_rounds))
+
+
 def report(results: dict[str, Any]) -> str:
     labels = list(results)
     base = labels[0]
+    interleaved = any("rounds_output_throughput" in lvl for res in results.values()
+                      for lvl in res["levels"].values())
     rows = []
     for label in labels:
         for c, lvl in results[label]["levels"].items():
             m = lvl["metrics"]
-            ref = results[base]["levels"].get(c, {}).get("metrics", {}).get("output_throughput")
+            ref_lvl = results[base]["levels"].get(c, {})
+            ref = ref_lvl.get("metrics", {}).get("output_throughput")
             ratio = m["output_throughput"] / ref if ref else float("nan")
             acc = (lvl.get("server_info") or {}).get("avg_spec_accept_length")
             ttft, itl = m["ttft_ms"], m["itl_ms"]
-            rows.append([label, c, f"{m['output_throughput']:.1f}", f"{ratio:.2f}x",
-                         f"{ttft['median']:.0f}", f"{ttft['p99']:.0f}",
-                         f"{itl['median']:.0f}", f"{itl['p99']:.0f}",
-                         f"{m['completed']}/{m['completed'] + m['failed']}",
-                         "" if acc is None else f"{acc:.2f}"])
-    return format_table(["config", "conc", "out tok/s", f"vs {base}", "TTFT med ms",
-                         "TTFT p99 ms", "ITL med ms", "ITL p99 ms", "ok", "accept len"], rows)
+            row = [label, c, f"{m['output_throughput']:.1f}", f"{ratio:.2f}x"]
+            if interleaved:
+                pr = paired_ratio(lvl.get("rounds_output_throughput", []),
+                                  ref_lvl.get("rounds_output_throughput", []))
+                row.append("-" if pr is None else f"{pr:.2f}x")
+            rows.append(row + [f"{ttft['median']:.0f}", f"{ttft['p99']:.0f}",
+                               f"{itl['median']:.0f}", f"{itl['p99']:.0f}",
+                               f"{m['completed']}/{m['completed'] + m['failed']}",
+                               "" if acc is None else f"{acc:.2f}"])
+    head = ["config", "conc", "out tok/s", f"vs {base}"]
+    if interleaved:
+        head.append("paired")
+    return format_table(head + ["TTFT med ms", "TTFT p99 ms", "ITL med ms", "ITL p99 ms", "ok",
+                                "accept len"], rows)
 
 
 def plot(results: dict[str, Any], path: Path) -> Path | None:
@@ -232,6 +257,17 @@ def main(argv: list[str] | None = None) -> int:
                    "many rounds per concurrency, each from a flushed server (0: one server "
                    "after another, each serving every level once)")
     p.add_argument("--output", default="results/sweep_serving.json")
+    p.add_argument("--report", metavar="JSON", help="print the table of an earlier run's JSON "
+                   "and exit (no servers; --config not needed)")
+    if argv is None:
+        argv = sys.argv[1:]
+    if "--report" in argv:  # the table of a finished run: no --config required
+        r = argparse.ArgumentParser()
+        r.add_argument("--report", required=True)
+        path = r.parse_known_args(argv)[0].report
+        with open(path) as f:
+            print(report(json.load(f)["results"]))
+        return 0
     args = p.parse_args(argv)
     if args.rounds < 0:
         p.error("--rounds must be >= 0")

@@ -84,3 +84,35 @@ def test_sequential_sweep_serves_every_level_from_one_server_each(monkeypatch, t
                       ("stop", "a"), ("start", "b"), ("run", "http://b", 1, 4),
                       ("run", "http://b", 8, 16), ("stop", "b")]
     assert set(res["B"]["levels"]) == {"1", "8"}
+
+
+def _level(tps: float, rounds: list[float] | None = None) -> dict:
+    m = {"output_throughput": tps, "completed": 4, "failed": 0,
+         "ttft_ms": {"median": 1.0, "p99": 2.0}, "itl_ms": {"median": 3.0, "p99": 4.0}}
+    out = {"metrics": m, "server_info": {}}
+    if rounds is not None:
+        out["rounds_output_throughput"] = rounds
+    return out
+
+
+def test_paired_ratio_pairs_rounds_and_the_report_prints_it(tmp_path, capsys):
+    # the baseline drifts between rounds; the candidate is 0.9x of it in every round: the ratio
+    # of the medians reads 1.2x, the paired ratio 0.9x
+    base, cand = [100.0, 200.0, 300.0], [90.0, 180.0, 270.0]
+    assert sw.paired_ratio(cand, base) == 0.9
+    assert sw.paired_ratio(cand, base[:2]) is None  # rounds that do not pair
+    assert sw.paired_ratio([], []) is None
+    results = {"none": {"server_args": [], "levels": {"1": _level(150.0, base)}},
+               "X": {"server_args": [], "levels": {"1": _level(180.0, cand)}}}
+    table = sw.report(results)
+    assert "paired" in table.splitlines()[0]
+    x_row = [line for line in table.splitlines() if line.strip().startswith("X")][0]
+    assert "1.20x" in x_row and "0.90x" in x_row
+    # a sequential sweep's JSON has no rounds: no paired column
+    seq = {"none": {"server_args": [], "levels": {"1": _level(150.0)}},
+           "X": {"server_args": [], "levels": {"1": _level(180.0)}}}
+    assert "paired" not in sw.report(seq)
+    path = tmp_path / "s.json"
+    path.write_text(__import__("json").dumps({"results": results}))
+    assert sw.main(["--report", str(path)]) == 0
+    assert "0.90x" in capsys.readouterr().out
