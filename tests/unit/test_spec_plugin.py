@@ -51,8 +51,11 @@ def test_a_toy_algorithm_is_served_through_its_own_generated_flag(tmp_path, monk
     model = write_tiny_model(tmp_path / "m", "llama", seed=3)
     help_text = build_parser().format_help()
     assert "--speculative-toy-lookback" in help_text and "\nTOY:\n" in help_text
+    # fixed tree sizes: whether drafting pays on a tiny model is the adaptive budget's call
+    # (timing), and this test is about the plugin's wiring, so it must draft every step
     args = parse_args(["--model-path", str(model), "--speculative-algorithm", "toy",
-                       "--speculative-toy-lookback", "2", "--log-level", "warning"])
+                       "--speculative-toy-lookback", "2", "--speculative-disable-adaptive",
+                       "--log-level", "warning"])
     assert args.speculative_toy_lookback == 2
     resolved = args.resolve()
     assert (resolved.speculative_algorithm, resolved.speculative_num_draft_tokens) == ("TOY", 4)
