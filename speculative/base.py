@@ -62,7 +62,10 @@ class TargetRows:
     `hidden_rows[j]` of the forward's `ModelOutput`, its KV is in `slots[prefix_len + j]`, and
     `next_tokens[j]` is the token at position prefix_len + j + 1 (the last one may be the token
     just sampled). After a verify step the rows are the root and the accepted drafts, which
-    were tree nodes `tree_nodes` (root 0 first); after a prefill chunk `tree_nodes` is None.
+    were tree nodes `tree_nodes` (root 0 first); after a prefill chunk `tree_nodes` is None (so
+    also for a decoding request that rode along in a mixed step: one row). `admitted`: these
+    rows open the request's slot table in the runner (its first chunk, or its first after a
+    retraction): per-request state about its prefix's KV slots no longer holds.
     """
 
     rid: str
@@ -72,6 +75,7 @@ class TargetRows:
     next_tokens: list[int]  # [n]
     tokens: list[int]  # [n]
     tree_nodes: list[int] | None = None  # [n]
+    admitted: bool = False
 
 
 class Drafter(ABC):

@@ -121,7 +121,7 @@ class RunnerWorker:
             nxt = history[e.prefix_len + 1 : e.prefix_len + n + 1]
             assert len(nxt) == n, f"{e.rid}: no token follows its prefill chunk"
             rows.append(TargetRows(e.rid, e.prefix_len, s, torch.arange(off, off + n), nxt,
-                                   list(e.new_token_ids)))
+                                   list(e.new_token_ids), admitted=e.slots_start == 0))
             off += n
         return rows
 

@@ -95,6 +95,9 @@ class StandaloneDrafter(ChainDrafter):
     supports_trees = True
     default_num_steps = {"cpu": 3, "torch": 4}
     shipped_draft = DEFAULT_DRAFT_MODEL
+    # a skipped step leaves `_valid` where it was (its position gets draft KV when the request
+    # next drafts); `_fed` is written by every propose before the draft_extend that reads it
+    skips_when_off = True
 
     @classmethod
     def resolve_options(cls, opts: StandaloneOptions, ctx: ResolveContext) -> StandaloneOptions:
@@ -152,7 +155,6 @@ class StandaloneDrafter(ChainDrafter):
                                          getattr(runner, "kernel_threads", None))
         self._valid: dict[str, int] = {}  # rid -> committed positions with draft KV
         self._fed: dict[str, int] = {}  # rid -> chain nodes fed in its last step
-        self._prefilled: dict[str, int] = {}  # rid -> positions prefilled (chunk by chunk)
 
     def _tree_scratch(self) -> int:
         return self.scratch
@@ -206,13 +208,13 @@ class StandaloneDrafter(ChainDrafter):
     def draft_extend(self, rows: list[TargetRows], out: ModelOutput) -> None:
         for r in rows:
             if r.tree_nodes is None:
-                # a prefill chunk: nothing runs now (a request that never drafts, e.g. backed
-                # off, never pays for the draft's prefill); the first draft step catches up.
-                # A new admission (not the next chunk of the same prefill) trusts no cached
-                # slot: its radix-hit prefix may hold no draft KV or another request's.
-                cont = self._prefilled.get(r.rid) == r.prefix_len
-                self._valid[r.rid] = min(self._valid.get(r.rid, 0), r.prefix_len) if cont else 0
-                self._prefilled[r.rid] = r.prefix_len + len(r.tokens)
+                # a prefill chunk, or a decoding request riding along with one: nothing runs
+                # now (a request that never drafts, e.g. backed off, never pays for the draft's
+                # prefill); the first draft step catches up. A (re)admission trusts no cached
+                # slot: its radix-hit prefix may hold no draft KV or another request's. The next
+                # chunk, or a rider, keeps the draft KV it has.
+                keep = 0 if r.admitted else self._valid.get(r.rid, 0)
+                self._valid[r.rid] = min(keep, r.prefix_len)
                 continue
             fed = self._fed.get(r.rid, 0)
             if fed > 0:  # verified: root + accepted drafts; the fed ones have draft KV in place
@@ -221,9 +223,7 @@ class StandaloneDrafter(ChainDrafter):
     def release(self, rid: str) -> None:
         self._valid.pop(rid, None)
         self._fed.pop(rid, None)
-        self._prefilled.pop(rid, None)
 
     def reset(self) -> None:
         self._valid.clear()
         self._fed.clear()
-        self._prefilled.clear()

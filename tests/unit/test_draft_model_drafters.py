@@ -212,6 +212,67 @@ def test_a_draft_equal_to_the_target_is_accepted_everywhere(target, truth, algo,
     h.sched.check_no_leak()
 
 
+def test_decoding_requests_riding_a_prefill_step_keep_their_draft_kv(target, truth):
+    """Requests that decode in a mixed step (a new prompt's chunk in the same forward) keep the
+    draft KV they have: the draft catches up each committed position once, not the whole
+    sequence again after every step that prefilled someone else."""
+    ps, ref = truth
+    h, drafter = harness(target, make_cfg("STANDALONE", target, draft="same"),
+                         max_running_requests=4, chunked_prefill_size=16)
+    fed = {"extend": 0}
+    forward = drafter.draft.forward
+
+    def counting(batch, *a, **kw):
+        if batch.mode == ForwardMode.EXTEND:
+            fed["extend"] += batch.num_tokens
+        return forward(batch, *a, **kw)
+
+    drafter.draft.forward = counting
+    try:
+        # 4 at a time, finishing at different steps: each admission rides with decoders
+        lens = [NEW - 6 * (i % 4) for i in range(12)]
+        for i, p in enumerate(ps[:12]):
+            h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=lens[i])
+        h.run()
+    finally:
+        drafter.draft.forward = forward
+    assert [h.outputs[f"r{i}"] for i in range(12)] == [ref[i][: lens[i]] for i in range(12)]
+    assert h.sched.totals["retracted"] == 0
+    positions = sum(len(p) + n for p, n in zip(ps[:12], lens))
+    assert fed["extend"] <= positions, (fed, positions)
+    h.sched.check_no_leak()
+
+
+@pytest.mark.parametrize("algo", ["STANDALONE", "EARLY_EXIT"])
+def test_steps_skipped_while_off_leave_the_drafts_right(target, truth, algo):
+    """Both skip whole steps while the drafter is off (`skips_when_off`: no propose, no
+    draft_extend). Forcing two steps in three off: output is still plain decoding's, and a
+    draft equal to the target is still accepted everywhere, so the draft KV of the positions
+    decoded in skipped steps is caught up before it is read."""
+    ps, ref = truth
+    h, drafter = harness(target, make_cfg(algo, target, draft="same"), max_running_requests=4,
+                         chunked_prefill_size=16)
+    assert drafter.skips_when_off
+    spec, n = h.worker.spec, {"steps": 0, "skipped": 0}
+
+    def off(entries, budgets):
+        n["steps"] += 1
+        skip = n["steps"] % 3 != 0
+        n["skipped"] += skip
+        return skip
+
+    spec._off_step = off
+    for i, p in enumerate(ps[:8]):
+        h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=NEW)
+    h.run()
+    assert [h.outputs[f"r{i}"] for i in range(8)] == ref[:8]
+    t = h.sched.spec_totals
+    assert n["skipped"] > 0 and t["spec_decode_num_draft_tokens"] > 0, (n, t)
+    if algo == "STANDALONE":
+        assert t["spec_decode_num_accepted_tokens"] == t["spec_decode_num_draft_tokens"], t
+    h.sched.check_no_leak()
+
+
 def test_a_tree_from_a_draft_equal_to_the_target_holds_its_argmax_under_every_node(target):
     """Every expanded node's children include the target's argmax at that node (computed by the
     tree-masked verify forward): the draft's tree rows saw the right prefix, root and ancestors
