@@ -156,11 +156,16 @@ class DraftTree:
     def ancestor_mask(self) -> Tensor:
         """[N, N] bool: mask[i, j] iff j is i or an ancestor of i (what node i may attend to)."""
         if self._mask is None:
+            # rows as Python lists, one tensor at the end (a torch op per row cost more than
+            # the rest of a small tree's verify bookkeeping)
             n = self.num_nodes
-            mask = torch.eye(n, dtype=torch.bool)
+            rows = [[False] * n]
+            rows[0][0] = True
             for i in range(1, n):  # parent row is final before its children (topological order)
-                mask[i] |= mask[self._parent_list[i]]
-            self._mask = mask
+                row = rows[self._parent_list[i]].copy()
+                row[i] = True
+                rows.append(row)
+            self._mask = torch.tensor(rows, dtype=torch.bool)
         return self._mask
 
     def path_tokens(self) -> tuple[Tensor, Tensor]:

@@ -489,9 +489,10 @@ class SpeculativeWorker:
         return out
 
     def _commit(self, e: SpecEntry, res: VerifyResult) -> None:
-        if len(res.accepted_nodes) == 1:
-            return  # only the root: its KV is where it was written
-        path = torch.tensor(res.accepted_nodes)
+        nodes = res.accepted_nodes
+        if all(u == i for i, u in enumerate(nodes)):
+            return  # root + nodes 1, 2, ...: their KV is where it was written (a chain's path)
+        path = torch.tensor(nodes)
         moved = path != torch.arange(path.numel())
         if bool(moved.any()):
             base = e.slots[e.prefix_len :]

@@ -30,6 +30,7 @@ from runtime.messages import (
 from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
 from runtime.proc_utils import die_with_parent, parent_alive, setup_logging
+from runtime.sampling.argmax import argmax_rows
 from runtime.sampling.sampler import SamplingBatchInfo, sample
 from runtime.sampling.sampling_params import SamplingParams
 from speculative.base import TargetRows
@@ -156,12 +157,19 @@ class RunnerWorker:
         out: list[list[int]] = [[] for _ in msg.reqs]
         if rows:
             sel = [states[i] for i in rows]
-            info = SamplingBatchInfo.from_params([s.params for s in sel], logits.shape[-1],
-                                                 logits.device)
-            tokens = sample(
-                logits[rows], info, [s.prompt_ids for s in sel], [s.output_ids for s in sel],
-                positions=[len(s.prompt_ids) + len(s.output_ids) for s in sel],
-            ).tolist()
+            if all(s.params.is_greedy and not s.params.has_penalties for s in sel):
+                # what `sample` gives such rows, without its per-row parameter tensors or a
+                # copy of the selected logits (~0.3 ms of a 6 ms decode step at batch 1)
+                am = argmax_rows(logits)
+                tokens = (am if len(rows) == len(msg.reqs) else am[rows]).tolist()
+            else:
+                info = SamplingBatchInfo.from_params([s.params for s in sel], logits.shape[-1],
+                                                     logits.device)
+                tokens = sample(
+                    logits[rows], info, [s.prompt_ids for s in sel],
+                    [s.output_ids for s in sel],
+                    positions=[len(s.prompt_ids) + len(s.output_ids) for s in sel],
+                ).tolist()
             for i, st, tok in zip(rows, sel, tokens):
                 self._append(msg.reqs[i].rid, st, [tok])
                 out[i] = [tok]
