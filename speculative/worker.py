@@ -259,7 +259,7 @@ class SpeculativeWorker:
                                    [e.slots[: e.prefix_len + 1] for e in entries],
                                    [e.prefix_len for e in entries])
         out = self.runner.forward(batch, False)
-        results = self._verify(entries, trees, out.logits)
+        results = self._verify(entries, trees, out.logits, out.argmax)
         self.drafter.skipped([e.rid for e in entries])
         self._measure(trees, time.perf_counter() - t_step)
         return ([r.output_tokens for r in results],
@@ -299,9 +299,9 @@ class SpeculativeWorker:
                 capture_layers=capture,
             )
         out = self.drafter.target_forward(batch, trees, self.drafter.needs_final_hidden)
-        results = self._verify(entries, trees, out.logits)  # logits [sum n, vocab]
+        results = self._verify(entries, trees, out.logits, out.argmax)  # logits [sum n, V]
         if self.drafter.wants_node_argmax and any(t.num_nodes > 1 for t in trees):
-            am = argmax_rows(out.logits).tolist()
+            am = (out.argmax if out.argmax is not None else argmax_rows(out.logits)).tolist()
             per_req, off = [], 0
             for t in trees:
                 per_req.append(am[off : off + t.num_nodes])
@@ -345,19 +345,22 @@ class SpeculativeWorker:
             self.draft_cost = d if self.draft_cost is None else self.draft_cost + w * (
                 d - self.draft_cost)
 
-    def _verify(self, entries: list[SpecEntry], trees: list[DraftTree],
-                logits: torch.Tensor) -> list[VerifyResult]:
-        """logits [sum n, vocab]: the target at every node, trees in entry order."""
+    def _verify(self, entries: list[SpecEntry], trees: list[DraftTree], logits: torch.Tensor,
+                raw_argmax: torch.Tensor | None = None) -> list[VerifyResult]:
+        """logits [sum n, vocab]: the target at every node, trees in entry order; raw_argmax
+        [sum n]: their argmax, where the engine found it (used unless penalties apply)."""
         sizes = [t.num_nodes for t in trees]
         starts = [0]
         for n in sizes:
             starts.append(starts[-1] + n)
+        raw = logits
         logits = self._penalise(entries, trees, logits, starts)
         params = [e.state.params for e in entries]
         results: list[VerifyResult | None] = [None] * len(entries)
         greedy = [b for b, p in enumerate(params) if p.is_greedy]
         if greedy:
-            argmax = argmax_rows(logits)  # [sum n]
+            argmax = (raw_argmax if raw_argmax is not None and logits is raw
+                      else argmax_rows(logits))  # [sum n]
             if self.tree_ops is not None:
                 rows = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in greedy])
                 res = self.tree_ops.walk_tokens([trees[b] for b in greedy],

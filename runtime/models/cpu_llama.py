@@ -109,8 +109,8 @@ class CpuLlamaForCausalLM:
             meta.mask_indptr, batch.logits_indices, capture, return_final_hidden, begin, end,
             hidden_in,
         )
-        captured = dict(zip(capture, out[2:]))
-        return ModelOutput(out[0], captured, out[1] if return_final_hidden else None)
+        captured = dict(zip(capture, out[3:]))
+        return ModelOutput(out[0], captured, out[1] if return_final_hidden else None, out[2])
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.core.embed(input_ids.reshape(-1)).view(*input_ids.shape, -1)

@@ -27,6 +27,9 @@ class ModelOutput(NamedTuple):
     # hidden state entering layer i ([T, hidden]); key num_layers = after the last layer
     captured: dict[int, torch.Tensor]
     final_hidden: torch.Tensor | None  # [T, hidden] after the final norm, when asked for
+    # [num_logits] int64, each logits row's argmax (numpy's: the first maximum), where the
+    # engine finds it while the rows are in its cache (the CPU engine); else None
+    argmax: torch.Tensor | None = None
 
 
 def _param(*shape: int) -> nn.Parameter:

@@ -150,6 +150,19 @@ def test_a_request_batched_with_others_gets_its_single_logits(gguf_dirs):
     assert torch.equal(batched, torch.cat(alone))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_forwards_argmax_is_numpys_argmax_of_its_logits(gguf_dirs, threads):
+    """The argmax the engine returns beside the logits (found per thread while the rows are in
+    its cache) is the first maximum of each row: what greedy decoding and verification take."""
+    r = runner(gguf_dirs["tied_q8"], num_threads=threads)
+    outs = [prefill_logits(r, PROMPT), prefill_logits(r, PROMPT[:9])]
+    b = ForwardBatch.build(ForwardMode.DECODE, [[PROMPT[9]]], [torch.arange(1, 11)], [9])
+    outs.append(r.forward(b))
+    for out in outs:
+        assert out.argmax is not None and out.argmax.dtype == torch.int64
+        assert torch.equal(out.argmax, torch.from_numpy(out.logits.numpy().argmax(-1)))
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 def test_hf_checkpoints_of_every_architecture_match_the_torch_engine(tmp_path, arch):
     d = str(write_tiny_model(tmp_path / arch, arch, seed=3))

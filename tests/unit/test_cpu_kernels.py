@@ -354,3 +354,31 @@ def test_causal_extend_rows_equal_decode_rows():
     for i in range(17):
         dec = attention_call(q[i : i + 1], kc, vc, heads, [(slots[:41 + i], 40 + i, 1)])
         assert torch.equal(dec[0], ext_rows[i])
+
+
+@pytest.mark.parametrize("isa", ["amx", "avx512", "avx2", "generic"])
+def test_row_argmax_is_numpys_on_every_isa_and_thread_count(isa):
+    """The argmax a forward returns with its logits (each thread's columns, then merged): the
+    first maximum, a NaN counting as the maximum, -0 tying +0; every row length around the
+    vector widths, maxima at the ends, ties inside one thread's columns and across them."""
+    if isa not in isas():
+        pytest.skip(f"{isa} not on this CPU")
+    rng = np.random.default_rng(5)
+    rows = []
+    for n in (1, 7, 8, 9, 15, 16, 17, 31, 33, 100, 1000, 4099):
+        x = rng.standard_normal((6, n)).astype(np.float32)
+        x[0, -1] = 9.0  # the last element
+        x[1, 0] = 9.0  # the first
+        if n > 2:
+            x[2, [n // 3, n - 1]] = 9.0  # a tie: the first wins
+            x[3, n // 2] = np.nan
+            x[3, n - 1] = np.nan  # two NaNs: the first
+            x[4, :] = -np.inf
+            x[5, :] = 0.0
+            x[5, n // 2] = -0.0
+        rows.append(x)
+    for x in rows:
+        want = np.argmax(x, axis=-1)
+        for threads in (1, 2, 3):
+            got = ext().argmax(torch.from_numpy(x), threads, isa).numpy()
+            assert np.array_equal(got, want), (x.shape, threads)

@@ -396,6 +396,38 @@ void attention(const AttnArgs& a, int i0, int i1, AttnScratch& s) {
   attention_kv<float>(a, i0, i1, s);
 }
 
+// argmax (kernels.h): the maximum in one pass (NaNs noted: such a row goes the scalar way),
+// then the first lane equal to it
+int64_t argmax(const float* x, int64_t n, float* best) {
+  __m256 m = _mm256_set1_ps(-INFINITY);
+  int nan = 0;
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    nan |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    m = _mm256_max_ps(m, v);
+  }
+  if (nan || n <= 0) return argmax_scalar(x, n, best);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float mx = -INFINITY;
+  for (float v : lanes) mx = v > mx ? v : mx;
+  for (int64_t j = i; j < n; ++j) {
+    if (x[j] != x[j]) return argmax_scalar(x, n, best);
+    mx = x[j] > mx ? x[j] : mx;
+  }
+  *best = mx;
+  const __m256 vm = _mm256_set1_ps(mx);
+  for (i = 0; i + 8 <= n; i += 8) {
+    const int eq = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), vm, _CMP_EQ_OQ));
+    if (eq) return i + __builtin_ctz((unsigned)eq);
+  }
+  for (; i < n; ++i) {
+    if (x[i] == mx) return i;
+  }
+  return -1;  // not reached: the maximum is one of the elements
+}
+
 }  // namespace
 }  // namespace specserve
 
@@ -403,7 +435,7 @@ void attention(const AttnArgs& a, int i0, int i1, AttnScratch& s) {
 
 namespace specserve {
 const IsaKernels* avx2_kernels() {
-  static const IsaKernels table = {"avx2", gemm, quantize, rmsnorm, attention};
+  static const IsaKernels table = {"avx2", gemm, quantize, rmsnorm, attention, argmax};
   return &table;
 }
 }  // namespace specserve

@@ -250,6 +250,38 @@ inline void single_acc(const GemmArgs& a, int t, int m0, __m512 acc[MR]) {
   add_bias<FMT, L, MR>(a, t, acc);
 }
 
+// argmax (kernels.h): the maximum in one pass (NaNs noted: such a row goes the scalar way),
+// then the first lane equal to it
+int64_t argmax(const float* x, int64_t n, float* best) {
+  if (n <= 0) return argmax_scalar(x, n, best);
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
+  __m512 m = ninf;
+  __mmask16 nan = 0;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    m = _mm512_max_ps(m, v);
+  }
+  const __mmask16 tail = (__mmask16)((1u << (n - i)) - 1);
+  if (i < n) {
+    const __m512 v = _mm512_mask_loadu_ps(ninf, tail, x + i);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    m = _mm512_max_ps(m, v);
+  }
+  if (nan) return argmax_scalar(x, n, best);
+  const float mx = _mm512_reduce_max_ps(m);
+  const __m512 vm = _mm512_set1_ps(mx);
+  *best = mx;
+  for (i = 0; i + 16 <= n; i += 16) {
+    const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), vm, _CMP_EQ_OQ);
+    if (eq) return i + __builtin_ctz((unsigned)eq);
+  }
+  const __mmask16 eq = _mm512_mask_cmp_ps_mask(tail, _mm512_maskz_loadu_ps(tail, x + i), vm,
+                                               _CMP_EQ_OQ);
+  return i + __builtin_ctz((unsigned)eq);  // the maximum is there
+}
+
 inline __mmask16 col_mask(const GemmArgs& a, int col) {
   const int valid = a.N - col < NR ? a.N - col : NR;
   if (valid <= 0) return 0;
@@ -1023,13 +1055,13 @@ void gemm_amx(const GemmArgs& a, int t0, int t1) {
 namespace specserve {
 // Outside the target region: this runs on any CPU (the engine calls it only after checking).
 const IsaKernels* avx512_kernels() {
-  static const IsaKernels table = {"avx512", gemm, quantize, rmsnorm, attention};
+  static const IsaKernels table = {"avx512", gemm, quantize, rmsnorm, attention, argmax};
   return &table;
 }
 // The AVX-512 table with the AMX-INT8 block-format matmul (the engine checks the CPU and asks
 // the kernel for the tile state before choosing it).
 const IsaKernels* amx_kernels() {
-  static const IsaKernels table = {"amx", gemm_amx, quantize, rmsnorm, attention};
+  static const IsaKernels table = {"amx", gemm_amx, quantize, rmsnorm, attention, argmax};
   return &table;
 }
 }  // namespace specserve

@@ -194,7 +194,7 @@ void attention(const AttnArgs& a, int i0, int i1, AttnScratch& s) {
   }
 }
 
-const IsaKernels kTable = {"generic", gemm, quantize, rmsnorm, attention};
+const IsaKernels kTable = {"generic", gemm, quantize, rmsnorm, attention, argmax_scalar};
 
 }  // namespace
 

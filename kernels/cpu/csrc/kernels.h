@@ -144,7 +144,27 @@ struct IsaKernels {
                   int64_t ldy, int r0, int r1);
   // attention work items [i0, i1) of a.items
   void (*attention)(const AttnArgs&, int i0, int i1, AttnScratch&);
+  // the first maximum of x[0, n) as numpy's argmax finds it (a NaN is the maximum, the first
+  // one wins; -0 and +0 tie): its index (-1 when n == 0) and *best its value
+  int64_t (*argmax)(const float* x, int64_t n, float* best);
 };
+
+// argmax (above) one element at a time: the generic table's, and the SIMD ones' way for a row
+// holding a NaN
+inline int64_t argmax_scalar(const float* x, int64_t n, float* best) {
+  int64_t bi = -1;
+  float b = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = x[i];
+    if (v != v) {
+      *best = v;
+      return i;
+    }
+    if (bi < 0 || v > b) b = v, bi = i;
+  }
+  *best = b;
+  return bi;
+}
 
 // fp16 / bf16 -> float32, exact (scalar; the SIMD files convert with F16C / shifts)
 inline float half_to_float(uint16_t h) {
