@@ -5,8 +5,8 @@ load-aware budget, the speculative worker's backoff, a drafter that sizes its tr
 The curve belongs to the machine, not to the code: on the CPU engine T(1) streams the weights
 (memory-bound, and memory bandwidth here swings 2x between hours and machines) while each extra
 row costs compute, so C(4) was 1.33 on one session's machine and 2.15 on another's. So the
-runner measures it at start-up (`measure_verify_cost`: a few hundred milliseconds of verify
-forwards over a 256-token prefix) and every planner uses that; the stored tables below are the
+runner measures it at start-up (`measure_verify_cost`: a few seconds of verify forwards over
+a 256-token prefix) and every planner uses that; the stored tables below are the
 fallback (`--speculative-verify-cost table`, and code that runs without a runner).
 """
 
@@ -76,16 +76,20 @@ def stored_verify_cost(engine: str) -> VerifyCost:
 
 @torch.inference_mode()
 def measure_verify_times(runner, prefix: int = 256, ns: tuple[int, ...] = DEFAULT_NS,
-                         reps: int = 3, warmup: int = 1) -> dict[int, float]:
+                         reps: int = 3, warmup: int = 2) -> dict[int, float]:
     """Median seconds of one TARGET_VERIFY forward of an n-node chain over a `prefix`-token
-    prompt, for each n. The rounds go over every n in turn (`reps` times), so a drift of the
-    machine's speed during the measurement lands on every n alike. Uses KV slots 1..prefix +
-    max(ns) of `runner`'s pool: call it when no request holds them (start-up), or on a runner
-    of its own."""
+    prompt, for each n (n = 1: a DECODE forward, what a plain step runs). Each n runs in a block
+    (`warmup` forwards, then `reps` timed), the sizes once largest first and once smallest first,
+    so a drift of the machine's speed lands on every n alike, and each size is timed after
+    forwards of its own size, as serving steps follow steps of similar size. (Timed right after
+    the largest size, as a round over every n in turn did, one row read ~2x its steady decode
+    time on the AMX machine, which halved every ratio: T(8)/T(1) 1.7 against 2.9.) Uses KV
+    slots 1..prefix + max(ns) of `runner`'s pool: call it when no request holds them (start-up),
+    or on a runner of its own."""
     from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 
     room = min(runner.kv_capacity, getattr(runner, "context_length", runner.kv_capacity))
-    ns = tuple(n for n in ns if n < room) or (1,)
+    ns = tuple(sorted(n for n in ns if n < room)) or (1,)
     prefix = max(1, min(prefix, room - max(ns)))
     slots = torch.arange(1, prefix + max(ns) + 1, dtype=torch.int64)
     gen = torch.Generator().manual_seed(0)
@@ -93,21 +97,25 @@ def measure_verify_times(runner, prefix: int = 256, ns: tuple[int, ...] = DEFAUL
     prompt = torch.randint(0, vocab, (prefix + max(ns),), generator=gen).tolist()
     runner.forward(ForwardBatch.build(ForwardMode.EXTEND, [prompt[:prefix]], [slots[:prefix]],
                                       [0]))
-    batches = {}
-    for n in ns:
-        batches[n] = dict(new_tokens=[prompt[prefix : prefix + n]],
-                          kv_slots=[slots[: prefix + n]], prefix_lens=[prefix],
-                          positions=[torch.arange(prefix, prefix + n)],
-                          custom_masks=[torch.tril(torch.ones(n, n, dtype=torch.bool))],
-                          logits="all")
+
+    def batch(n: int) -> ForwardBatch:
+        if n == 1:
+            return ForwardBatch.build(ForwardMode.DECODE, [prompt[prefix : prefix + 1]],
+                                      [slots[: prefix + 1]], [prefix])
+        return ForwardBatch.build(
+            ForwardMode.TARGET_VERIFY, [prompt[prefix : prefix + n]], [slots[: prefix + n]],
+            [prefix], positions=[torch.arange(prefix, prefix + n)],
+            custom_masks=[torch.tril(torch.ones(n, n, dtype=torch.bool))], logits="all")
+
     times: dict[int, list[float]] = {n: [] for n in ns}
-    for rnd in range(warmup + reps):
-        for n in ns:
-            batch = ForwardBatch.build(ForwardMode.TARGET_VERIFY, **batches[n])
-            t0 = time.perf_counter()
-            runner.forward(batch)
-            if rnd >= warmup:
-                times[n].append(time.perf_counter() - t0)
+    for order in (ns[::-1], ns):
+        for n in order:
+            for i in range(warmup + reps):
+                b = batch(n)
+                t0 = time.perf_counter()
+                runner.forward(b)
+                if i >= warmup:
+                    times[n].append(time.perf_counter() - t0)
     return {n: statistics.median(v) for n, v in times.items()}
 
 
