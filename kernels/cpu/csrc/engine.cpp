@@ -252,6 +252,14 @@ struct ActBuffers {
 };
 
 // One matmul step inside a parallel region: quantize rows [own rows] (block formats), barrier,
+// Thread tid's tiles [t0, t1) of `tiles`, split in whole pairs: a thread's tiles start even, so
+// it reads each pair as one stream.
+inline void pair_split(int tiles, int tid, int n, int* t0, int* t1) {
+  split_range((tiles + 1) / 2, tid, n, t0, t1);
+  *t0 *= 2;
+  *t1 = std::min(2 * *t1, tiles);
+}
+
 // multiply this thread's tiles. Callers put a barrier after it before reading y.
 struct MatmulStep {
   const IsaKernels* isa;
@@ -282,29 +290,26 @@ struct MatmulStep {
       a.act = act->view(w.K, levels);
       pool->barrier(tid);
     }
-    // split in whole pairs: a thread's tiles start even, so it reads each pair as one stream
     int t0, t1;
     if (epilogue == EPI_SILU_MUL) {
       split_range(w.tiles / 2, tid, n, &t0, &t1);
     } else {
-      split_range((w.tiles + 1) / 2, tid, n, &t0, &t1);
-      t0 *= 2;
-      t1 = std::min(2 * t1, w.tiles);
+      pair_split(w.tiles, tid, n, &t0, &t1);
     }
     if (t1 > t0) isa->gemm(a, t0, t1);
   }
 };
 
-// Row argmax of y[R][ldy] (N columns), split like MatmulStep splits a matrix of `tiles` tiles:
+// Row argmax of y[R][ldy] (N columns), split as MatmulStep splits a matrix of `tiles` tiles:
 // each thread finds the first maximum of its own columns of every row (just stored by its
 // share of the LM head, so still in its cache; read cold by the caller afterwards it cost
 // ~0.2 ms for a 4-row verify pass), then, after a barrier, `argmax_merge` picks per row the
 // first NaN or else the first largest in column order: numpy's argmax of the whole row.
 inline void argmax_part(const IsaKernels* isa, const float* y, int R, int64_t ldy, int N,
                         int tiles, int tid, int n, float* pbest, int64_t* pidx) {
-  int p0, p1;
-  split_range((tiles + 1) / 2, tid, n, &p0, &p1);
-  const int c0 = std::min(2 * p0 * NR, N), c1 = std::min(2 * p1 * NR, N);
+  int t0, t1;
+  pair_split(tiles, tid, n, &t0, &t1);
+  const int c0 = std::min(t0 * NR, N), c1 = std::min(t1 * NR, N);
   for (int r = 0; r < R; ++r) {
     float b = 0.f;
     const int64_t i = c1 > c0 ? isa->argmax(y + (int64_t)r * ldy + c0, c1 - c0, &b) : -1;
