@@ -1,11 +1,15 @@
 """Where a CPU-engine forward spends its time, phase by phase (thread 0's wall clock).
 
     python -m benchmark.profile_cpu_engine --context 256 --tokens 1,8 --digits 3,1
+    python -m benchmark.profile_cpu_engine --context 160 --tokens 1 --batch 32 \
+        --layout interleaved
 
-For each (digits, tokens-per-forward) it prefills `--context` tokens, then runs `--steps`
-forwards of n tree nodes (n = 1: a plain decode step) and prints the mean milliseconds of each
-phase per forward (linears summed over layers), the total, and the weight bytes each phase
-streamed per millisecond. Writes JSON (`--output`).
+For each (digits, tokens-per-forward) it prefills `--context` tokens for each of `--batch`
+requests, then runs `--steps` forwards of n tree nodes per request (n = 1: a plain decode step)
+and prints the mean milliseconds of each phase per forward (linears summed over layers) and the
+total. `--layout` places the requests' KV slots: `contiguous` (each request's own run, as after
+a prefill) or `interleaved` (position p of request i in slot p * batch + i, as a busy server's
+decode steps hand them out). Writes JSON (`--output`).
 """
 
 from __future__ import annotations
@@ -28,20 +32,30 @@ def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def profile(runner: ModelRunner, context: int, n: int, steps: int) -> dict:
+def request_slots(batch: int, length: int, layout: str) -> list[torch.Tensor]:
+    """Each request's KV slots (slot 0 is padding): its own run, or interleaved with the others'."""
+    if layout == "interleaved":
+        return [torch.arange(length) * batch + i + 1 for i in range(batch)]
+    return [torch.arange(length) + i * length + 1 for i in range(batch)]
+
+
+def profile(runner: ModelRunner, context: int, n: int, steps: int, batch: int = 1,
+            layout: str = "contiguous") -> dict:
     core = runner.model.core
     vocab = runner.vocab_size
     gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(100, vocab - 100, (context,), generator=gen).tolist()
-    slots = torch.arange(1, context + n + 1)
-    runner.forward(ForwardBatch.build(ForwardMode.EXTEND, [prompt], [slots[:context]], [0]))
+    prompts = torch.randint(100, vocab - 100, (batch, context), generator=gen).tolist()
+    slots = request_slots(batch, context + n, layout)
+    runner.forward(ForwardBatch.build(ForwardMode.EXTEND, prompts, [s[:context] for s in slots],
+                                      [0] * batch))
     mask = torch.tril(torch.ones(n, n, dtype=torch.bool))
     mode = ForwardMode.DECODE if n == 1 else ForwardMode.TARGET_VERIFY
-    kw = {} if n == 1 else dict(positions=[torch.arange(context, context + n)],
-                                custom_masks=[mask], logits="all")
+    kw = {} if n == 1 else dict(positions=[torch.arange(context, context + n)] * batch,
+                                custom_masks=[mask] * batch, logits="all")
 
     def step():
-        runner.forward(ForwardBatch.build(mode, [prompt[:n]], [slots], [context], **kw))
+        runner.forward(ForwardBatch.build(mode, [p[:n] for p in prompts], slots,
+                                          [context] * batch, **kw))
 
     step()
     core.set_profile(True)
@@ -51,7 +65,8 @@ def profile(runner: ModelRunner, context: int, n: int, steps: int) -> dict:
     wall = (time.perf_counter() - t0) / steps
     phases = dict(core.profile())
     core.set_profile(False)
-    return {"tokens": n, "context": context, "wall_ms": wall * 1e3,
+    return {"tokens": n, "batch": batch, "layout": layout, "context": context,
+            "wall_ms": wall * 1e3,
             "phases_ms": {k: phases[k] * 1e3 for k in PHASES}}
 
 
@@ -63,22 +78,29 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--tokens", type=ints, default=[1, 8])
     p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--batch", type=int, default=1, help="requests per forward")
+    p.add_argument("--layout", choices=("contiguous", "interleaved"), default="contiguous",
+                   help="where the requests' KV slots lie (see above)")
     p.add_argument("--output", default="results/profile_cpu_engine.json")
     args = p.parse_args(argv)
     model_dir = str(resolve_model_path(args.model_path))
     runs = []
     for digits in args.digits:
         runner = ModelRunner(RunnerConfig(model_dir, "cpu",
-                                          max_total_tokens=args.context + max(args.tokens) + 8,
+                                          max_total_tokens=args.batch * (
+                                             args.context + max(args.tokens)) + 8,
                                           weight_format=args.weight_format,
                                           activation_digits=digits))
         assert runner.engine == "cpu", "the CPU engine is not available here"
         for n in args.tokens:
-            runs.append({"digits": digits, **profile(runner, args.context, n, args.steps)})
+            runs.append({"digits": digits, **profile(runner, args.context, n, args.steps,
+                                                     args.batch, args.layout)})
         del runner
     path = write_json(args.output, {"machine": machine_info(), "args": vars(args), "runs": runs})
     print(f"\nJSON: {path}\n")
-    head = ["phase"] + [f"d={r['digits']} n={r['tokens']}" for r in runs]
+    head = ["phase"] + [f"d={r['digits']} n={r['tokens']}" + (f" bs={r['batch']}"
+                                                               if r["batch"] > 1 else "")
+                        for r in runs]
     rows = [[ph] + [r["phases_ms"][ph] for r in runs] for ph in PHASES]
     rows.append(["sum of phases"] + [sum(r["phases_ms"].values()) for r in runs])
     rows.append(["wall per forward"] + [r["wall_ms"] for r in runs])

@@ -507,9 +507,15 @@ void attention_d(const AttnArgs& a, int i0, int i1, AttnScratch& s) {
     const KV* vc = kv_cache_v<KV>(a) + (int64_t)g * D;
     __m512 vmax[kAttnRows * 8];
     for (int i = 0; i < R * G; ++i) vmax[i] = _mm512_set1_ps(-INFINITY);
+    for (int r = 0; r < R; ++r) {  // the first block's keys
+      prefetch_kv_rows<3, D>(kc, kv_stride, sl[r], 0, std::min(Lr[r], 16));
+    }
     for (int j0 = 0; j0 < Lmax; j0 += 16) {
       for (int r = 0; r < R; ++r) {
         if (Lr[r] <= j0) continue;
+        // the next block's keys to L1, this block's values to L2 (the value pass reads them)
+        prefetch_kv_rows<3, D>(kc, kv_stride, sl[r], j0 + 16, std::min(Lr[r], j0 + 32));
+        prefetch_kv_rows<2, D>(vc, kv_stride, sl[r], j0, std::min(Lr[r], j0 + 16));
         for (int hh = 0; hh < G; ++hh) {
           const float* qp = a.q + (int64_t)(t0 + r) * a.ldq + (h0 + hh) * D;
           __m512 q[NV];
@@ -542,6 +548,7 @@ void attention_d(const AttnArgs& a, int i0, int i1, AttnScratch& s) {
       for (int r = 0; r < R; ++r) {
         const int j1 = Lr[r] < j0 + 16 ? Lr[r] : j0 + 16;
         if (j1 <= j0) continue;
+        prefetch_kv_rows<3, D>(vc, kv_stride, sl[r], j1, std::min(Lr[r], j0 + 32));
         for (int hh = 0; hh < G; ++hh) {
           const int qi = r * G + hh;
           const float* e = s.scores + qi * sstride;
