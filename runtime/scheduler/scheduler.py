@@ -67,7 +67,9 @@ class SchedulerConfig:
     max_draft_tokens: int = 1
     deep_for_all: bool = False
     # load-aware speculation (`spec_budget.py`): nodes per request chosen from the verify-cost
-    # curve of the engine and each request's acceptance; False = always the sizes above
+    # curve of the engine and each request's acceptance; False = always the sizes above (with
+    # --speculative-disable-adaptive, and for a drafter that cuts its own trees by the same
+    # curve from per-node probabilities: `Drafter.sizes_trees_by_cost`)
     load_aware: bool = True
     engine: str = "cpu"  # whose stored verify-cost curve to plan with, when none was measured
     # the curve the runner measured at start-up (runtime/verify_cost.py), if it did
@@ -82,12 +84,14 @@ class SchedulerConfig:
     @classmethod
     def from_server_args(cls, server_args) -> SchedulerConfig:
         """The scheduler's part of resolved `ServerArgs`."""
-        n, deep, deep_for_all = 1, 1, False
+        n, deep, deep_for_all, plan = 1, 1, False, True
         spec = server_args.spec_config()
         if spec is not None:
             from speculative.base import ALGORITHMS
 
-            n, deep, deep_for_all = ALGORITHMS[spec.algorithm].scheduler_sizes(spec)
+            drafter = ALGORITHMS[spec.algorithm]
+            n, deep, deep_for_all = drafter.scheduler_sizes(spec)
+            plan = not drafter.sizes_trees_by_cost
         return cls(
             max_running_requests=server_args.max_running_requests,
             chunked_prefill_size=server_args.chunked_prefill_size,
@@ -96,7 +100,7 @@ class SchedulerConfig:
             num_draft_tokens=n,
             max_draft_tokens=deep,
             deep_for_all=deep_for_all,
-            load_aware=not server_args.speculative_disable_adaptive,
+            load_aware=plan and not server_args.speculative_disable_adaptive,
         )
 
 

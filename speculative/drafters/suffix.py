@@ -109,6 +109,11 @@ class SuffixDrafter(Drafter):
     default_num_draft_tokens = {"cpu": 4, "torch": 8}
     vllm_methods = ("suffix",)
     drafts_when_backed_off = True
+    # `worth_drafting` cuts each tree by its nodes' probabilities and the verify-cost curve at
+    # the step's batch size; the scheduler's plan from running acceptance rates cut trees that
+    # these probabilities said were worth it (schema train split, c = 4: accept length 1.58
+    # planned, 2.31 self-sized; docs/benchmarks.md "SUFFIX sizes its own trees")
+    sizes_trees_by_cost = True
 
     @classmethod
     def resolve_options(cls, opts: SuffixOptions, ctx: ResolveContext) -> SuffixOptions:

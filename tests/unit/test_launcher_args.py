@@ -87,6 +87,26 @@ def test_ngram_match_sizing_is_on_by_default_and_one_flag_turns_it_off():
     assert not SchedulerConfig.from_server_args(off).deep_for_all
 
 
+def test_the_scheduler_plans_sizes_unless_the_drafter_cuts_its_own_trees_by_cost():
+    """SUFFIX cuts each tree by its nodes' probabilities and the verify-cost curve
+    (`worth_drafting`): the scheduler hands it the size caps instead of planning sizes from
+    running acceptance rates; every other algorithm keeps the load-aware plan, and
+    --speculative-disable-adaptive turns the plan off for all."""
+    from runtime.scheduler.scheduler import SchedulerConfig
+    from speculative.base import ALGORITHMS
+
+    assert ALGORITHMS["SUFFIX"].sizes_trees_by_cost
+    suffix = ServerArgs(speculative_algorithm="SUFFIX").resolve()
+    assert not SchedulerConfig.from_server_args(suffix).load_aware
+    for algo in ("NGRAM", "LOOKAHEAD"):
+        assert not ALGORITHMS[algo].sizes_trees_by_cost
+        assert SchedulerConfig.from_server_args(
+            ServerArgs(speculative_algorithm=algo).resolve()).load_aware
+    off = parse_args(["--speculative-algorithm", "NGRAM",
+                      "--speculative-disable-adaptive"]).resolve()
+    assert not SchedulerConfig.from_server_args(off).load_aware
+
+
 def test_ngram_own_context_is_on_by_default_and_one_flag_turns_it_off():
     assert not ServerArgs(speculative_algorithm="NGRAM").resolve().spec_config(
     ).ngram_disable_own_context
