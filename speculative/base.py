@@ -118,6 +118,12 @@ class Drafter(ABC):
     # (runtime/scheduler/spec_budget.py), which knows less than the drafter's probabilities
     sizes_trees_by_cost: ClassVar[bool] = False
 
+    @classmethod
+    def cuts_own_trees(cls, cfg: SpecConfig) -> bool:
+        """Whether, with these options, the drafter cuts its own trees by cost (see
+        `sizes_trees_by_cost`) and the scheduler should hand out the size caps."""
+        return cls.sizes_trees_by_cost
+
     def __init__(self, cfg: SpecConfig, runner) -> None:
         self.cfg = cfg
         self.runner = runner

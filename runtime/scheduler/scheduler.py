@@ -91,7 +91,7 @@ class SchedulerConfig:
 
             drafter = ALGORITHMS[spec.algorithm]
             n, deep, deep_for_all = drafter.scheduler_sizes(spec)
-            plan = not drafter.sizes_trees_by_cost
+            plan = not drafter.cuts_own_trees(spec)
         return cls(
             max_running_requests=server_args.max_running_requests,
             chunked_prefill_size=server_args.chunked_prefill_size,

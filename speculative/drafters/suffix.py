@@ -95,6 +95,10 @@ class SuffixOptions(SpecOptions):
     suffix_min_token_prob: float = option(
         0.1, "SUFFIX: drop draft tokens whose estimated probability (product of frequencies "
         "along the path) is below this", vllm="suffix_decoding_min_token_prob")
+    suffix_planned_sizes: bool = option(
+        False, "SUFFIX: let the scheduler plan tree sizes from each request's running "
+        "acceptance rate, as for the other algorithms, instead of handing out the size caps "
+        "and letting SUFFIX cut each tree by its nodes' probabilities and the verify-cost curve")
     suffix_max_draft_tokens: int | None = option(
         None, "SUFFIX: tree nodes (root included) a request may draft while the step's total "
         "stays within it, i.e. when it decodes alone (default: 2x "
@@ -111,8 +115,8 @@ class SuffixDrafter(Drafter):
     drafts_when_backed_off = True
     # `worth_drafting` cuts each tree by its nodes' probabilities and the verify-cost curve at
     # the step's batch size; the scheduler's plan from running acceptance rates cut trees that
-    # these probabilities said were worth it (schema train split, c = 4: accept length 1.58
-    # planned, 2.31 self-sized; docs/benchmarks.md "SUFFIX sizes its own trees")
+    # these probabilities said were worth it (docs/benchmarks.md "SUFFIX sizes its own trees";
+    # --speculative-suffix-planned-sizes plans them as for the other algorithms)
     sizes_trees_by_cost = True
 
     @classmethod
@@ -139,6 +143,10 @@ class SuffixDrafter(Drafter):
     @classmethod
     def scheduler_sizes(cls, cfg: SpecConfig) -> tuple[int, int, bool]:
         return cfg.num_draft_tokens, cfg.suffix_max_draft_tokens, True
+
+    @classmethod
+    def cuts_own_trees(cls, cfg: SpecConfig) -> bool:
+        return not cfg.suffix_planned_sizes
 
     def __init__(self, cfg: SpecConfig, runner) -> None:
         super().__init__(cfg, runner)

@@ -102,6 +102,9 @@ def test_the_scheduler_plans_sizes_unless_the_drafter_cuts_its_own_trees_by_cost
         assert not ALGORITHMS[algo].sizes_trees_by_cost
         assert SchedulerConfig.from_server_args(
             ServerArgs(speculative_algorithm=algo).resolve()).load_aware
+    planned = parse_args(["--speculative-algorithm", "SUFFIX",
+                          "--speculative-suffix-planned-sizes"]).resolve()
+    assert SchedulerConfig.from_server_args(planned).load_aware
     off = parse_args(["--speculative-algorithm", "NGRAM",
                       "--speculative-disable-adaptive"]).resolve()
     assert not SchedulerConfig.from_server_args(off).load_aware
