@@ -95,13 +95,10 @@ class SuffixOptions(SpecOptions):
     suffix_min_token_prob: float = option(
         0.1, "SUFFIX: drop draft tokens whose estimated probability (product of frequencies "
         "along the path) is below this", vllm="suffix_decoding_min_token_prob")
-    suffix_own_sizes: bool = option(
-        False, "SUFFIX: the scheduler hands out the size caps and SUFFIX's own cut (its nodes' "
-        "probabilities and the verify-cost curve at the step's batch size) sizes each tree, "
-        "instead of the scheduler's plan from running acceptance rates. More tokens per step "
-        "on outputs that repeat across requests at low load, but the estimates are optimistic "
-        "on fresh text and cost in busy batches (docs/benchmarks.md, 'SUFFIX sizes its own "
-        "trees')")
+    suffix_planned_sizes: bool = option(
+        False, "SUFFIX: let the scheduler plan tree sizes from each request's running "
+        "acceptance rate, as for the other algorithms, instead of handing out the size caps "
+        "and letting SUFFIX cut each tree by its nodes' probabilities and the verify-cost curve")
     suffix_max_draft_tokens: int | None = option(
         None, "SUFFIX: tree nodes (root included) a request may draft while the step's total "
         "stays within it, i.e. when it decodes alone (default: 2x "
@@ -116,6 +113,11 @@ class SuffixDrafter(Drafter):
     default_num_draft_tokens = {"cpu": 4, "torch": 8}
     vllm_methods = ("suffix",)
     drafts_when_backed_off = True
+    # `worth_drafting` cuts each tree by its nodes' probabilities and the verify-cost curve at
+    # the step's batch size; the scheduler's plan from running acceptance rates cut trees that
+    # these probabilities said were worth it (docs/benchmarks.md "SUFFIX sizes its own trees";
+    # --speculative-suffix-planned-sizes plans them as for the other algorithms)
+    sizes_trees_by_cost = True
 
     @classmethod
     def resolve_options(cls, opts: SuffixOptions, ctx: ResolveContext) -> SuffixOptions:
@@ -144,7 +146,7 @@ class SuffixDrafter(Drafter):
 
     @classmethod
     def cuts_own_trees(cls, cfg: SpecConfig) -> bool:
-        return cfg.suffix_own_sizes
+        return not cfg.suffix_planned_sizes
 
     def __init__(self, cfg: SpecConfig, runner) -> None:
         super().__init__(cfg, runner)

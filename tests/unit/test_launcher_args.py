@@ -87,19 +87,24 @@ def test_ngram_match_sizing_is_on_by_default_and_one_flag_turns_it_off():
     assert not SchedulerConfig.from_server_args(off).deep_for_all
 
 
-def test_the_scheduler_plans_sizes_unless_suffix_is_asked_to_cut_its_own_trees():
-    """By default the scheduler plans every algorithm's tree sizes (the load-aware budget);
-    --speculative-suffix-own-sizes hands SUFFIX the size caps and lets its own cut
-    (`worth_drafting`) size each tree; --speculative-disable-adaptive turns the plan off."""
+def test_the_scheduler_plans_sizes_unless_the_drafter_cuts_its_own_trees_by_cost():
+    """SUFFIX cuts each tree by its nodes' probabilities and the verify-cost curve
+    (`worth_drafting`): the scheduler hands it the size caps instead of planning sizes from
+    running acceptance rates; every other algorithm keeps the load-aware plan, and
+    --speculative-disable-adaptive turns the plan off for all."""
     from runtime.scheduler.scheduler import SchedulerConfig
+    from speculative.base import ALGORITHMS
 
-    for algo in ("SUFFIX", "NGRAM", "LOOKAHEAD"):
+    assert ALGORITHMS["SUFFIX"].sizes_trees_by_cost
+    suffix = ServerArgs(speculative_algorithm="SUFFIX").resolve()
+    assert not SchedulerConfig.from_server_args(suffix).load_aware
+    for algo in ("NGRAM", "LOOKAHEAD"):
+        assert not ALGORITHMS[algo].sizes_trees_by_cost
         assert SchedulerConfig.from_server_args(
             ServerArgs(speculative_algorithm=algo).resolve()).load_aware
-    own = parse_args(["--speculative-algorithm", "SUFFIX",
-                      "--speculative-suffix-own-sizes"]).resolve()
-    assert own.spec_config().suffix_own_sizes
-    assert not SchedulerConfig.from_server_args(own).load_aware
+    planned = parse_args(["--speculative-algorithm", "SUFFIX",
+                          "--speculative-suffix-planned-sizes"]).resolve()
+    assert SchedulerConfig.from_server_args(planned).load_aware
     off = parse_args(["--speculative-algorithm", "NGRAM",
                       "--speculative-disable-adaptive"]).resolve()
     assert not SchedulerConfig.from_server_args(off).load_aware
