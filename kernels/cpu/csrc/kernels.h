@@ -228,7 +228,7 @@ template <> inline const uint16_t* kv_cache_v<uint16_t>(const AttnArgs& a) { ret
 // a busy batch interleave the requests' slots, so consecutive keys lie batch x row bytes apart,
 // a stride no hardware prefetcher follows across pages, and a decode row's attention otherwise
 // waits on each row in turn (AVX-512, 32 decode rows over 160 keys: attention -23 to -27%
-// whether the slots are contiguous or interleaved, a whole step -9 to -12%: `python -m
+// whether the slots are contiguous or interleaved, a whole step -6 to -12%: `python -m
 // benchmark.profile_cpu_engine --context 160 --tokens 1 --batch 32 --layout interleaved`).
 template <int LOCALITY, int D, class KV>
 inline void prefetch_kv_rows(const KV* base, int64_t kv_stride, const int64_t* slots, int j0,
