@@ -111,18 +111,15 @@ class Drafter(ABC):
     # which nobody drafts may skip it entirely (no `propose`, no capture, no `draft_extend`);
     # it hears of them through `skipped`. For drafters whose per-step work only serves drafting
     skips_when_off: ClassVar[bool] = False
-    # the drafter cuts each tree itself where another node would cost more verify time than it
-    # is expected to bring, from its own per-node probabilities and the verify-cost curve at
-    # the step's batch size (SUFFIX: `worth_drafting`); the scheduler then hands out the size
-    # caps instead of planning sizes from each request's running acceptance rate
-    # (runtime/scheduler/spec_budget.py), which knows less than the drafter's probabilities
-    sizes_trees_by_cost: ClassVar[bool] = False
-
     @classmethod
     def cuts_own_trees(cls, cfg: SpecConfig) -> bool:
-        """Whether, with these options, the drafter cuts its own trees by cost (see
-        `sizes_trees_by_cost`) and the scheduler should hand out the size caps."""
-        return cls.sizes_trees_by_cost
+        """Whether, with these options, the drafter cuts each tree itself where another node
+        would cost more verify time than it is expected to bring, from its own per-node
+        probabilities and the verify-cost curve at the step's batch size (SUFFIX:
+        `worth_drafting`); the scheduler then hands out the size caps instead of planning
+        sizes from each request's running acceptance rate (runtime/scheduler/spec_budget.py),
+        which knows less than the drafter's probabilities."""
+        return False
 
     def __init__(self, cfg: SpecConfig, runner) -> None:
         self.cfg = cfg

@@ -69,7 +69,7 @@ class SchedulerConfig:
     # load-aware speculation (`spec_budget.py`): nodes per request chosen from the verify-cost
     # curve of the engine and each request's acceptance; False = always the sizes above (with
     # --speculative-disable-adaptive, and for a drafter that cuts its own trees by the same
-    # curve from per-node probabilities: `Drafter.sizes_trees_by_cost`)
+    # curve from per-node probabilities: `Drafter.cuts_own_trees`)
     load_aware: bool = True
     engine: str = "cpu"  # whose stored verify-cost curve to plan with, when none was measured
     # the curve the runner measured at start-up (runtime/verify_cost.py), if it did

@@ -113,11 +113,6 @@ class SuffixDrafter(Drafter):
     default_num_draft_tokens = {"cpu": 4, "torch": 8}
     vllm_methods = ("suffix",)
     drafts_when_backed_off = True
-    # `worth_drafting` cuts each tree by its nodes' probabilities and the verify-cost curve at
-    # the step's batch size; the scheduler's plan from running acceptance rates cut trees that
-    # these probabilities said were worth it (docs/benchmarks.md "SUFFIX sizes its own trees";
-    # --speculative-suffix-planned-sizes plans them as for the other algorithms)
-    sizes_trees_by_cost = True
 
     @classmethod
     def resolve_options(cls, opts: SuffixOptions, ctx: ResolveContext) -> SuffixOptions:
@@ -146,6 +141,8 @@ class SuffixDrafter(Drafter):
 
     @classmethod
     def cuts_own_trees(cls, cfg: SpecConfig) -> bool:
+        # the scheduler's plan from running acceptance rates cut trees that the nodes'
+        # probabilities said were worth it (docs/benchmarks.md, "SUFFIX sizes its own trees")
         return not cfg.suffix_planned_sizes
 
     def __init__(self, cfg: SpecConfig, runner) -> None:

@@ -95,13 +95,13 @@ def test_the_scheduler_plans_sizes_unless_the_drafter_cuts_its_own_trees_by_cost
     from runtime.scheduler.scheduler import SchedulerConfig
     from speculative.base import ALGORITHMS
 
-    assert ALGORITHMS["SUFFIX"].sizes_trees_by_cost
     suffix = ServerArgs(speculative_algorithm="SUFFIX").resolve()
+    assert ALGORITHMS["SUFFIX"].cuts_own_trees(suffix.spec_config())
     assert not SchedulerConfig.from_server_args(suffix).load_aware
     for algo in ("NGRAM", "LOOKAHEAD"):
-        assert not ALGORITHMS[algo].sizes_trees_by_cost
-        assert SchedulerConfig.from_server_args(
-            ServerArgs(speculative_algorithm=algo).resolve()).load_aware
+        args = ServerArgs(speculative_algorithm=algo).resolve()
+        assert not ALGORITHMS[algo].cuts_own_trees(args.spec_config())
+        assert SchedulerConfig.from_server_args(args).load_aware
     planned = parse_args(["--speculative-algorithm", "SUFFIX",
                           "--speculative-suffix-planned-sizes"]).resolve()
     assert SchedulerConfig.from_server_args(planned).load_aware
