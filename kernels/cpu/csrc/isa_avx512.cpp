@@ -54,11 +54,11 @@ inline __m512 silu512(__m512 g) {
 
 // ---- block formats ----------------------------------------------------------------------------
 //
-// Digits are combined in the integer accumulator (Horner: s = (s << 7) + next digit's dot), so a
-// row x tile-block costs 8 vpdpbusd per digit, then one conversion and one or two FMAs. For Q4
-// weights (0..15) the combined sum stays below 2^31 (|s| <= 32 * 15 * 127 * 2^14 + ... ~ 1.0e9);
-// Q8_0 weights (stored int8, used as uint8 w + 128) would overflow, so their first digit keeps its
-// own accumulator and the two meet in one float FMA.
+// Digits are combined exactly in int32 (Horner over the digits' dots: s = (s << 7) + next digit's
+// dot), so a row x tile-block costs 8 vpdpbusd per digit, then one conversion and one or two
+// FMAs. For Q4 weights (0..15) the combined sum stays below 2^31 (|s| <= 32 * 15 * 127 * 2^14 +
+// ... ~ 1.0e9); Q8_0 weights (stored int8, used as uint8 w + 128) would overflow, so their first
+// digit keeps its own accumulator and the two meet in one float FMA.
 
 template <int FMT>
 constexpr int tbb() { return FMT == Q8_0 ? 544 : FMT == Q4_0 ? 288 : 320; }
@@ -126,48 +126,50 @@ inline void block_tiles(const GemmArgs& a, const int* tiles, int m0, __m512 (&ac
       const int64_t m = m0 + r;
       const int8_t* ab = a.act.q + m * L * K + b * QK;
       const int32_t* sums = a.act.sums + m * L * nb + b;
-      // two chains per tile (even / odd groups): vpdpbusd's latency would otherwise leave a
-      // row's 8 * L dependent instructions half-idle; integer sums merge exactly
-      __m512i s[NT][2], s_lo[NT][2];
-      for (int t = 0; t < NT; ++t) {
-        s[t][0] = s[t][1] = s_lo[t][0] = s_lo[t][1] = _mm512_setzero_si512();
-      }
+      // One chain per digit and tile (8 vpdpbusd each), combined after the block: Horner on the
+      // digits' sums is the integer the old two-chain split built digit by digit (integer sums
+      // are exact, so the bits are the same), and L independent chains of 8 hide vpdpbusd's
+      // latency with fewer rows in flight than two chains of 8 L (-10% per M = 2-8 call,
+      // docs/benchmarks.md). Each digit row's pointer is held apart: indexing one base by
+      // l * K ran the kernel out of general registers (offsets parked in xmm, moved back per
+      // broadcast).
+      __m512i dig[L][NT];
+      const int8_t* al[L];
       for (int l = 0; l < L; ++l) {
-        const int8_t* al = ab + (int64_t)l * K;
-        for (int t = 0; t < NT; ++t) {
-          for (int c = 0; c < 2; ++c) {
-            if (!Q8 && l > 0) s[t][c] = _mm512_slli_epi32(s[t][c], 7);
-            if (Q8 && l > 1) s_lo[t][c] = _mm512_slli_epi32(s_lo[t][c], 7);
-          }
-        }
-        for (int g = 0; g < 8; ++g) {
-          const __m512i x = _mm512_set1_epi32(load_i32(al + 4 * g));
-          for (int t = 0; t < NT; ++t) {
-            __m512i& acc_i = Q8 && l > 0 ? s_lo[t][g & 1] : s[t][g & 1];
-            acc_i = _mm512_dpbusd_epi32(acc_i, w[t][g], x);
-          }
+        al[l] = ab + (int64_t)l * K;
+        for (int t = 0; t < NT; ++t) dig[l][t] = _mm512_setzero_si512();
+      }
+      for (int g = 0; g < 8; ++g) {
+        for (int l = 0; l < L; ++l) {
+          const __m512i x = _mm512_set1_epi32(load_i32(al[l] + 4 * g));
+          for (int t = 0; t < NT; ++t) dig[l][t] = _mm512_dpbusd_epi32(dig[l][t], w[t][g], x);
         }
       }
+      // Q4: every digit in s; Q8_0: the first digit in s, the others in s_lo
+      __m512i s[NT], s_lo[NT];
       for (int t = 0; t < NT; ++t) {
-        s[t][0] = _mm512_add_epi32(s[t][0], s[t][1]);
-        s_lo[t][0] = _mm512_add_epi32(s_lo[t][0], s_lo[t][1]);
+        const int l0 = Q8 ? 1 : 0;
+        __m512i h = l0 < L ? dig[l0][t] : _mm512_setzero_si512();
+        for (int l = l0 + 1; l < L; ++l) h = _mm512_add_epi32(_mm512_slli_epi32(h, 7), dig[l][t]);
+        s[t] = Q8 ? dig[0][t] : h;
+        s_lo[t] = h;
       }
       __m512 f[NT];
       if (Q8) {
         const __m512i o_hi = _mm512_set1_epi32(OFF * sums[0]);
         const __m512i o_lo = _mm512_set1_epi32(OFF * horner_sums<L>(sums, nb, 1));
         for (int t = 0; t < NT; ++t) {
-          f[t] = _mm512_cvtepi32_ps(_mm512_sub_epi32(s[t][0], o_hi));
+          f[t] = _mm512_cvtepi32_ps(_mm512_sub_epi32(s[t], o_hi));
           if (L > 1) {
             f[t] = _mm512_fmadd_ps(f[t], _mm512_set1_ps((float)(1 << (7 * (L - 1)))),
-                                   _mm512_cvtepi32_ps(_mm512_sub_epi32(s_lo[t][0], o_lo)));
+                                   _mm512_cvtepi32_ps(_mm512_sub_epi32(s_lo[t], o_lo)));
           }
         }
       } else {
         __m512i o = _mm512_setzero_si512();
         if (OFF) o = _mm512_set1_epi32(OFF * horner_sums<L>(sums, nb, 0));
         for (int t = 0; t < NT; ++t) {
-          f[t] = _mm512_cvtepi32_ps(OFF ? _mm512_sub_epi32(s[t][0], o) : s[t][0]);
+          f[t] = _mm512_cvtepi32_ps(OFF ? _mm512_sub_epi32(s[t], o) : s[t]);
         }
       }
       const __m512 sc = _mm512_set1_ps(a.act.scale[m * nb + b]);
