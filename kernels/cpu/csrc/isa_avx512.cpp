@@ -330,20 +330,29 @@ inline void tiles_rows(const GemmArgs& a, int t0, int t1, int m0) {
   }
 }
 
-// Weights stream once per group of up to 32 tiles; within it, rows go 4 at a time, so a
-// tile group's weights stay in L1/L2 while every row block reads them.
+// Weights stream once per group of up to 32 tiles; within it, rows go up to 8 at a time (a
+// call of M <= 8 rows, every verify pass of a small tree, reads and unpacks each weight block
+// once), so a tile group's weights stay in L1/L2 while every row block reads them. Eight rows'
+// accumulators do not all fit in registers beside the weights; the spilled ones are touched
+// once per block (6 and 8 rows per pass measured 5-12% faster than 4 at M = 6 and 8).
 template <int FMT, int L>
 void gemm_fmt(const GemmArgs& a, int t0, int t1) {
   constexpr int TG = 32;
   for (int g0 = t0; g0 < t1; g0 += TG) {
     const int g1 = g0 + TG < t1 ? g0 + TG : t1;
-    int m = 0;
-    for (; m + 4 <= a.M; m += 4) tiles_rows<FMT, L, 4>(a, g0, g1, m);
-    switch (a.M - m) {
-      case 3: tiles_rows<FMT, L, 3>(a, g0, g1, m); break;
-      case 2: tiles_rows<FMT, L, 2>(a, g0, g1, m); break;
-      case 1: tiles_rows<FMT, L, 1>(a, g0, g1, m); break;
-      default: break;
+    for (int m = 0; m < a.M;) {
+      const int mr = a.M - m < 8 ? a.M - m : 8;
+      switch (mr) {
+        case 8: tiles_rows<FMT, L, 8>(a, g0, g1, m); break;
+        case 7: tiles_rows<FMT, L, 7>(a, g0, g1, m); break;
+        case 6: tiles_rows<FMT, L, 6>(a, g0, g1, m); break;
+        case 5: tiles_rows<FMT, L, 5>(a, g0, g1, m); break;
+        case 4: tiles_rows<FMT, L, 4>(a, g0, g1, m); break;
+        case 3: tiles_rows<FMT, L, 3>(a, g0, g1, m); break;
+        case 2: tiles_rows<FMT, L, 2>(a, g0, g1, m); break;
+        default: tiles_rows<FMT, L, 1>(a, g0, g1, m); break;
+      }
+      m += mr;
     }
   }
 }
