@@ -88,8 +88,16 @@ class DraftTree:
 
     @classmethod
     def root(cls, root_token: int) -> DraftTree:
-        """The one-node tree of a step without a draft."""
-        return cls(torch.tensor([root_token], dtype=torch.int64), _ROOT_PARENTS)
+        """The one-node tree of a step without a draft (every request of every plain step of a
+        speculative server: built without the general validation, which is for drafters'
+        trees)."""
+        t = object.__new__(cls)
+        t.tokens = torch.tensor([int(root_token)], dtype=torch.int64)
+        t.parents = _ROOT_PARENTS
+        t.draft_probs = None
+        t._parent_list = [-1]
+        t._links = t._depth = t._first_child = t._next_sibling = t._mask = None
+        return t
 
     @classmethod
     def from_parents(
