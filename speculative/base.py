@@ -111,6 +111,10 @@ class Drafter(ABC):
     # which nobody drafts may skip it entirely (no `propose`, no capture, no `draft_extend`);
     # it hears of them through `skipped`. For drafters whose per-step work only serves drafting
     skips_when_off: ClassVar[bool] = False
+    # set by the worker every step: the drafter as a whole does not pay on the current traffic
+    # (the server-wide regime of `_off_step`); a drafter may defer work that only serves
+    # drafting while it holds (EAGLE heads: the head pass over committed rows)
+    traffic_off: bool = False
     @classmethod
     def cuts_own_trees(cls, cfg: SpecConfig) -> bool:
         """Whether, with these options, the drafter cuts each tree itself where another node

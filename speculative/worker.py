@@ -269,6 +269,8 @@ class SpeculativeWorker:
         t_step = time.perf_counter()
         reqs = []
         probe = self._global_probe(entries)
+        self.drafter.traffic_off = (not self.cfg.disable_adaptive and
+                                    self.prior_accept < self.break_even(len(entries)))
         budgets = [self._budget(e, len(entries), probe) for e in entries]
         if self._off_step(entries, budgets):
             return self._plain_step(entries, t_step)

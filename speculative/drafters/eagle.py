@@ -260,6 +260,13 @@ class EagleDrafter(Drafter):
     # a never-drafting EAGLE-3 server cost 9-15% at every concurrency running its head over
     # every row (docs/benchmarks.md).
     IDLE_STEPS = 64
+    # While the drafter does not pay on the current traffic (`traffic_off`, set by the worker),
+    # rows wait past MAX_PENDING_ROWS, up to this many over all requests (~57 MB of EAGLE-3
+    # features), and a request that finishes drops its rows: a prompt no longer goes through
+    # the head at prefill on a server that is not drafting (a never-drafting EAGLE-3 server at
+    # batch 1 spent a third of its extra time per step there, `benchmark.profile_spec_step`),
+    # and a request chosen for a server-wide probe runs the head over its whole history then.
+    MAX_WAITING_ROWS = 8192
 
     @torch.inference_mode()
     def draft_extend(self, rows: list[TargetRows], out: ModelOutput) -> None:
@@ -269,6 +276,12 @@ class EagleDrafter(Drafter):
         backoff keeps from drafting then costs no head forward per step: its rows go through
         the head in batches, where a row costs a small fraction of a one-row forward. The head
         KV and state that result are the eager ones (same rows, same positions, same slots)."""
+        # rows that waited (`traffic_off`) before a gap of steps run without the drafter
+        # (`skipped`) are still valid where their slots are unchanged: through the head now,
+        # before the new rows open a fresh run (the gap's positions stay stale)
+        self._catch_up([r.rid for r in rows if (p := self.pending.get(r.rid)) is not None
+                        and p.end < r.prefix_len and torch.equal(
+                            r.slots[p.start : p.end], p.slots[p.start : p.end])])
         hidden = self.head.target_hidden(out)  # [T, H] or [T, 3H] (EAGLE-3 fused features)
         index = torch.cat([r.hidden_rows for r in rows]).to(hidden.device)
         feats = hidden[index]  # [sum n, F]: a copy, the forward's buffers can go
@@ -286,12 +299,17 @@ class EagleDrafter(Drafter):
             p.end += n
             p.slots = r.slots
             off += n
-            if p.end - p.start >= self.MAX_PENDING_ROWS:
+            if p.end - p.start >= self.MAX_PENDING_ROWS and not self._may_wait():
                 if self.idle.get(r.rid, 0) >= self.IDLE_STEPS:
                     self._drop_pending(r.rid)
                 else:
                     full.append(r.rid)
         self._catch_up(full)
+
+    def _may_wait(self) -> bool:
+        """Rows may wait past MAX_PENDING_ROWS (see MAX_WAITING_ROWS)."""
+        return self.traffic_off and sum(
+            p.end - p.start for p in self.pending.values()) < self.MAX_WAITING_ROWS
 
     def _drop_pending(self, rid: str) -> None:
         """Forget an idle request's pending rows but the last (see IDLE_STEPS)."""
@@ -459,8 +477,10 @@ class EagleDrafter(Drafter):
             self.idle[rid] = self.idle.get(rid, 0) + 1
 
     def release(self, rid: str) -> None:
-        if self.idle.pop(rid, 0) >= self.IDLE_STEPS and (p := self.pending.pop(rid, None)):
-            self.dropped_rows += p.end - p.start  # idle: its head KV stays stale (IDLE_STEPS)
+        idle = self.idle.pop(rid, 0) >= self.IDLE_STEPS
+        if (idle or self.traffic_off) and (p := self.pending.pop(rid, None)):
+            # idle, or nobody drafts: its head KV stays stale (IDLE_STEPS, MAX_WAITING_ROWS)
+            self.dropped_rows += p.end - p.start
         with torch.inference_mode():
             self._catch_up([rid])  # its prefix may stay in the radix cache: complete its head KV
         self.states.pop(rid, None)

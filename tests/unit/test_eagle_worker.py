@@ -308,3 +308,50 @@ def test_an_idle_request_drops_its_rows_and_stays_exact_when_it_drafts_again(
         worker.release(f"r{i}")
     assert not drafter.pending and not drafter.idle
     h.sched.check_no_leak()
+
+
+@pytest.mark.parametrize("probes", [False, True])
+def test_while_nobody_drafts_prompts_skip_the_head_until_a_probe(target, truth, heads, probes,
+                                                                monkeypatch):
+    """While the drafter does not pay on the traffic (`traffic_off`), a prompt's rows wait
+    instead of going through the head at prefill, and a request that finishes drops them: with
+    no server-wide probe due, the head never runs. A probe's warm-up steps bring a waiting
+    request's rows through the head (a gap of skipped steps after them) before it drafts. The
+    output is plain greedy decoding's either way."""
+    ps = truth[0][:3]
+    ref = reference(target, ps, ignore_eos=True, max_new_tokens=40)
+    runner = target[1]
+    cfg = SpecConfig("EAGLE3", 8, draft_model_path=str(heads["EAGLE3"]), num_steps=3,
+                     eagle_topk=4)  # adaptive: the worker's regimes apply
+    drafter = create_drafter(cfg, runner)
+    monkeypatch.setattr(drafter, "MAX_PENDING_ROWS", 4)  # every prompt is over the cap
+    h = Harness(target, num_draft_tokens=8)
+    worker = SpeculativeWorker(cfg, drafter, runner)
+    worker.prior_accept = 0.0  # the traffic does not pay: the server-wide regime,
+    drafter.traffic_off = True  # as the worker's steps before these requests would have set
+    worker.global_interval = 24 if probes else 10**9
+    h.worker = RunnerWorker(runner, worker)
+    h.sched.run_batch = h.worker.run
+    rows_run = []
+    real_head = drafter._run_head
+
+    def spy(batch, hidden, fused):
+        if fused:
+            rows_run.append(batch.num_tokens)
+        return real_head(batch, hidden, fused)
+
+    monkeypatch.setattr(drafter, "_run_head", spy)
+    for i, p in enumerate(ps):
+        h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=40)
+    h.run()
+    assert [h.outputs[f"r{i}"] for i in range(len(ps))] == ref
+    assert drafter.traffic_off
+    if probes:
+        assert h.sched.info()["spec_decode_num_draft_tokens"] > 0  # a probe drafted
+        assert max(rows_run) >= min(len(p) for p in ps)  # a whole prompt, caught up late
+    else:
+        assert rows_run == []  # no prompt, no committed row went through the head
+    for i in range(len(ps)):
+        worker.release(f"r{i}")
+    assert not drafter.pending
+    h.sched.check_no_leak()
