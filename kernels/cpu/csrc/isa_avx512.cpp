@@ -129,10 +129,10 @@ inline void block_tiles(const GemmArgs& a, const int* tiles, int m0, __m512 (&ac
       // One chain per digit and tile (8 vpdpbusd each), combined after the block: Horner on the
       // digits' sums is the integer the old two-chain split built digit by digit (integer sums
       // are exact, so the bits are the same), and L independent chains of 8 hide vpdpbusd's
-      // latency with fewer rows in flight than two chains of 8 L (-10% per M = 2-8 call,
-      // docs/benchmarks.md). Each digit row's pointer is held apart: indexing one base by
-      // l * K ran the kernel out of general registers (offsets parked in xmm, moved back per
-      // broadcast).
+      // latency with fewer rows in flight than two chains of 8 L. Each digit row's pointer is
+      // held apart: indexing one base by l * K ran the kernel out of general registers
+      // (offsets parked in xmm, moved back per broadcast). Both: a verify forward of 8 nodes
+      // -10% (docs/benchmarks.md, "Eighth session").
       __m512i dig[L][NT];
       const int8_t* al[L];
       for (int l = 0; l < L; ++l) {
@@ -334,7 +334,8 @@ inline void tiles_rows(const GemmArgs& a, int t0, int t1, int m0) {
 // call of M <= 8 rows, every verify pass of a small tree, reads and unpacks each weight block
 // once), so a tile group's weights stay in L1/L2 while every row block reads them. Eight rows'
 // accumulators do not all fit in registers beside the weights; the spilled ones are touched
-// once per block (6 and 8 rows per pass measured 5-12% faster than 4 at M = 6 and 8).
+// once per block (a forward of 8 rows -5%, a batch-8 decode step -9%, 6 rows no gain:
+// docs/benchmarks.md, "Eighth session").
 template <int FMT, int L>
 void gemm_fmt(const GemmArgs& a, int t0, int t1) {
   constexpr int TG = 32;
