@@ -116,6 +116,21 @@ def eagle_harness(target, ckpt, algo, *, hints=None, steps=3, topk=4, n=8, **sch
     return h, drafter
 
 
+def head_rows_run(monkeypatch, drafter) -> list[int]:
+    """The row counts of the drafter's draft-extend head forwards (target features in), as
+    they run."""
+    rows_run = []
+    real_head = drafter._run_head
+
+    def spy(batch, hidden, fused):
+        if fused:
+            rows_run.append(batch.num_tokens)
+        return real_head(batch, hidden, fused)
+
+    monkeypatch.setattr(drafter, "_run_head", spy)
+    return rows_run
+
+
 def count_moves(monkeypatch, runner) -> list[int]:
     moves = []
     real = runner.kv_pool.move
@@ -277,15 +292,7 @@ def test_an_idle_request_drops_its_rows_and_stays_exact_when_it_drafts_again(
     h, drafter = eagle_harness(target, heads[algo], algo)
     monkeypatch.setattr(drafter, "MAX_PENDING_ROWS", 16)
     monkeypatch.setattr(drafter, "IDLE_STEPS", 4)
-    rows_run = []
-    real_head = drafter._run_head
-
-    def spy(batch, hidden, fused):
-        if fused:
-            rows_run.append(batch.num_tokens)
-        return real_head(batch, hidden, fused)
-
-    monkeypatch.setattr(drafter, "_run_head", spy)
+    rows_run = head_rows_run(monkeypatch, drafter)
     worker = h.worker.spec
     real_budget = worker._budget
     steps: dict[str, int] = {}
@@ -332,15 +339,7 @@ def test_while_nobody_drafts_prompts_skip_the_head_until_a_probe(target, truth, 
     worker.global_interval = 24 if probes else 10**9
     h.worker = RunnerWorker(runner, worker)
     h.sched.run_batch = h.worker.run
-    rows_run = []
-    real_head = drafter._run_head
-
-    def spy(batch, hidden, fused):
-        if fused:
-            rows_run.append(batch.num_tokens)
-        return real_head(batch, hidden, fused)
-
-    monkeypatch.setattr(drafter, "_run_head", spy)
+    rows_run = head_rows_run(monkeypatch, drafter)
     for i, p in enumerate(ps):
         h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=40)
     h.run()
