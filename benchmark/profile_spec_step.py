@@ -3,12 +3,14 @@
     python -m benchmark.profile_spec_step --dataset rewrite --split train --num-prompts 12
 
 Runs the scheduler and the model-runner worker in one process (no HTTP, no IPC) on the default
-model, serving the prompts one after another, once without speculation and once per `--configs`
-entry (NGRAM options as in `bench_speculative`: `NGRAM`, `NGRAM:ngram_max_draft_tokens=8`).
-Every `ModelRunner.forward` is timed; the table gives the median forward time per (mode, tree
-size), its ratio to a decode step measured in the same serving loop (the T(n)/T(1) that
-`benchmark.replay_ngram` models), and the per-step time outside forwards (drafting, tree
-masks, verification, commit, scheduling). The first two prompts warm up and are not counted.
+model, serving the prompts one after another (`--concurrency N`: N requests in flight, a new one
+arriving as soon as one finishes), once without speculation and once per `--configs` entry
+(NGRAM options as in `bench_speculative`: `NGRAM`, `NGRAM:ngram_max_draft_tokens=8`). Every
+`ModelRunner.forward` is timed; the table gives the median forward time per (mode, tree size),
+its ratio to a decode step of the full batch measured in the same serving loop (the T(n)/T(1)
+that `benchmark.replay_ngram` models), the per-step time outside forwards (drafting, tree
+masks, verification, commit, scheduling) and the median time to first token. The first two
+prompts warm up (alone) and are not counted.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ WARMUP_PROMPTS = 2
 
 
 def serve(label: str, server_args: dict, prompts: list[tuple[list[int], int]],
-          threads: int) -> dict:
+          threads: int, concurrency: int = 1) -> dict:
     from runtime.messages import GenerateReq
     from runtime.model_loader.tokenizer import load_tokenizer
     from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
@@ -56,8 +58,19 @@ def serve(label: str, server_args: dict, prompts: list[tuple[list[int], int]],
     stop = StopChecker(load_tokenizer(args.model_path), [], 8192)
     cfg = dataclasses.replace(SchedulerConfig.from_server_args(args),
                               measured_verify_cost=spec.verify_cost if spec else None)
-    sched = Scheduler(cfg, runner.kv_capacity, stop,
-                      worker.run, lambda msg: None)
+    submitted: dict[str, float] = {}
+    ttft: list[float] = []
+    done: set[str] = set()
+
+    def emit(msg) -> None:  # the scheduler's output: first tokens and finishes
+        now = time.perf_counter()
+        for rid, toks, fin in zip(msg.rids, msg.new_token_ids, msg.finish_reasons):
+            if toks and rid in submitted:
+                ttft.append(now - submitted.pop(rid))
+            if fin is not None:
+                done.add(rid)
+
+    sched = Scheduler(cfg, runner.kv_capacity, stop, worker.run, emit)
     times: dict[tuple[str, int], list[float]] = defaultdict(list)
     forward = runner.forward
 
@@ -70,20 +83,43 @@ def serve(label: str, server_args: dict, prompts: list[tuple[list[int], int]],
 
     runner.forward = timed
     counting, wall, steps, tokens = False, 0.0, 0, 0
-    for i, (ids, max_new) in enumerate(tqdm(prompts, desc=label, unit="prompt")):
-        counting = i >= WARMUP_PROMPTS
-        before = sched.totals["generation_tokens"]
+
+    def submit(i: int) -> None:
+        ids, max_new = prompts[i]
+        if counting:
+            submitted[f"p{i}"] = time.perf_counter()
         sched.handle(GenerateReq(rid=f"p{i}", input_ids=ids, sampling_params=SamplingParams(
             temperature=0.0, max_new_tokens=max_new, ignore_eos=True).to_dict()))
-        t = time.perf_counter()
+
+    bar = tqdm(total=len(prompts), desc=label, unit="prompt")
+    warm = min(WARMUP_PROMPTS, len(prompts))
+    for i in range(warm):  # the warm-up prompts one by one, not counted
+        submit(i)
         while sched.step():
-            steps += counting
-        if counting:
-            wall += time.perf_counter() - t
-            tokens += sched.totals["generation_tokens"] - before
+            pass
+        bar.update()
+    done.clear()
+    # then `concurrency` requests in flight: a new one arrives as soon as one finishes
+    counting, nxt, inflight = True, warm, 0
+    before = sched.totals["generation_tokens"]
+    t = time.perf_counter()
+    while nxt < len(prompts) or inflight:
+        while inflight < concurrency and nxt < len(prompts):
+            submit(nxt)
+            nxt, inflight = nxt + 1, inflight + 1
+        sched.step()
+        steps += 1
+        if done:
+            inflight -= len(done)
+            bar.update(len(done))
+            done.clear()
+    wall = time.perf_counter() - t
+    tokens = sched.totals["generation_tokens"] - before
+    bar.close()
     fwd = sum(sum(v) for v in times.values())
     return {"label": label, "wall_s": wall, "tokens": tokens, "steps": steps,
             "forward_s": fwd, "outside_forward_ms_per_step": (wall - fwd) / max(steps, 1) * 1e3,
+            "ttft_median_ms": statistics.median(ttft) * 1e3 if ttft else None,
             "forwards": {f"{m}:{k}": {"count": len(v), "median_ms": statistics.median(v) * 1e3}
                          for (m, k), v in sorted(times.items())}}
 
@@ -96,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--configs", nargs="+", default=["NGRAM"])
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="requests in flight (a new one arrives when one finishes; the warm-up "
+                   "prompts run alone first)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default="results/profile_spec_step.json")
     args = p.parse_args(argv)
@@ -110,9 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     ids = render_prompts(reqs, lambda m: chat_prompt_ids(tok, m),
                          lambda t: tok.encode(t, add_special_tokens=False))
     prompts = [(p, r.max_new_tokens) for p, r in zip(ids, reqs)]
-    runs = [serve("baseline", {}, prompts, args.threads)]
-    runs += [serve(c.label, c.server_args, prompts, args.threads) for c in configs]
-    decode = runs[0]["forwards"].get("DECODE:1", {}).get("median_ms")
+    runs = [serve("baseline", {}, prompts, args.threads, args.concurrency)]
+    runs += [serve(c.label, c.server_args, prompts, args.threads, args.concurrency)
+             for c in configs]
+    decode = runs[0]["forwards"].get(f"DECODE:{args.concurrency}", {}).get("median_ms")
     rows = []
     for r in runs:
         for key, f in r["forwards"].items():
@@ -121,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append([r["label"], key, f["count"], f"{f['median_ms']:.1f}", ratio, ""])
         rows.append([r["label"], "outside forwards", r["steps"],
                      f"{r['outside_forward_ms_per_step']:.2f}", "", ""])
+        rows.append([r["label"], "TTFT (median)", len(prompts) - WARMUP_PROMPTS,
+                     f"{r['ttft_median_ms']:.1f}", "", ""])
         rows.append([r["label"], "end to end", r["tokens"], "", "",
                      f"{r['tokens'] / r['wall_s']:.1f} tok/s"])
     write_json(args.output, {"args": vars(args), "runs": runs})

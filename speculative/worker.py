@@ -178,8 +178,12 @@ class SpeculativeWorker:
         self.steps_since_global += 1
         if self.steps_since_global < self.global_interval:
             return None
+        # only a request the scheduler gave draft slots can probe; while none has them (the
+        # load-aware budget keeps the batch plain) the probe stays due: a probe that could
+        # not draft would teach nothing and postpone the next by a whole interval
         waiting = [(st.steps_since_probe, e.rid) for e in entries
-                   if (st := self.req_states.get(e.rid)) is not None]
+                   if e.slots.numel() - e.prefix_len > 1
+                   and (st := self.req_states.get(e.rid)) is not None]
         if not waiting:
             return None
         self.steps_since_global = 0

@@ -229,6 +229,9 @@ class EagleDrafter(Drafter):
                 torch.arange(self.head.config.draft_vocab_size, device=self.device))
         self.states: dict[str, HeadState] = {}
         self.pending: dict[str, _Pending] = {}  # rows the head has not run over yet
+        # earlier runs of a request's rows that wait behind a gap of skipped steps (see
+        # `draft_extend`), in position order
+        self.waited: dict[str, list[_Pending]] = {}
         self.idle: dict[str, int] = {}  # steps since the request last drafted
         self.dropped_rows = 0  # pending rows of idle requests that never went through the head
         self._draft_ids: Tensor | None = None  # [V_head] target id per head id (coupling)
@@ -277,11 +280,21 @@ class EagleDrafter(Drafter):
         the head in batches, where a row costs a small fraction of a one-row forward. The head
         KV and state that result are the eager ones (same rows, same positions, same slots)."""
         # rows that waited (`traffic_off`) before a gap of steps run without the drafter
-        # (`skipped`) are still valid where their slots are unchanged: through the head now,
-        # before the new rows open a fresh run (the gap's positions stay stale)
-        self._catch_up([r.rid for r in rows if (p := self.pending.get(r.rid)) is not None
-                        and p.end < r.prefix_len and torch.equal(
-                            r.slots[p.start : p.end], p.slots[p.start : p.end])])
+        # (`skipped`) are still valid where their slots are unchanged: they keep waiting as a
+        # closed run (the gap's positions stay stale) and go through the head with the newer
+        # rows, in one batch, when the request drafts; a run whose slots changed (retracted
+        # and re-admitted) is dropped
+        for r in rows:
+            p = self.pending.get(r.rid)
+            if p is not None and p.end < r.prefix_len and self._valid(p, r.slots):
+                self.waited.setdefault(r.rid, []).append(self.pending.pop(r.rid))
+            if (w := self.waited.get(r.rid)) is not None:
+                kept = [q for q in w if q.end <= r.prefix_len and self._valid(q, r.slots)]
+                self.dropped_rows += sum(q.end - q.start for q in w if q not in kept)
+                if kept:
+                    self.waited[r.rid] = kept
+                else:
+                    del self.waited[r.rid]
         hidden = self.head.target_hidden(out)  # [T, H] or [T, 3H] (EAGLE-3 fused features)
         index = torch.cat([r.hidden_rows for r in rows]).to(hidden.device)
         feats = hidden[index]  # [sum n, F]: a copy, the forward's buffers can go
@@ -289,8 +302,7 @@ class EagleDrafter(Drafter):
         for r in rows:
             n = len(r.next_tokens)
             p = self.pending.get(r.rid)
-            if p is not None and (p.end != r.prefix_len or not torch.equal(
-                    r.slots[p.start : p.end], p.slots[p.start : p.end])):
+            if p is not None and (p.end != r.prefix_len or not self._valid(p, r.slots)):
                 p = None  # retracted and re-admitted: its old rows' slots are gone
             if p is None:
                 p = self.pending[r.rid] = _Pending(r.prefix_len, r.prefix_len, [], [], r.slots)
@@ -299,20 +311,30 @@ class EagleDrafter(Drafter):
             p.end += n
             p.slots = r.slots
             off += n
-            if p.end - p.start >= self.MAX_PENDING_ROWS and not self._may_wait():
+            waiting = p.end - p.start + sum(q.end - q.start for q in self.waited.get(r.rid, ()))
+            if waiting >= self.MAX_PENDING_ROWS and not self._may_wait():
                 if self.idle.get(r.rid, 0) >= self.IDLE_STEPS:
                     self._drop_pending(r.rid)
                 else:
                     full.append(r.rid)
         self._catch_up(full)
 
+    @staticmethod
+    def _valid(p: _Pending, slots: Tensor) -> bool:
+        """The request's slots still hold run p's positions (not retracted since)."""
+        return torch.equal(slots[p.start : p.end], p.slots[p.start : p.end])
+
+    def _waiting_rows(self) -> int:
+        return sum(p.end - p.start for p in self.pending.values()) + sum(
+            q.end - q.start for w in self.waited.values() for q in w)
+
     def _may_wait(self) -> bool:
         """Rows may wait past MAX_PENDING_ROWS (see MAX_WAITING_ROWS)."""
-        return self.traffic_off and sum(
-            p.end - p.start for p in self.pending.values()) < self.MAX_WAITING_ROWS
+        return self.traffic_off and self._waiting_rows() < self.MAX_WAITING_ROWS
 
     def _drop_pending(self, rid: str) -> None:
         """Forget an idle request's pending rows but the last (see IDLE_STEPS)."""
+        self.dropped_rows += sum(q.end - q.start for q in self.waited.pop(rid, []))
         p = self.pending.get(rid)
         if p is None or p.end - p.start <= 1:
             return
@@ -323,8 +345,15 @@ class EagleDrafter(Drafter):
     def _catch_up(self, rids: list[str]) -> None:
         """Run the head over these requests' pending rows, one batched DRAFT_EXTEND: head row
         t at position t, its KV into the target's slot of position t (mirror); keep the last
-        row's output per request."""
-        items = [(rid, p) for rid in rids if (p := self.pending.pop(rid, None)) is not None]
+        row's output per request. A request's waited runs are entries of their own before its
+        open run, in position order: every backend writes a layer's KV for the whole batch
+        before any entry attends, so a later run sees the earlier runs' head KV as if they
+        had gone through the head one after another."""
+        items = []
+        for rid in rids:
+            items += [(rid, q) for q in self.waited.pop(rid, [])]
+            if (p := self.pending.pop(rid, None)) is not None:
+                items.append((rid, p))
         if not items:
             return
         batch = ForwardBatch.build(
@@ -346,7 +375,8 @@ class EagleDrafter(Drafter):
         work: list[tuple[int, _Growing]] = []
         for r in reqs:
             self.idle[r.rid] = 0 if r.budget > 1 else self.idle.get(r.rid, 0) + 1
-        self._catch_up([r.rid for r in reqs if r.budget > 1 and r.rid in self.pending])
+        self._catch_up([r.rid for r in reqs if r.budget > 1
+                        and (r.rid in self.pending or r.rid in self.waited)])
         for i, r in enumerate(reqs):
             if r.budget <= 1:
                 trees[i] = DraftTree.chain(r.tokens[-1], [])
@@ -478,9 +508,12 @@ class EagleDrafter(Drafter):
 
     def release(self, rid: str) -> None:
         idle = self.idle.pop(rid, 0) >= self.IDLE_STEPS
-        if (idle or self.traffic_off) and (p := self.pending.pop(rid, None)):
+        if idle or self.traffic_off:
             # idle, or nobody drafts: its head KV stays stale (IDLE_STEPS, MAX_WAITING_ROWS)
-            self.dropped_rows += p.end - p.start
+            runs = self.waited.pop(rid, [])
+            if (p := self.pending.pop(rid, None)) is not None:
+                runs.append(p)
+            self.dropped_rows += sum(q.end - q.start for q in runs)
         with torch.inference_mode():
             self._catch_up([rid])  # its prefix may stay in the radix cache: complete its head KV
         self.states.pop(rid, None)
@@ -488,6 +521,7 @@ class EagleDrafter(Drafter):
     def reset(self) -> None:
         self.states.clear()
         self.pending.clear()
+        self.waited.clear()
         self.idle.clear()
 
 

@@ -354,3 +354,54 @@ def test_while_nobody_drafts_prompts_skip_the_head_until_a_probe(target, truth, 
         worker.release(f"r{i}")
     assert not drafter.pending
     h.sched.check_no_leak()
+
+
+@pytest.mark.parametrize("algo", ["EAGLE", "EAGLE3"])
+def test_runs_split_by_a_gap_go_through_the_head_in_one_batch_as_one_after_another(
+        target, heads, monkeypatch, algo):
+    """Rows that waited (`traffic_off`) before a gap of skipped steps stay a closed run
+    (`waited`) when newer rows arrive, instead of going through the head then; the request's
+    next draft runs the closed runs and the open one as entries of one batch. The head KV and
+    state that gives are those of the runs going through the head one after another, and the
+    gap's positions are never written."""
+    from speculative.base import TargetRows
+
+    cfg = SpecConfig(algo, 8, draft_model_path=str(heads[algo]), num_steps=3, eagle_topk=4)
+    drafter = create_drafter(cfg, target[1])
+    pool = drafter.head.kv_pool
+    width = drafter.head.config.hidden_size * (3 if algo == "EAGLE3" else 1)
+    feats = torch.randn(30, width, generator=torch.Generator().manual_seed(5))
+    tokens = torch.randint(3, 200, (31,), generator=torch.Generator().manual_seed(6)).tolist()
+    slots = torch.arange(100, 131)
+    runs = [(0, 12), (17, 23), (23, 30)]  # positions 12..16: plain steps, nothing captured
+    # the features of a step's rows stand in for its ModelOutput
+    monkeypatch.setattr(drafter.head, "target_hidden", lambda out: out)
+    rows_run = head_rows_run(monkeypatch, drafter)
+
+    def head_after(one_batch: bool):
+        for t in pool.k + pool.v:
+            t.zero_()
+        drafter.reset()
+        drafter.traffic_off = True
+        for s, e in runs:
+            drafter.draft_extend([TargetRows("r", s, slots[:e], torch.arange(e - s),
+                                             tokens[s + 1 : e + 1], tokens[s:e])], feats[s:e])
+            if not one_batch:
+                drafter._catch_up(["r"])
+        if one_batch:
+            assert rows_run == []  # nothing went through the head at the gap
+            assert [(q.start, q.end) for q in drafter.waited["r"]] == [(0, 12)]
+            drafter._catch_up(["r"])  # as `propose` does for a request that drafts
+            assert rows_run == [30 - 5]
+        assert not drafter.pending and not drafter.waited
+        st = drafter.states["r"]
+        return [t[slots].clone() for t in pool.k + pool.v], st.logits.clone(), st.hidden.clone()
+
+    kv1, logits1, hidden1 = head_after(one_batch=False)
+    rows_run.clear()
+    kv2, logits2, hidden2 = head_after(one_batch=True)
+    for a, b in zip(kv1, kv2):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert a[12:17].abs().sum() == 0 and a[:12].abs().sum() > 0
+    torch.testing.assert_close(logits1, logits2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hidden1, hidden2, rtol=1e-5, atol=1e-5)

@@ -348,6 +348,44 @@ def test_a_drafter_that_does_not_pay_probes_once_per_server_interval():
     assert w.global_interval == 4
 
 
+def test_the_server_wide_probe_waits_for_a_request_the_scheduler_gave_draft_slots():
+    """A server-wide probe can only draft where the scheduler's load-aware budget gave the
+    request draft slots: while nobody has them the probe stays due (a probe on a request
+    without slots would draft nothing, learn nothing, and still reset the interval), and it
+    goes to the first request that has them."""
+    from types import SimpleNamespace
+
+    from runtime.sampling.sampling_params import SamplingParams
+    from speculative.worker import SpecEntry
+
+    class Costly(Drafter):
+        min_accept_per_step = 0.2
+        probe_every = 4
+
+        def propose(self, reqs):
+            return [DraftTree.chain(r.tokens[-1], []) for r in reqs]
+
+    cfg = SpecConfig("TEST", 4)
+    w = SpeculativeWorker(cfg, Costly(cfg, None), None)
+    w.prior_accept = 0.0
+    state = SimpleNamespace(params=SamplingParams(temperature=0.0))
+
+    def entries(offered: set[str]):  # 2 committed tokens; 4 fresh slots when offered, else 1
+        return [SpecEntry(f"r{i}", [1, 2, 3], 2, torch.arange(6 if f"r{i}" in offered else 3),
+                          state) for i in range(3)]
+
+    for _ in range(9):
+        es = entries(set())
+        g = w._global_probe(es)
+        assert g is None
+        assert all(w._budget(e, 3, g) == (1, False) for e in es)
+    assert w.steps_since_global == 9  # past the interval of 4: due, waiting for slots
+    es = entries({"r2"})
+    g = w._global_probe(es)
+    assert g == "r2" and w._budget(es[2], 3, g) == (4, False)
+    assert w.steps_since_global == 0
+
+
 class BatchRecordingOracle(ChainOracleDrafter):
     """Records each step's budgets as one list (one per decoding request)."""
 
