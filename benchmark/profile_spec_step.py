@@ -6,11 +6,12 @@ Runs the scheduler and the model-runner worker in one process (no HTTP, no IPC) 
 model, serving the prompts one after another (`--concurrency N`: N requests in flight, a new one
 arriving as soon as one finishes), once without speculation and once per `--configs` entry
 (NGRAM options as in `bench_speculative`: `NGRAM`, `NGRAM:ngram_max_draft_tokens=8`). Every
-`ModelRunner.forward` is timed; the table gives the median forward time per (mode, tree size),
-its ratio to a decode step of the full batch measured in the same serving loop (the T(n)/T(1)
-that `benchmark.replay_ngram` models), the per-step time outside forwards (drafting, tree
-masks, verification, commit, scheduling) and the median time to first token. The first two
-prompts warm up (alone) and are not counted.
+`ModelRunner.forward` is timed (`+capture`: it captured hidden states for the drafter), and so
+is every forward of an EAGLE head (over target features, and draft steps); the table gives the
+median forward time per (mode, tree size), its ratio to a decode step of the full batch measured
+in the same serving loop (the T(n)/T(1) that `benchmark.replay_ngram` models), the per-step time
+outside forwards (drafting, tree masks, verification, commit, scheduling) and the median time to
+first token. The first two prompts warm up (alone) and are not counted.
 """
 
 from __future__ import annotations
@@ -71,17 +72,31 @@ def serve(label: str, server_args: dict, prompts: list[tuple[list[int], int]],
                 done.add(rid)
 
     sched = Scheduler(cfg, runner.kv_capacity, stop, worker.run, emit)
-    times: dict[tuple[str, int], list[float]] = defaultdict(list)
+    times: dict[str, list[float]] = defaultdict(list)
     forward = runner.forward
 
     def timed(batch, *a, **kw):
         t = time.perf_counter()
         out = forward(batch, *a, **kw)
         if counting:
-            times[(batch.mode.name, batch.num_tokens)].append(time.perf_counter() - t)
+            key = f"{batch.mode.name}:{batch.num_tokens}" + ("+capture" if batch.capture_layers
+                                                             else "")
+            times[key].append(time.perf_counter() - t)
         return out
 
     runner.forward = timed
+    head = getattr(spec.drafter, "_run_head", None) if spec is not None else None
+    if head is not None:  # an EAGLE head's forwards: over target features, and draft steps
+
+        def timed_head(batch, hidden, fused):
+            t = time.perf_counter()
+            out = head(batch, hidden, fused)
+            if counting:
+                times["head " + ("DRAFT_EXTEND" if fused else "draft step")].append(
+                    time.perf_counter() - t)
+            return out
+
+        spec.drafter._run_head = timed_head
     counting, wall, steps, tokens = False, 0.0, 0, 0
 
     def submit(i: int) -> None:
@@ -116,12 +131,12 @@ def serve(label: str, server_args: dict, prompts: list[tuple[list[int], int]],
     wall = time.perf_counter() - t
     tokens = sched.totals["generation_tokens"] - before
     bar.close()
-    fwd = sum(sum(v) for v in times.values())
+    fwd = sum(sum(v) for k, v in times.items() if not k.startswith("head"))
     return {"label": label, "wall_s": wall, "tokens": tokens, "steps": steps,
             "forward_s": fwd, "outside_forward_ms_per_step": (wall - fwd) / max(steps, 1) * 1e3,
             "ttft_median_ms": statistics.median(ttft) * 1e3 if ttft else None,
-            "forwards": {f"{m}:{k}": {"count": len(v), "median_ms": statistics.median(v) * 1e3}
-                         for (m, k), v in sorted(times.items())}}
+            "forwards": {k: {"count": len(v), "median_ms": statistics.median(v) * 1e3,
+                             "total_s": sum(v)} for k, v in sorted(times.items())}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,7 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for r in runs:
         for key, f in r["forwards"].items():
-            if f["count"] >= 5 and not key.startswith("EXTEND"):
+            if key.startswith("head"):  # every run, and their total time
+                rows.append([r["label"], key, f["count"], f"{f['median_ms']:.1f}", "",
+                             f"total {f['total_s']:.2f} s"])
+            elif f["count"] >= 5 and not key.startswith("EXTEND"):
                 ratio = f"{f['median_ms'] / decode:.2f}" if decode else "-"
                 rows.append([r["label"], key, f["count"], f"{f['median_ms']:.1f}", ratio, ""])
         rows.append([r["label"], "outside forwards", r["steps"],

@@ -208,7 +208,7 @@ class ChainDrafter(Drafter):
         trees = []
         for r, b in zip(reqs, builders):
             if b is None:
-                trees.append(DraftTree.chain(r.tokens[-1], []))
+                trees.append(DraftTree.root(r.tokens[-1]))
             else:
                 trees.append(b.finalize(r.budget) if isinstance(b, TopKTree) else b.finalize())
         return trees

@@ -379,7 +379,7 @@ class EagleDrafter(Drafter):
                         and (r.rid in self.pending or r.rid in self.waited)])
         for i, r in enumerate(reqs):
             if r.budget <= 1:
-                trees[i] = DraftTree.chain(r.tokens[-1], [])
+                trees[i] = DraftTree.root(r.tokens[-1])
                 continue
             st = self.states.get(r.rid)
             assert st is not None, f"{r.rid}: no draft extend ran before its first decode step"

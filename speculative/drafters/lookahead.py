@@ -206,7 +206,7 @@ class LookaheadDrafter(Drafter):
                 st = self.reqs[r.rid]
             if r.budget <= 1:
                 st.layout = None
-                trees.append(DraftTree.chain(r.tokens[-1], []))
+                trees.append(DraftTree.root(r.tokens[-1]))
                 continue
             trees.append(DraftTree.from_parents(*self.build(st, r.tokens[-1], r.budget)))
         return trees

@@ -126,7 +126,7 @@ class MedusaDrafter(Drafter):
         live = [i for i, r in enumerate(reqs) if r.budget > 1 and r.rid in self.hidden]
         for i, r in enumerate(reqs):
             if i not in live:
-                trees[i] = DraftTree.chain(r.tokens[-1], [])
+                trees[i] = DraftTree.root(r.tokens[-1])
         if not live:
             return trees
         h = torch.stack([self.hidden[reqs[i].rid] for i in live])

@@ -111,7 +111,7 @@ class NgramDrafter(Drafter):
         trees = []
         for r in reqs:
             if r.budget <= 1:
-                trees.append(DraftTree.chain(r.tokens[-1], []))
+                trees.append(DraftTree.root(r.tokens[-1]))
                 continue
             tokens, parents = self.cache.draft_lists(r.tokens[-depth:], r.budget, key=r.rid,
                                                      backed_off=r.backed_off)
