@@ -11,7 +11,7 @@ is every forward of an EAGLE head (over target features, and draft steps); the t
 median forward time per (mode, tree size), its ratio to a decode step of the full batch measured
 in the same serving loop (the T(n)/T(1) that `benchmark.replay_ngram` models), the per-step time
 outside forwards (drafting, tree masks, verification, commit, scheduling) and the median time to
-first token. The first two prompts warm up (alone) and are not counted.
+first token. The first two prompts warm up (alone) and are not counted (`--warmup-prompts`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ WARMUP_PROMPTS = 2
 
 
 def serve(label: str, server_args: dict, prompts: list[tuple[list[int], int]],
-          threads: int, concurrency: int = 1) -> dict:
+          threads: int, concurrency: int = 1, warmup: int = WARMUP_PROMPTS) -> dict:
     from runtime.messages import GenerateReq
     from runtime.model_loader.tokenizer import load_tokenizer
     from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
@@ -107,7 +107,7 @@ def serve(label: str, server_args: dict, prompts: list[tuple[list[int], int]],
             temperature=0.0, max_new_tokens=max_new, ignore_eos=True).to_dict()))
 
     bar = tqdm(total=len(prompts), desc=label, unit="prompt")
-    warm = min(WARMUP_PROMPTS, len(prompts))
+    warm = min(warmup, len(prompts))
     for i in range(warm):  # the warm-up prompts one by one, not counted
         submit(i)
         while sched.step():
@@ -147,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--configs", nargs="+", default=["NGRAM"])
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--warmup-prompts", type=int, default=WARMUP_PROMPTS,
+                   help="prompts served alone first and not counted (0: count from a cold "
+                   "start, as a flushed server begins)")
     p.add_argument("--concurrency", type=int, default=1,
                    help="requests in flight (a new one arrives when one finishes; the warm-up "
                    "prompts run alone first)")
@@ -159,14 +162,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     tok = load_bench_tokenizer(None)
-    reqs = sample_requests(args.dataset, args.num_prompts + WARMUP_PROMPTS, tok, args.seed,
+    reqs = sample_requests(args.dataset, args.num_prompts + args.warmup_prompts, tok, args.seed,
                            args.max_new_tokens, split=args.split)
     ids = render_prompts(reqs, lambda m: chat_prompt_ids(tok, m),
                          lambda t: tok.encode(t, add_special_tokens=False))
     prompts = [(p, r.max_new_tokens) for p, r in zip(ids, reqs)]
-    runs = [serve("baseline", {}, prompts, args.threads, args.concurrency)]
-    runs += [serve(c.label, c.server_args, prompts, args.threads, args.concurrency)
-             for c in configs]
+    runs = [serve("baseline", {}, prompts, args.threads, args.concurrency, args.warmup_prompts)]
+    runs += [serve(c.label, c.server_args, prompts, args.threads, args.concurrency,
+                   args.warmup_prompts) for c in configs]
     decode = runs[0]["forwards"].get(f"DECODE:{args.concurrency}", {}).get("median_ms")
     rows = []
     for r in runs:
@@ -179,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append([r["label"], key, f["count"], f"{f['median_ms']:.1f}", ratio, ""])
         rows.append([r["label"], "outside forwards", r["steps"],
                      f"{r['outside_forward_ms_per_step']:.2f}", "", ""])
-        rows.append([r["label"], "TTFT (median)", len(prompts) - WARMUP_PROMPTS,
+        rows.append([r["label"], "TTFT (median)", len(prompts) - args.warmup_prompts,
                      f"{r['ttft_median_ms']:.1f}", "", ""])
         rows.append([r["label"], "end to end", r["tokens"], "", "",
                      f"{r['tokens'] / r['wall_s']:.1f} tok/s"])
