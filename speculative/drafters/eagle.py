@@ -288,13 +288,14 @@ class EagleDrafter(Drafter):
             p = self.pending.get(r.rid)
             if p is not None and p.end < r.prefix_len and self._valid(p, r.slots):
                 self.waited.setdefault(r.rid, []).append(self.pending.pop(r.rid))
-            if (w := self.waited.get(r.rid)) is not None:
-                kept = [q for q in w if q.end <= r.prefix_len and self._valid(q, r.slots)]
-                self.dropped_rows += sum(q.end - q.start for q in w if q not in kept)
-                if kept:
-                    self.waited[r.rid] = kept
+            kept = []
+            for q in self.waited.pop(r.rid, ()):
+                if q.end <= r.prefix_len and self._valid(q, r.slots):
+                    kept.append(q)
                 else:
-                    del self.waited[r.rid]
+                    self.dropped_rows += q.end - q.start
+            if kept:
+                self.waited[r.rid] = kept
         hidden = self.head.target_hidden(out)  # [T, H] or [T, 3H] (EAGLE-3 fused features)
         index = torch.cat([r.hidden_rows for r in rows]).to(hidden.device)
         feats = hidden[index]  # [sum n, F]: a copy, the forward's buffers can go

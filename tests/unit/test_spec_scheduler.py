@@ -308,14 +308,12 @@ def test_backoff_knows_the_plain_step_from_the_start_up_measurement():
     assert VerifyCost.from_dict(curve.to_dict()) == curve  # t1 travels to the scheduler too
 
 
-def test_a_drafter_that_does_not_pay_probes_once_per_server_interval():
-    """While the server-wide acceptance is below the bar, requests stop probing on their own:
-    one probe runs for the whole server every `global_interval` steps (the request that waited
-    longest), doubling after each probe that does not pay."""
+def worker_off_on_traffic():
+    """A worker whose drafter (4 nodes, probing every 4 steps, drafting nothing) does not pay
+    on the traffic: the server-wide regime. Returns it and a greedy request state."""
     from types import SimpleNamespace
 
     from runtime.sampling.sampling_params import SamplingParams
-    from speculative.worker import SpecEntry
 
     class Costly(Drafter):
         min_accept_per_step = 0.2
@@ -327,7 +325,16 @@ def test_a_drafter_that_does_not_pay_probes_once_per_server_interval():
     cfg = SpecConfig("TEST", 4)
     w = SpeculativeWorker(cfg, Costly(cfg, None), None)
     w.prior_accept = 0.0
-    state = SimpleNamespace(params=SamplingParams(temperature=0.0))
+    return w, SimpleNamespace(params=SamplingParams(temperature=0.0))
+
+
+def test_a_drafter_that_does_not_pay_probes_once_per_server_interval():
+    """While the server-wide acceptance is below the bar, requests stop probing on their own:
+    one probe runs for the whole server every `global_interval` steps (the request that waited
+    longest), doubling after each probe that does not pay."""
+    from speculative.worker import SpecEntry
+
+    w, state = worker_off_on_traffic()
     entries = [SpecEntry(f"r{i}", [1, 2, 3], 2, torch.arange(6), state) for i in range(3)]
     probes = []  # (step, rid)
     for step in range(1, 4 + 8 + 16 + 32 + 1):
@@ -353,22 +360,9 @@ def test_the_server_wide_probe_waits_for_a_request_the_scheduler_gave_draft_slot
     request draft slots: while nobody has them the probe stays due (a probe on a request
     without slots would draft nothing, learn nothing, and still reset the interval), and it
     goes to the first request that has them."""
-    from types import SimpleNamespace
-
-    from runtime.sampling.sampling_params import SamplingParams
     from speculative.worker import SpecEntry
 
-    class Costly(Drafter):
-        min_accept_per_step = 0.2
-        probe_every = 4
-
-        def propose(self, reqs):
-            return [DraftTree.chain(r.tokens[-1], []) for r in reqs]
-
-    cfg = SpecConfig("TEST", 4)
-    w = SpeculativeWorker(cfg, Costly(cfg, None), None)
-    w.prior_accept = 0.0
-    state = SimpleNamespace(params=SamplingParams(temperature=0.0))
+    w, state = worker_off_on_traffic()
 
     def entries(offered: set[str]):  # 2 committed tokens; 4 fresh slots when offered, else 1
         return [SpecEntry(f"r{i}", [1, 2, 3], 2, torch.arange(6 if f"r{i}" in offered else 3),
