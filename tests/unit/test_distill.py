@@ -122,6 +122,22 @@ def test_distil_a_draft_model_resume_export_and_serve(target, captured, tmp_path
     for k, v in w.items():
         assert torch.equal(again[k], v), k
 
+    # q8_0 (the shipped form): half the bytes, and the floats it materializes to round back to
+    # exactly the blocks the bfloat16 weights give (the CPU engine's q8_0 draft is unchanged)
+    from kernels.cpu.packing import Fmt, quantize
+
+    q8 = pack_draft_asset(draft, tmp_path / "asset_q8", target=str(model_dir), q8_0=True)
+    size = (q8 / "model.safetensors").stat().st_size
+    assert size < 0.6 * (asset / "model.safetensors").stat().st_size
+    deq = load_file(str(materialize(q8, cache=tmp_path / "cache") / "model.safetensors"))
+    assert set(deq) == set(w)
+    for k, v in w.items():
+        if v.dim() == 2 and k not in ("model.embed_tokens.weight", "lm_head.weight"):
+            a, b = quantize(Fmt.Q8_0, v.float().numpy()), quantize(Fmt.Q8_0, deq[k].numpy())
+            assert np.array_equal(a.q, b.q) and np.array_equal(a.d, b.d), k
+        else:
+            assert torch.equal(deq[k], v), k
+
 
 def test_train_an_exit_adapter_export_and_load(target, captured, tmp_path):  # noqa: F811
     model_dir, runner = target
