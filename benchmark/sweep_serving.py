@@ -204,14 +204,17 @@ def report(results: dict[str, Any]) -> str:
                 pr = paired_ratio(lvl.get("rounds_output_throughput", []),
                                   ref_lvl.get("rounds_output_throughput", []))
                 row.append("-" if pr is None else f"{pr:.2f}x")
+            tpot = (m.get("tpot_ms") or {}).get("median")
             rows.append(row + [f"{ttft['median']:.0f}", f"{ttft['p99']:.0f}",
+                               "-" if tpot is None else f"{tpot:.1f}",
                                f"{itl['median']:.0f}", f"{itl['p99']:.0f}",
                                f"{m['completed']}/{m['completed'] + m['failed']}",
                                "" if acc is None else f"{acc:.2f}"])
     head = ["config", "conc", "out tok/s", f"vs {base}"]
     if interleaved:
         head.append("paired")
-    return format_table(head + ["TTFT med ms", "TTFT p99 ms", "ITL med ms", "ITL p99 ms", "ok",
+    return format_table(head + ["TTFT med ms", "TTFT p99 ms", "TPOT med ms", "ITL med ms",
+                                "ITL p99 ms", "ok",
                                 "accept len"], rows)
 
 

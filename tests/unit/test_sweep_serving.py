@@ -86,9 +86,11 @@ def test_sequential_sweep_serves_every_level_from_one_server_each(monkeypatch, t
     assert set(res["B"]["levels"]) == {"1", "8"}
 
 
-def _level(tps: float, rounds: list[float] | None = None) -> dict:
+def _level(tps: float, rounds: list[float] | None = None, tpot: float | None = None) -> dict:
     m = {"output_throughput": tps, "completed": 4, "failed": 0,
          "ttft_ms": {"median": 1.0, "p99": 2.0}, "itl_ms": {"median": 3.0, "p99": 4.0}}
+    if tpot is not None:  # (JSONs from before the TPOT column have none)
+        m["tpot_ms"] = {"median": tpot}
     out = {"metrics": m, "server_info": {}}
     if rounds is not None:
         out["rounds_output_throughput"] = rounds
@@ -103,11 +105,11 @@ def test_paired_ratio_pairs_rounds_and_the_report_prints_it(tmp_path, capsys):
     assert sw.paired_ratio(cand, base[:2]) is None  # rounds that do not pair
     assert sw.paired_ratio([], []) is None
     results = {"none": {"server_args": [], "levels": {"1": _level(150.0, base)}},
-               "X": {"server_args": [], "levels": {"1": _level(180.0, cand)}}}
+               "X": {"server_args": [], "levels": {"1": _level(180.0, cand, tpot=17.5)}}}
     table = sw.report(results)
-    assert "paired" in table.splitlines()[0]
+    assert "paired" in table.splitlines()[0] and "TPOT med ms" in table.splitlines()[0]
     x_row = [line for line in table.splitlines() if line.strip().startswith("X")][0]
-    assert "1.20x" in x_row and "0.90x" in x_row
+    assert "1.20x" in x_row and "0.90x" in x_row and "17.5" in x_row
     # a sequential sweep's JSON has no rounds: no paired column
     seq = {"none": {"server_args": [], "levels": {"1": _level(150.0)}},
            "X": {"server_args": [], "levels": {"1": _level(180.0)}}}
