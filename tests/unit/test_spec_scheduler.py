@@ -246,16 +246,15 @@ def test_backoff_counts_the_measured_draft_cost_and_batch_probes():
     cfg = SpecConfig("TEST", 4)
     w = SpeculativeWorker(cfg, Costly(cfg, None), None)
     assert w.break_even(1) == 0.2  # nothing measured yet: the drafter's floor
-    one, chain = DraftTree.chain(5, []), DraftTree.chain(5, [6, 7, 8])
-    w._measure([chain], 0.05)  # no plain step measured yet: nothing to compare with
+    w._measure(1, 1, 0.05)  # no plain step measured yet: nothing to compare with
     assert w.draft_cost is None
     # plain steps: 10 ms at batch 1 and 10 * C(2) ms at batch 2 -> t1 = 10 ms
     for _ in range(30):
-        w._measure([one], 0.010)
-        w._measure([one, one], 0.010 * w.verify_cost(2))
+        w._measure(1, 0, 0.010)
+        w._measure(2, 0, 0.010 * w.verify_cost(2))
     assert w.plain_t1 == pytest.approx(0.010, rel=1e-3)
     for _ in range(30):  # 6 ms more than a plain batch-3 step, 2 drafting requests: 3 ms each
-        w._measure([chain, chain, one], 0.010 * w.verify_cost(3) + 0.006)
+        w._measure(3, 2, 0.010 * w.verify_cost(3) + 0.006)
     assert w.draft_cost == pytest.approx(0.003, rel=1e-3)
     assert w.break_even(1) == pytest.approx(0.3, rel=1e-3)  # 1 * 3 ms / 10 ms
     b4 = 4 * 0.003 / (0.010 * w.verify_cost(4))
@@ -302,7 +301,7 @@ def test_backoff_knows_the_plain_step_from_the_start_up_measurement():
     curve = VerifyCost((1, 2, 4), (1.0, 1.2, 1.4), "measured", t1_s=0.004)
     w = SpeculativeWorker(cfg, Costly(cfg, None), None, curve)
     assert w.plain_t1 == 0.004
-    w._measure([DraftTree.chain(5, [6, 7])], 0.010)  # a drafting step 6 ms over a plain one
+    w._measure(1, 1, 0.010)  # a drafting step 6 ms over a plain one
     assert w.draft_cost == pytest.approx(0.006)
     assert w.break_even(1) == pytest.approx(1.5)  # 6 ms / 4 ms: far above the 0.2 floor
     assert VerifyCost.from_dict(curve.to_dict()) == curve  # t1 travels to the scheduler too
