@@ -4,7 +4,8 @@
     python -m benchmark.fuzz_openapi --max-examples 60 --min-cases 2000
 
 Starts `launch_server` with a random `--api-key` (the spec sits behind it) and a short
-`--context-length` (every generated generation request stays short), runs `schemathesis run`
+`--context-length` (every generated generation request stays short) and `--enable-metrics`
+(so /metrics answers rather than 404s), runs `schemathesis run`
 with the `not_a_server_error` check over every operation, stops the server, prints the case
 count and the failures, and exits non-zero below `--min-cases` or on any failure.
 """
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=19)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--request-timeout", type=float, default=120)
-    p.add_argument("--server-args", default="--context-length 256")
+    p.add_argument("--server-args", default="--context-length 256 --enable-metrics")
     p.add_argument("--output", default="results/fuzz_openapi.txt")
     args = p.parse_args(argv)
     api_key = secrets.token_hex(16)
