@@ -259,8 +259,8 @@ class SpeculativeWorker:
         """One plain decode step for every request (see `_off_step`): the target's own
         forward and sampling, exactly what the speculative path gives a one-node tree. A batch
         of greedy requests without penalties takes the target's argmax as the non-speculative
-        runner does (what `_verify` gives a one-node tree, without building trees: ~0.05 ms of
-        a ~3 ms step at batch 1, `benchmark.profile_spec_step`)."""
+        runner does (what `_verify` gives a one-node tree, without building trees or
+        verifying them; docs/benchmarks.md, "Tenth session")."""
         batch = ForwardBatch.build(ForwardMode.DECODE, [[e.tokens[-1]] for e in entries],
                                    [e.slots[: e.prefix_len + 1] for e in entries],
                                    [e.prefix_len for e in entries])
