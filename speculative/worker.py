@@ -265,10 +265,8 @@ class SpeculativeWorker:
                                    [e.slots[: e.prefix_len + 1] for e in entries],
                                    [e.prefix_len for e in entries])
         out = self.runner.forward(batch, False)
-        if self.tree_ops is None and all(e.state.params.is_greedy
-                                         and not e.state.params.has_penalties for e in entries):
-            am = out.argmax if out.argmax is not None else argmax_rows(out.logits)
-            tokens = [[t] for t in am.tolist()]
+        if self.tree_ops is None and all(e.state.params.takes_argmax for e in entries):
+            tokens = [[t] for t in out.row_argmax().tolist()]
         else:
             trees = [DraftTree.root(e.tokens[-1]) for e in entries]
             tokens = [r.output_tokens for r in self._verify(entries, trees, out.logits,
@@ -315,7 +313,7 @@ class SpeculativeWorker:
         out = self.drafter.target_forward(batch, trees, self.drafter.needs_final_hidden)
         results = self._verify(entries, trees, out.logits, out.argmax)  # logits [sum n, V]
         if self.drafter.wants_node_argmax and any(t.num_nodes > 1 for t in trees):
-            am = (out.argmax if out.argmax is not None else argmax_rows(out.logits)).tolist()
+            am = out.row_argmax().tolist()
             per_req, off = [], 0
             for t in trees:
                 per_req.append(am[off : off + t.num_nodes])

@@ -30,7 +30,6 @@ from runtime.messages import (
 from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
 from runtime.proc_utils import die_with_parent, parent_alive, setup_logging
-from runtime.sampling.argmax import argmax_rows
 from runtime.sampling.sampler import SamplingBatchInfo, sample
 from runtime.sampling.sampling_params import SamplingParams
 from speculative.base import TargetRows
@@ -157,11 +156,11 @@ class RunnerWorker:
         out: list[list[int]] = [[] for _ in msg.reqs]
         if rows:
             sel = [states[i] for i in rows]
-            if all(s.params.is_greedy and not s.params.has_penalties for s in sel):
+            if all(s.params.takes_argmax for s in sel):
                 # what `sample` gives such rows, without its per-row parameter tensors or a
                 # copy of the selected logits (~0.3 ms of a 6 ms decode step at batch 1); the
                 # CPU engine found each row's argmax while the logits were in its cache
-                am = fwd.argmax if fwd.argmax is not None else argmax_rows(logits)
+                am = fwd.row_argmax()
                 tokens = (am if len(rows) == len(msg.reqs) else am[rows]).tolist()
             else:
                 info = SamplingBatchInfo.from_params([s.params for s in sel], logits.shape[-1],

@@ -20,6 +20,7 @@ from runtime.layers.norm import RMSNorm
 from runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from runtime.model_loader.config import ModelConfig
 from runtime.model_runner.forward_batch import ForwardBatch
+from runtime.sampling.argmax import argmax_rows
 
 
 class ModelOutput(NamedTuple):
@@ -30,6 +31,10 @@ class ModelOutput(NamedTuple):
     # [num_logits] int64, each logits row's argmax (numpy's: the first maximum), where the
     # engine finds it while the rows are in its cache (the CPU engine); else None
     argmax: torch.Tensor | None = None
+
+    def row_argmax(self) -> torch.Tensor:
+        """[num_logits] int64: each logits row's argmax, the engine's where it found them."""
+        return self.argmax if self.argmax is not None else argmax_rows(self.logits)
 
 
 def _param(*shape: int) -> nn.Parameter:

@@ -77,6 +77,11 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
 
     @property
+    def takes_argmax(self) -> bool:
+        """Greedy without penalties: the next token is the target's own argmax."""
+        return self.is_greedy and not self.has_penalties
+
+    @property
     def has_penalties(self) -> bool:
         """Whether the next-token distribution depends on the token history."""
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0

@@ -92,7 +92,7 @@ def materialize(asset_dir: str | Path, cache: str | Path | None = None) -> Path:
     for k in [k for k in state if k.endswith(Q8_SUFFIX)]:
         q, d = state.pop(k), state.pop(k[: -len(Q8_SUFFIX)] + Q8_SCALE_SUFFIX)
         n, width = q.shape
-        w = q.float().reshape(n, -1, 32) * d.float()[:, :, None]
+        w = q.float().reshape(n, d.shape[1], -1) * d.float()[:, :, None]  # a scale per block
         state[k[: -len(Q8_SUFFIX)]] = w.reshape(n, width).contiguous()
     want = set(info["tensors"])
     tcfg = json.loads((Path(target) / "config.json").read_text())
