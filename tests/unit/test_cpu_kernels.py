@@ -183,8 +183,9 @@ def test_rows_are_bit_identical_for_every_m_and_thread_count(isa, fmt):
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 def test_amx_tiles_give_the_vpdpbusd_kernels_bits(fmt):
     """The AMX table multiplies block formats on the tile unit from M x digits >= 30 rows (the
-    vpdpbusd kernel below): the same integers, the same float steps, so every output equals the
-    AVX-512 table's bit for bit, on both sides of the switch, with bias and every epilogue."""
+    vpdpbusd kernel below), three-digit Q4 calls of >= 32 rows as paired digits: the same
+    integers, the same float steps, so every output equals the AVX-512 table's bit for bit, on
+    every side of each switch, with bias and every epilogue."""
     if "amx" not in isas():
         pytest.skip("this CPU (or its kernel) has no AMX-INT8")
     n, k = 80, 160  # 5 tiles: two pairs and a lone one
@@ -195,9 +196,15 @@ def test_amx_tiles_give_the_vpdpbusd_kernels_bits(fmt):
     lins = [ext().PackedLinear(int(fmt), k, n, data),
             ext().PackedLinear(int(fmt), k, n, data, bias)]
     fused = ext().PackedLinear(int(fmt), k, 64, data[: data.numel() * 64 // n].clone())
-    x = torch.randn(40, k, generator=torch.Generator().manual_seed(5)) * 4
+    x = torch.randn(48, k, generator=torch.Generator().manual_seed(5)) * 4
+    # rows at the digits' extremes (block max just under 127: first digits up to +-127, halves
+    # everywhere below it, so later digits reach +-64), the paired digits' range (kernels.h)
+    half = torch.arange(k, dtype=torch.float32) % 120 + 0.5 + 0.5 / 128
+    x[37] = torch.where(torch.arange(k) % 2 == 0, half, -half)
+    x[37, ::32] = 126.99
+    x[38] = -x[37]
     for digits in (1, 2, 3):
-        for m in (1, 9, 10, 11, 15, 16, 17, 29, 30, 31, 33, 40):
+        for m in (1, 9, 10, 11, 15, 16, 17, 29, 30, 31, 32, 33, 40, 48):
             for lin in lins:
                 for epi in (EPI_STORE, EPI_ADD):
                     y0 = torch.randn(m, n)

@@ -230,12 +230,13 @@ struct PackedLinear {
 
 // Activation buffers of block-format matmuls, grown on demand (never shrunk).
 struct ActBuffers {
-  std::vector<int8_t> q;
+  std::vector<int8_t> q, pairs;
   std::vector<float> scale, fsum;
   std::vector<int32_t> sums;
   void reserve(int64_t rows, int K, int levels) {
     const int64_t nb = K / QK;
     if ((int64_t)q.size() < rows * levels * K) q.resize(rows * levels * K);
+    if (levels == 3 && (int64_t)pairs.size() < rows * 4 * K) pairs.resize(rows * 4 * K);
     if ((int64_t)scale.size() < rows * nb) scale.resize(rows * nb), fsum.resize(rows * nb);
     if ((int64_t)sums.size() < rows * levels * nb) sums.resize(rows * levels * nb);
   }
@@ -247,6 +248,7 @@ struct ActBuffers {
     a.scale = scale.data();
     a.sums = sums.data();
     a.fsum = fsum.data();
+    a.pairs = pairs.empty() ? nullptr : pairs.data();
     return a;
   }
 };
@@ -288,6 +290,11 @@ struct MatmulStep {
       isa->quantize(x, ldx, r0, r1, w.K, levels, act->q.data(), act->scale.data(),
                     act->sums.data(), act->fsum.data());
       a.act = act->view(w.K, levels);
+      if (isa->pair_digits && amx_pairs_apply(w.fmt, levels, M)) {
+        isa->pair_digits(act->q.data(), r0, r1, w.K, act->pairs.data());
+      } else {
+        a.act.pairs = nullptr;
+      }
       pool->barrier(tid);
     }
     int t0, t1;

@@ -621,7 +621,9 @@ void attention(const AttnArgs& a, int i0, int i1, AttnScratch& s) {
 // the same float conversion and FMAs, in the same block order, as block_tiles() above. Integer
 // sums are exact (no overflow, see above), so every output is bit-identical to the AVX-512
 // table's, whatever M (tests/unit/test_cpu_kernels.py). What changes is the cost per row: one
-// TDPBSSD does the work of 8 vpdpbusd per digit row for 16 digit rows at once.
+// TDPBSSD does the work of 8 vpdpbusd per digit row for 16 digit rows at once. From
+// kAmxPairMinRows rows (kernels.h) three-digit Q4 calls multiply the same integers as paired
+// digits instead: two tile rows of K = 64 per activation row against B = [8 q ; q].
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c,avx2,bmi,bmi2,amx-tile,amx-int8")
 
@@ -634,28 +636,29 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Two A tiles (digit rows of two row groups) x two B tiles (the unit's two weight tiles) = four
-// independent C tiles per block, so the tile unit has work in flight while the vector units
-// finish the previous block. tmm0..3: C[group][tile] (rows x 16 int32); tmm4 / tmm5: A of
-// groups 0 / 1 (rows x 32 digit bytes); tmm6 / tmm7: B of the two tiles (8 x 64 bytes). The tile
-// state is per thread: loaded on every call (a thread of the pool may run any call).
-inline void amx_config(int rows0, int rows1) {
+// One row group of `rows` tile rows, its blocks alternating two sets of tiles so that one block's
+// C stores issue after the next block's products: tmm0, 1 / tmm2, 3: C of the unit's two weight
+// tiles for even / odd blocks (rows x 16 int32); tmm4 / tmm5: A of even / odd blocks (rows x
+// `acols` bytes: 32 digit bytes, or 64 paired bytes); tmm6 / tmm7: B of the two weight tiles
+// (acols / 4 rows x 64 bytes). The tile state is per thread: loaded on every call (a thread of
+// the pool may run any call). (Two row groups sharing each B load, all eight tiles busy with no
+// second set, measured 0.85-0.9x of this: `python -m benchmark.profile_cpu_engine`, prefill.)
+inline void amx_config(int rows, int acols) {
   TileConfig c;
-  for (int i : {0, 1, 4}) c.rows[i] = (uint8_t)rows0;
-  c.colsb[0] = c.colsb[1] = 64;
-  c.colsb[4] = QK;
-  // one row group: tiles 2, 3, 5 take the odd blocks (amx_issue_one_group)
-  const int r1 = rows1 ? rows1 : rows0;
-  for (int i : {2, 3, 5}) c.rows[i] = (uint8_t)r1;
-  c.colsb[2] = c.colsb[3] = 64;
-  c.colsb[5] = QK;
-  c.rows[6] = c.rows[7] = 8;
+  for (int i = 0; i < 6; ++i) {
+    c.rows[i] = (uint8_t)rows;
+    c.colsb[i] = i < 4 ? 64 : acols;
+  }
+  c.rows[6] = c.rows[7] = (uint8_t)(acols / 4);
   c.colsb[6] = c.colsb[7] = 64;
   // GCC's _tile_loadconfig tells the compiler it reads 8 bytes of the config, so without this
   // barrier the row and column counts are dead stores it may drop (it did, at -O3)
   __asm__ __volatile__("" : : "r"(&c) : "memory");
   _tile_loadconfig(&c);
 }
+
+// Bytes a staged tile-block takes in AmxStage: a B tile of K = 32 (512) or, paired, K = 64.
+constexpr int kStageBlock = 1024;
 
 // Per-thread staging of one unit's weights: B tiles (Q4: nibbles unpacked to bytes) and scales.
 struct AmxStage {
@@ -673,29 +676,38 @@ struct AmxStage {
     std::free(b);
     std::free(d);
     std::free(mn);
-    b = (uint8_t*)std::aligned_alloc(64, (size_t)2 * nb * 512);
+    b = (uint8_t*)std::aligned_alloc(64, (size_t)2 * nb * kStageBlock);
     d = (float*)std::aligned_alloc(64, (size_t)2 * nb * 64);
     mn = (float*)std::aligned_alloc(64, (size_t)2 * nb * 64);
     cap = nb;
   }
 };
 
-// Stage block b of tile `tile` as unit member t: its B tile (Q4: nibbles unpacked to bytes) and
-// scales, at their place in `st`.
-template <int FMT>
+// Stage block b of tile `tile` as unit member t: its B tile and scales, at their place in `st`.
+// Q4 nibbles are unpacked to bytes; PAIR (Q4 only) writes the K = 64 B tile of paired digits,
+// [8 q ; q] (kernels.h): 8 q first, for the h bytes of A, then q for the l bytes.
+template <int FMT, bool PAIR>
 inline void amx_stage_block(const GemmArgs& a, int tile, int t, int b, AmxStage& st) {
   constexpr int TBB = tbb<FMT>();
   const int nb = a.K / QK;
   const __m512i lo4 = _mm512_set1_epi8(0x0f);
-  uint8_t* out = st.b + (size_t)t * st.cap * 512 + (size_t)b * 512;
+  uint8_t* out = st.b + ((size_t)t * st.cap + b) * kStageBlock;
   const uint8_t* tb = a.w + block_offset(tile, b, nb, a.tiles, TBB);
   if (FMT == Q8_0) {
     for (int g = 0; g < 8; ++g) _mm512_store_si512(out + 64 * g, _mm512_loadu_si512(tb + 64 * g));
   } else {
     for (int c = 0; c < 4; ++c) {
       const __m512i v = _mm512_loadu_si512(tb + 64 * c);
-      _mm512_store_si512(out + 64 * c, _mm512_and_si512(v, lo4));
-      _mm512_store_si512(out + 64 * (c + 4), _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4));
+      const __m512i lo = _mm512_and_si512(v, lo4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+      if (PAIR) {  // bytes <= 15, so a 16-bit shift by 3 keeps each in its own byte
+        _mm512_store_si512(out + 64 * c, _mm512_slli_epi16(lo, 3));
+        _mm512_store_si512(out + 64 * (c + 4), _mm512_slli_epi16(hi, 3));
+        _mm512_store_si512(out + 512 + 64 * c, lo);
+        _mm512_store_si512(out + 512 + 64 * (c + 4), hi);
+      } else {
+        _mm512_store_si512(out + 64 * c, lo);
+        _mm512_store_si512(out + 64 * (c + 4), hi);
+      }
     }
   }
   const uint8_t* sc = tb + (FMT == Q8_0 ? 512 : 256);
@@ -715,7 +727,7 @@ constexpr int kStageAhead = 4;
 
 // Block b of the unit's tiles staged, with the weights kPrefetchBlocks blocks ahead asked for
 // (as block_tiles does: staging is too little work per block for the hardware prefetcher alone).
-template <int FMT>
+template <int FMT, bool PAIR>
 inline void amx_stage_step(const GemmArgs& a, const int* tiles, int NT, int b, AmxStage& st) {
   constexpr int TBB = tbb<FMT>();
   const int nb = a.K / QK;
@@ -725,7 +737,7 @@ inline void amx_stage_step(const GemmArgs& a, const int* tiles, int NT, int b, A
       for (int off = 0; off < TBB; off += 64) _mm_prefetch(pf + off, _MM_HINT_T0);
     }
   }
-  for (int t = 0; t < NT; ++t) amx_stage_block<FMT>(a, tiles[t], t, b, st);
+  for (int t = 0; t < NT; ++t) amx_stage_block<FMT, PAIR>(a, tiles[t], t, b, st);
 }
 
 // One activation row's digit dots of one tile-block (C rows cr, cr + 16, ...) as floats: Horner
@@ -752,6 +764,16 @@ inline __m512 amx_digits(const int32_t* cr, __m512i off) {
   return _mm512_cvtepi32_ps(s);
 }
 
+// The same integer from a row's two paired C rows (cr: sum R0 q, cr + 16: sum R1 q; kernels.h):
+// (R0 << 11) + R1 is sum X q, which amx_digits' Horner steps build from three digit rows.
+template <int FMT>
+inline __m512 amx_pair_digits(const int32_t* cr, __m512i off) {
+  __m512i s = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(cr), 11),
+                               _mm512_load_si512(cr + 16));
+  if (FMT == Q4_0) s = _mm512_sub_epi32(s, off);
+  return _mm512_cvtepi32_ps(s);
+}
+
 // Row m's scalars for block b: activation scale, Q4_1's block sum, Q4_0's digit-sum offset.
 template <int FMT, int L>
 inline void amx_row_scalars(const GemmArgs& a, int64_t m, int b, __m512* sc, __m512* fs,
@@ -771,129 +793,86 @@ inline __m512 amx_accumulate(__m512 acc, __m512 f, __m512 d, __m512 mn, __m512 s
   return acc;
 }
 
-// Block b's tile work: C[group][tile] = A(group) x B(tile) for the unit's NT weight tiles and
-// one or two row groups (A tiles 4, 5), stored to cb[group][tile].
-inline void amx_block(const int8_t* a0, const int8_t* a1, int64_t K, const uint8_t* const* bsrc,
-                      int NT, bool two_groups, int b, int32_t (*cb)[2][16][16]) {
-  _tile_zero(0);
-  _tile_loadd(4, a0 + b * QK, K);
-  _tile_loadd(6, bsrc[0] + (int64_t)b * 512, 64);
-  _tile_dpbssd(0, 4, 6);
-  if (NT == 2) {
-    _tile_zero(1);
-    _tile_loadd(7, bsrc[1] + (int64_t)b * 512, 64);
-    _tile_dpbssd(1, 4, 7);
-  }
-  if (two_groups) {
-    _tile_zero(2);
-    _tile_loadd(5, a1 + b * QK, K);
-    _tile_dpbssd(2, 5, 6);
-    if (NT == 2) {
-      _tile_zero(3);
-      _tile_dpbssd(3, 5, 7);
-    }
-  }
-  _tile_stored(0, cb[0][0], 64);
-  if (NT == 2) _tile_stored(1, cb[0][1], 64);
-  if (two_groups) {
-    _tile_stored(2, cb[1][0], 64);
-    if (NT == 2) _tile_stored(3, cb[1][1], 64);
-  }
-}
-
-// One row group, block b: its products issued into the C and A tiles of the block's parity
-// (even blocks: C 0, 1 and A 4; odd: C 2, 3 and A 5) ...
-inline void amx_issue_one_group(const int8_t* a0, int64_t K, const uint8_t* const* bsrc, int NT,
-                                int b) {
+// Block b's products issued into the C and A tiles of its parity (even blocks: C 0, 1 and A 4;
+// odd: C 2, 3 and A 5): A is `ablock` bytes per block along rows of stride lda, B the staged
+// tile-blocks ...
+inline void amx_issue(const int8_t* a0, int ablock, int64_t lda, const uint8_t* const* bsrc,
+                      int NT, int b) {
+  const int8_t* ab = a0 + (int64_t)b * ablock;
   if ((b & 1) == 0) {
     _tile_zero(0);
-    _tile_loadd(4, a0 + b * QK, K);
-    _tile_loadd(6, bsrc[0] + (int64_t)b * 512, 64);
+    _tile_loadd(4, ab, lda);
+    _tile_loadd(6, bsrc[0] + (int64_t)b * kStageBlock, 64);
     _tile_dpbssd(0, 4, 6);
     if (NT == 2) {
       _tile_zero(1);
-      _tile_loadd(7, bsrc[1] + (int64_t)b * 512, 64);
+      _tile_loadd(7, bsrc[1] + (int64_t)b * kStageBlock, 64);
       _tile_dpbssd(1, 4, 7);
     }
   } else {
     _tile_zero(2);
-    _tile_loadd(5, a0 + b * QK, K);
-    _tile_loadd(6, bsrc[0] + (int64_t)b * 512, 64);
+    _tile_loadd(5, ab, lda);
+    _tile_loadd(6, bsrc[0] + (int64_t)b * kStageBlock, 64);
     _tile_dpbssd(2, 5, 6);
     if (NT == 2) {
       _tile_zero(3);
-      _tile_loadd(7, bsrc[1] + (int64_t)b * 512, 64);
+      _tile_loadd(7, bsrc[1] + (int64_t)b * kStageBlock, 64);
       _tile_dpbssd(3, 5, 7);
     }
   }
 }
 
-// ... and stored to cb[0][t]. The tile unit runs its instructions in order, so block b's stores
-// are issued after block b + 1's products: they no longer wait out the products' latency with
-// nothing else queued (one row group leaves the tiles for two blocks in flight).
-inline void amx_store_one_group(int NT, int b, int32_t (*cb)[2][16][16]) {
+// ... and stored to cb[t]. The tile unit runs its instructions in order, so block b's stores
+// are issued after block b + 1's products: they do not wait out the products' latency with
+// nothing else queued.
+inline void amx_store(int NT, int b, int32_t (*cb)[16][16]) {
   if ((b & 1) == 0) {
-    _tile_stored(0, cb[0][0], 64);
-    if (NT == 2) _tile_stored(1, cb[0][1], 64);
+    _tile_stored(0, cb[0], 64);
+    if (NT == 2) _tile_stored(1, cb[1], 64);
   } else {
-    _tile_stored(2, cb[0][0], 64);
-    if (NT == 2) _tile_stored(3, cb[0][1], 64);
+    _tile_stored(2, cb[0], 64);
+    if (NT == 2) _tile_stored(3, cb[1], 64);
   }
 }
 
-// Every block of a unit's rows: staging (if `stage`: the first row group stages the weights,
-// kStageAhead blocks ahead), tile work into C buffer b & 1, and `epilogue(b)` once block b's C is
-// stored (block b - 1's epilogue runs after block b's tile work is issued; the stores of block b
-// do not alias the buffer the epilogue reads).
-template <int FMT, class Epilogue>
-inline void amx_blocks(const GemmArgs& a, AmxStage& st, const int8_t* a0, const int8_t* a1,
-                       const uint8_t* const* bsrc, int NT, bool two_groups, const int* stage,
-                       int32_t (*c)[2][2][16][16], Epilogue&& epilogue) {
-  const int nb = a.K / QK, K = a.K;
+// Every block of one row group: staging (if `stage`: the first row group of a unit stages its
+// weights, kStageAhead blocks ahead), tile work into C buffer b & 1, and `epilogue(b)` once
+// block b's C is stored (block b - 1's epilogue runs after block b's stores are issued; they do
+// not alias the buffer it reads).
+template <int FMT, bool PAIR, class Epilogue>
+inline void amx_blocks(const GemmArgs& a, AmxStage& st, const int8_t* a0, int ablock,
+                       int64_t lda, const uint8_t* const* bsrc, int NT, const int* stage,
+                       int32_t (*c)[2][16][16], Epilogue&& epilogue) {
+  const int nb = a.K / QK;
   if (stage) {
-    for (int b = 0; b < kStageAhead && b < nb; ++b) amx_stage_step<FMT>(a, stage, NT, b, st);
+    for (int b = 0; b < kStageAhead && b < nb; ++b) amx_stage_step<FMT, PAIR>(a, stage, NT, b, st);
   }
-  if (two_groups) {
-    for (int b = 0; b < nb; ++b) {
-      if (stage && b + kStageAhead < nb) amx_stage_step<FMT>(a, stage, NT, b + kStageAhead, st);
-      amx_block(a0, a1, K, bsrc, NT, true, b, c[b & 1]);
-      if (b > 0) epilogue(b - 1);
-    }
-  } else {
-    if (nb > 0) amx_issue_one_group(a0, K, bsrc, NT, 0);
-    for (int b = 0; b < nb; ++b) {
-      if (stage && b + kStageAhead < nb) amx_stage_step<FMT>(a, stage, NT, b + kStageAhead, st);
-      if (b + 1 < nb) amx_issue_one_group(a0, K, bsrc, NT, b + 1);
-      amx_store_one_group(NT, b, c[b & 1]);
-      if (b > 0) epilogue(b - 1);
-    }
+  if (nb > 0) amx_issue(a0, ablock, lda, bsrc, NT, 0);
+  for (int b = 0; b < nb; ++b) {
+    if (stage && b + kStageAhead < nb) amx_stage_step<FMT, PAIR>(a, stage, NT, b + kStageAhead, st);
+    if (b + 1 < nb) amx_issue(a0, ablock, lda, bsrc, NT, b + 1);
+    amx_store(NT, b, c[b & 1]);
+    if (b > 0) epilogue(b - 1);
   }
   if (nb > 0) epilogue(nb - 1);
 }
 
-// acc[t][r] (16 floats) for rows m0..m0+mr0+mr1-1 of tiles[0..NT-1], every block: rows
-// m0..m0+mr0-1 in A tile 4, the next mr1 in A tile 5 (configured for mr0 * L, mr1 * L rows).
-// C of block b goes to buffer b & 1 and the vector epilogue of block b - 1 runs after block b's
-// tile work is issued (the stores of block b do not alias the buffer the epilogue reads).
+// acc[t][r] (16 floats) for rows m0..m0+mr-1 of the unit's NT tiles, every block, from digit
+// rows (A: the rows' L digit rows each, tile rows configured to mr * L).
 template <int FMT, int L>
 inline void amx_rows(const GemmArgs& a, AmxStage& st, const uint8_t* const* bsrc, int NT,
-                     int m0, int mr0, int mr1, float (*acc)[32][16], const int* stage) {
-  const int nb = a.K / QK, K = a.K;
-  const int mr = mr0 + mr1;
-  alignas(64) int32_t c[2][2][2][16][16];  // [block parity][group][tile]
+                     int m0, int mr, float (*acc)[32][16], const int* stage) {
+  alignas(64) int32_t c[2][2][16][16];  // [block parity][tile]
   for (int t = 0; t < NT; ++t)
     for (int r = 0; r < mr; ++r) _mm512_store_ps(acc[t][r], _mm512_setzero_ps());
-  const int8_t* a0 = a.act.q + (int64_t)m0 * L * K;
-  const int8_t* a1 = a0 + (int64_t)mr0 * L * K;
   auto epilogue = [&](int b) {
     for (int r = 0; r < mr; ++r) {
-      const int g = r < mr0 ? 0 : 1, row = (r < mr0 ? r : r - mr0) * L;
       __m512 sc, fs;
       __m512i off;
       amx_row_scalars<FMT, L>(a, m0 + r, b, &sc, &fs, &off);
       for (int t = 0; t < NT; ++t) {
         const int sb = t * st.cap + b;
-        const __m512 f = amx_digits<FMT, L>(c[b & 1][g][t][row], off);
+        const __m512 f = amx_digits<FMT, L>(c[b & 1][t][r * L], off);
         const __m512 d = _mm512_load_ps(st.d + 16 * sb);
         const __m512 mn = FMT == Q4_1 ? _mm512_load_ps(st.mn + 16 * sb) : d;
         _mm512_store_ps(acc[t][r],
@@ -901,23 +880,21 @@ inline void amx_rows(const GemmArgs& a, AmxStage& st, const uint8_t* const* bsrc
       }
     }
   };
-  amx_blocks<FMT>(a, st, a0, a1, bsrc, NT, mr1 > 0, stage, c, epilogue);
+  amx_blocks<FMT, false>(a, st, a.act.q + (int64_t)m0 * L * a.K, QK, a.K, bsrc, NT, stage, c,
+                         epilogue);
 }
 
-// amx_rows for a compile-time shape (three digits, a tile pair: the default engine's every
-// call), the accumulators in registers across blocks instead of memory (two loads and a store
-// fewer per row, tile and block). The arithmetic is amx_rows' step for step.
-template <int FMT, int L, int MR0, int MR1, int NT>
+// The same for a compile-time shape, the accumulators in registers across blocks instead of
+// memory (two loads and a store fewer per row, tile and block); PAIR: from paired digits
+// (kernels.h; three levels, Q4: tile rows configured to 2 * MR). The arithmetic is amx_rows'
+// step for step.
+template <int FMT, int L, int MR, int NT, bool PAIR>
 inline void amx_rows_reg(const GemmArgs& a, AmxStage& st, const uint8_t* const* bsrc,
                          int m0, float (*accm)[32][16], const int* stage) {
-  constexpr int MR = MR0 + MR1;
-  const int nb = a.K / QK, K = a.K;
-  alignas(64) int32_t c[2][2][2][16][16];  // [block parity][group][tile]
+  alignas(64) int32_t c[2][2][16][16];  // [block parity][tile]
   __m512 acc[NT][MR];
   for (int t = 0; t < NT; ++t)
     for (int r = 0; r < MR; ++r) acc[t][r] = _mm512_setzero_ps();
-  const int8_t* a0 = a.act.q + (int64_t)m0 * L * K;
-  const int8_t* a1 = a0 + (int64_t)MR0 * L * K;
   auto epilogue = [&](int b) {
     __m512 d[NT], mn[NT];
     for (int t = 0; t < NT; ++t) {
@@ -926,64 +903,90 @@ inline void amx_rows_reg(const GemmArgs& a, AmxStage& st, const uint8_t* const* 
       mn[t] = FMT == Q4_1 ? _mm512_load_ps(st.mn + 16 * sb) : d[t];
     }
     for (int r = 0; r < MR; ++r) {
-      const int g = r < MR0 ? 0 : 1, row = (r < MR0 ? r : r - MR0) * L;
       __m512 sc, fs;
       __m512i off;
       amx_row_scalars<FMT, L>(a, m0 + r, b, &sc, &fs, &off);
       for (int t = 0; t < NT; ++t) {
-        const __m512 f = amx_digits<FMT, L>(c[b & 1][g][t][row], off);
+        const __m512 f = PAIR ? amx_pair_digits<FMT>(c[b & 1][t][2 * r], off)
+                              : amx_digits<FMT, L>(c[b & 1][t][r * L], off);
         acc[t][r] = amx_accumulate<FMT>(acc[t][r], f, d[t], mn[t], sc, fs);
       }
     }
   };
-  amx_blocks<FMT>(a, st, a0, a1, bsrc, NT, MR1 > 0, stage, c, epilogue);
+  if (PAIR) {
+    amx_blocks<FMT, true>(a, st, a.act.pairs + (int64_t)m0 * 4 * a.K, 64, 2 * a.K, bsrc, NT,
+                          stage, c, epilogue);
+  } else {
+    amx_blocks<FMT, false>(a, st, a.act.q + (int64_t)m0 * L * a.K, QK, a.K, bsrc, NT, stage,
+                           c, epilogue);
+  }
   for (int t = 0; t < NT; ++t)
     for (int r = 0; r < MR; ++r) _mm512_store_ps(accm[t][r], acc[t][r]);
 }
 
-// The register-accumulator shapes a default call meets (rows per A tile 5 at three digits):
-// (5, 5), (5, k) and (k, 0). Returns false for any other shape.
-template <int FMT, int L>
+// The register-accumulator shapes: every row count of a tile pair at three digits (5 rows per
+// A tile) and of paired digits (8 rows per A tile). Returns false for any other shape.
+template <int FMT, int L, bool PAIR>
 inline bool amx_rows_fixed(const GemmArgs& a, AmxStage& st, const uint8_t* const* bsrc,
-                           int NT, int m0, int mr0, int mr1, float (*acc)[32][16],
-                           const int* stage) {
+                           int NT, int m0, int mr, float (*acc)[32][16], const int* stage) {
   if constexpr (L == 3) {
-    if (NT != 2) return false;
-    switch (mr0 * 8 + mr1) {
-#define SPECSERVE_AMX_SHAPE(R0, R1) \
-  case R0 * 8 + R1: amx_rows_reg<FMT, 3, R0, R1, 2>(a, st, bsrc, m0, acc, stage); return true;
-      SPECSERVE_AMX_SHAPE(5, 5) SPECSERVE_AMX_SHAPE(5, 4) SPECSERVE_AMX_SHAPE(5, 3)
-      SPECSERVE_AMX_SHAPE(5, 2) SPECSERVE_AMX_SHAPE(5, 1) SPECSERVE_AMX_SHAPE(5, 0)
-      SPECSERVE_AMX_SHAPE(4, 0) SPECSERVE_AMX_SHAPE(3, 0) SPECSERVE_AMX_SHAPE(2, 0)
-      SPECSERVE_AMX_SHAPE(1, 0)
+    if (NT != 2) {
+      if constexpr (PAIR) {  // a lone last tile: paired digits have no amx_rows to fall back on
+        switch (mr) {
+#define SPECSERVE_AMX_SHAPE(R) \
+  case R: amx_rows_reg<FMT, 3, R, 1, true>(a, st, bsrc, m0, acc, stage); return true;
+          SPECSERVE_AMX_SHAPE(1) SPECSERVE_AMX_SHAPE(2) SPECSERVE_AMX_SHAPE(3)
+          SPECSERVE_AMX_SHAPE(4) SPECSERVE_AMX_SHAPE(5) SPECSERVE_AMX_SHAPE(6)
+          SPECSERVE_AMX_SHAPE(7) SPECSERVE_AMX_SHAPE(8)
 #undef SPECSERVE_AMX_SHAPE
-      default: return false;
+          default: return false;
+        }
+      }
+      return false;
+    }
+    switch (mr) {
+#define SPECSERVE_AMX_SHAPE(R) \
+  case R: amx_rows_reg<FMT, 3, R, 2, PAIR>(a, st, bsrc, m0, acc, stage); return true;
+      SPECSERVE_AMX_SHAPE(1) SPECSERVE_AMX_SHAPE(2) SPECSERVE_AMX_SHAPE(3)
+      SPECSERVE_AMX_SHAPE(4) SPECSERVE_AMX_SHAPE(5)
+#undef SPECSERVE_AMX_SHAPE
+      default: break;
+    }
+    if constexpr (PAIR) {
+      switch (mr) {
+#define SPECSERVE_AMX_SHAPE(R) \
+  case R: amx_rows_reg<FMT, 3, R, 2, true>(a, st, bsrc, m0, acc, stage); return true;
+        SPECSERVE_AMX_SHAPE(6) SPECSERVE_AMX_SHAPE(7) SPECSERVE_AMX_SHAPE(8)
+#undef SPECSERVE_AMX_SHAPE
+        default: break;
+      }
     }
   }
   return false;
 }
 
 // One unit: tiles[0..NT-1] (a pair, a lone last tile, or a (gate, up) pair for EPI_SILU_MUL
-// with column index `col`), every row.
-template <int FMT, int L>
+// with column index `col`), every row, one row group of RPC rows at a time (PAIR: paired digits,
+// 8 rows per A tile; else 16 / L rows).
+template <int FMT, int L, bool PAIR>
 void amx_unit(const GemmArgs& a, const int* tiles, int NT, int silu_col, AmxStage& st,
               int& configured) {
   const uint8_t* bsrc[2];
-  for (int t = 0; t < NT; ++t) bsrc[t] = st.b + (size_t)t * st.cap * 512;
-  constexpr int RPC = 16 / L;  // activation rows per A tile (all their digits in one tile)
+  for (int t = 0; t < NT; ++t) bsrc[t] = st.b + (size_t)t * st.cap * kStageBlock;
+  constexpr int RPC = PAIR ? 8 : 16 / L;  // activation rows per A tile (all their rows in it)
+  constexpr int TR = PAIR ? 2 : L;        // tile rows per activation row
   alignas(64) float acc[2][32][16];
-  for (int m0 = 0; m0 < a.M; m0 += 2 * RPC) {
+  for (int m0 = 0; m0 < a.M; m0 += RPC) {
     const int left = a.M - m0;
-    const int mr0 = left < RPC ? left : RPC;
-    const int mr1 = left - mr0 < RPC ? left - mr0 : RPC;
-    const int mr = mr0 + mr1;
-    if (mr0 * 32 + mr1 != configured) {
-      amx_config(mr0 * L, mr1 * L);
-      configured = mr0 * 32 + mr1;
+    const int mr = left < RPC ? left : RPC;
+    const int shape = mr * TR * 2 + PAIR;
+    if (shape != configured) {
+      amx_config(mr * TR, PAIR ? 64 : QK);
+      configured = shape;
     }
     const int* stage = m0 == 0 ? tiles : nullptr;  // the first row group stages the weights
-    if (!amx_rows_fixed<FMT, L>(a, st, bsrc, NT, m0, mr0, mr1, acc, stage)) {
-      amx_rows<FMT, L>(a, st, bsrc, NT, m0, mr0, mr1, acc, stage);
+    if (!amx_rows_fixed<FMT, L, PAIR>(a, st, bsrc, NT, m0, mr, acc, stage)) {
+      amx_rows<FMT, L>(a, st, bsrc, NT, m0, mr, acc, stage);
     }
     for (int t = 0; t < NT; ++t) {
       if (!a.bias) break;
@@ -1014,7 +1017,7 @@ void amx_unit(const GemmArgs& a, const int* tiles, int NT, int silu_col, AmxStag
   }
 }
 
-template <int FMT, int L>
+template <int FMT, int L, bool PAIR>
 void amx_fmt(const GemmArgs& a, int t0, int t1) {
   thread_local AmxStage st;
   st.reserve(a.K / QK);
@@ -1022,17 +1025,17 @@ void amx_fmt(const GemmArgs& a, int t0, int t1) {
   if (a.epilogue == EPI_SILU_MUL) {
     for (int t = t0; t < t1; ++t) {
       const int tiles[2] = {2 * t, 2 * t + 1};
-      amx_unit<FMT, L>(a, tiles, 2, t * NR, st, configured);
+      amx_unit<FMT, L, PAIR>(a, tiles, 2, t * NR, st, configured);
     }
   } else {
     int t = t0;
     for (; t + 1 < t1; t += 2) {
       const int tiles[2] = {t, t + 1};
-      amx_unit<FMT, L>(a, tiles, 2, -1, st, configured);
+      amx_unit<FMT, L, PAIR>(a, tiles, 2, -1, st, configured);
     }
     if (t < t1) {
       const int tiles[1] = {t};
-      amx_unit<FMT, L>(a, tiles, 1, -1, st, configured);
+      amx_unit<FMT, L, PAIR>(a, tiles, 1, -1, st, configured);
     }
   }
   _tile_release();
@@ -1041,9 +1044,38 @@ void amx_fmt(const GemmArgs& a, int t0, int t1) {
 template <int FMT>
 void amx_levels(const GemmArgs& a, int t0, int t1) {
   switch (a.act.levels) {
-    case 1: amx_fmt<FMT, 1>(a, t0, t1); break;
-    case 2: amx_fmt<FMT, 2>(a, t0, t1); break;
-    default: amx_fmt<FMT, 3>(a, t0, t1); break;
+    case 1: amx_fmt<FMT, 1, false>(a, t0, t1); break;
+    case 2: amx_fmt<FMT, 2, false>(a, t0, t1); break;
+    default: amx_fmt<FMT, 3, false>(a, t0, t1); break;
+  }
+}
+
+// Rows [r0, r1) of three-level digits into the paired layout (kernels.h), 16 weights at a time.
+void pair_digits(const int8_t* q, int r0, int r1, int K, int8_t* pairs) {
+  const int nb = K / QK;
+  const __m512i half = _mm512_set1_epi32(1024), seven = _mm512_set1_epi32(7);
+  for (int r = r0; r < r1; ++r) {
+    const int8_t* d = q + (int64_t)r * 3 * K;
+    int8_t* out = pairs + (int64_t)r * 4 * K;  // R0's row, then R1's (2 K bytes each)
+    for (int b = 0; b < nb; ++b) {
+      for (int h = 0; h < QK; h += 16) {
+        const int k = b * QK + h;
+        auto digit = [&](int l) {
+          return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(d + (int64_t)l * K + k)));
+        };
+        const __m512i x = _mm512_add_epi32(
+            _mm512_slli_epi32(_mm512_add_epi32(_mm512_slli_epi32(digit(0), 7), digit(1)), 7),
+            digit(2));
+        const __m512i r0v = _mm512_srai_epi32(_mm512_add_epi32(x, half), 11);
+        const __m512i r1v = _mm512_sub_epi32(x, _mm512_slli_epi32(r0v, 11));
+        int8_t* o = out + b * 64 + h;
+        _mm_storeu_si128((__m128i*)o, _mm512_cvtepi32_epi8(_mm512_srai_epi32(r0v, 3)));
+        _mm_storeu_si128((__m128i*)(o + 32), _mm512_cvtepi32_epi8(_mm512_and_si512(r0v, seven)));
+        _mm_storeu_si128((__m128i*)(o + 2 * K), _mm512_cvtepi32_epi8(_mm512_srai_epi32(r1v, 3)));
+        _mm_storeu_si128((__m128i*)(o + 2 * K + 32),
+                         _mm512_cvtepi32_epi8(_mm512_and_si512(r1v, seven)));
+      }
+    }
   }
 }
 
@@ -1055,6 +1087,10 @@ void amx_levels(const GemmArgs& a, int t0, int t1) {
 constexpr int kAmxMinDigitRows = 30;
 
 void gemm_amx(const GemmArgs& a, int t0, int t1) {
+  if (a.act.pairs && amx_pairs_apply(a.fmt, a.act.levels, a.M)) {  // the engine paired them
+    if (a.fmt == Q4_0) return amx_fmt<Q4_0, 3, true>(a, t0, t1);
+    return amx_fmt<Q4_1, 3, true>(a, t0, t1);
+  }
   if (a.M * a.act.levels < kAmxMinDigitRows) return gemm(a, t0, t1);
   switch (a.fmt) {
     case Q8_0: amx_levels<Q8_0>(a, t0, t1); break;
@@ -1080,7 +1116,8 @@ const IsaKernels* avx512_kernels() {
 // The AVX-512 table with the AMX-INT8 block-format matmul (the engine checks the CPU and asks
 // the kernel for the tile state before choosing it).
 const IsaKernels* amx_kernels() {
-  static const IsaKernels table = {"amx", gemm_amx, quantize, rmsnorm, attention, argmax};
+  static const IsaKernels table = {"amx", gemm_amx, quantize, rmsnorm, attention, argmax,
+                                   pair_digits};
   return &table;
 }
 }  // namespace specserve

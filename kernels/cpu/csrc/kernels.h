@@ -51,7 +51,29 @@ struct ActQ {
   const float* scale = nullptr;   // [M][K/32]: d / 128^(levels-1)
   const int32_t* sums = nullptr;  // [M][levels][K/32]: sum of each level's digits per block
   const float* fsum = nullptr;    // [M][K/32]: sum of the block's quantized values (Q4_1 mins)
+  // Three-level Q4 calls on AMX only (`amx_pairs_apply`): the same digits as two "paired" tile
+  // rows per activation row, [M][2][K / 32][64] (`pair_digits` in IsaKernels), else null.
+  const int8_t* pairs = nullptr;
 };
+
+// AMX's paired digits. A row's three digits are one integer per weight, X = a_0 128^2 + a_1 128 +
+// a_2 (|X| < 127 * 2^14 + 64 * 129 < 2^21). Written as X = R0 2^11 + R1 with R1 in [-1024, 1023]
+// (so R0 in [-1021, 1020]), and each R as 8 h + l with h = R >> 3 in [-128, 127] and l = R & 7,
+// a block's 32 weights of R take 64 bytes [h of the 32 | l of the 32]. One TDPBSSD row of K = 64
+// against B = [8 q ; q] (Q4 weights q in 0..15, so 8 q <= 120 is still a byte) sums exactly
+// sum R q, and (sum R0 q << 11) + sum R1 q is the very integer sum X q that three digit rows and
+// their Horner steps give (no overflow: |sum X q| < 32 * 15 * 2^21 ~ 1.0e9 < 2^31). Two tile rows
+// per activation row instead of three, each using all 64 bytes of K instead of 32.
+// The tile unit's time goes with the bytes of K it multiplies (pairs: 128 per row and block,
+// three digit rows: 96), so pairs pay there and win on what follows each block (two C rows
+// stored and read back per row instead of three, one Horner step instead of two, 8 rows per
+// group instead of 5). Measured (`python -m benchmark.bench_one_batch --verify-ns 8,...,32`,
+// prefill, decode at batch 8-32): faster from 32 rows (verify T(32) -6%, decode bs 32 +5%,
+// prefill -8-10%), level or slower below (T(20) +12%), so pairs start at 32 rows.
+constexpr int kAmxPairMinRows = 32;
+inline bool amx_pairs_apply(int fmt, int levels, int M) {
+  return levels == 3 && (fmt == Q4_0 || fmt == Q4_1) && M >= kAmxPairMinRows;
+}
 
 enum Epilogue : int32_t {
   EPI_STORE = 0,     // y = x W^T (+ bias)
@@ -147,6 +169,9 @@ struct IsaKernels {
   // the first maximum of x[0, n) as numpy's argmax finds it (a NaN is the maximum, the first
   // one wins; -0 and +0 tie): its index (-1 when n == 0) and *best its value
   int64_t (*argmax)(const float* x, int64_t n, float* best);
+  // rows [r0, r1) of three-level digits q[M][3][K] into ActQ::pairs' layout (above); set only
+  // by tables whose gemm reads pairs (amx) — the engine fills them when amx_pairs_apply
+  void (*pair_digits)(const int8_t* q, int r0, int r1, int K, int8_t* pairs) = nullptr;
 };
 
 // argmax (above) one element at a time: the generic table's, and the SIMD ones' way for a row
