@@ -242,7 +242,12 @@ class SpeculativeWorker:
     # ms outside the forward and ~0.2 ms inside a 3.2 ms decode step at batch 1,
     # `benchmark.profile_spec_step`). The WARM_STEPS steps before each server-wide probe run
     # the full path, so the probing request's head has fresh rows; the rows of skipped steps
-    # never reach the head (a stale stretch of head KV: acceptance, never exactness).
+    # never reach the head (a stale stretch of head KV: acceptance, never exactness). A probe
+    # that is due waits for a request the scheduler gave draft slots (`_global_probe`); while
+    # no request of the step has any (a busy batch, whose load-aware plan keeps it plain), none
+    # can probe or draft, so the step is plain too. (It was the full path, every step, for as
+    # long as the probe stayed due: at c = 32 on ShareGPT ~90% of an off EAGLE-3's steps,
+    # docs/benchmarks.md, "Eleventh session".)
     WARM_STEPS = 8
 
     def _off_step(self, entries: list[SpecEntry], budgets: list[tuple[int, bool]]) -> bool:
@@ -252,7 +257,9 @@ class SpeculativeWorker:
             return False
         if self.prior_accept >= self.break_even(len(entries)):
             return False  # the drafter pays in general: requests probe on their own
-        return self.global_interval - self.steps_since_global > self.WARM_STEPS
+        if self.global_interval - self.steps_since_global > self.WARM_STEPS:
+            return True
+        return all(e.slots.numel() - e.prefix_len <= 1 for e in entries)
 
     def _plain_step(self, entries: list[SpecEntry],
                     t_step: float) -> tuple[list[list[int]], list[dict]]:

@@ -471,3 +471,34 @@ def test_a_drafter_that_does_not_pay_is_skipped_between_server_wide_probes(tiny,
     else:
         assert drafter.skipped_rows == 0 and drafter.proposed_steps > 40
     h.sched.check_no_leak()
+
+
+def test_a_due_probe_that_no_request_can_take_keeps_the_steps_plain(tiny, monkeypatch):  # noqa: F811
+    """A server-wide probe that is due waits for a request the scheduler gave draft slots.
+    While no request has any (here the scheduler's plan never hands them out, as a busy
+    batch's load-aware plan does), no request can probe or draft, so every step is a plain
+    step without the drafter, not the full path with its capture and bookkeeping; output is
+    plain decoding's and no KV leaks."""
+    import runtime.scheduler.scheduler as sched_mod
+
+    monkeypatch.setattr(sched_mod, "plan_drafts", lambda rates, caps, cost: [1] * len(caps))
+    monkeypatch.setattr(sched_mod, "with_probes", lambda sizes, caps, accs: sizes)
+    ps = prompts(4, seed=31)
+    ref = reference(tiny, ps, ignore_eos=True, max_new_tokens=30)
+    truth = {tuple(p): r for p, r in zip(ps, ref)}
+    h = Harness(tiny, num_draft_tokens=4, max_running_requests=4, chunked_prefill_size=32,
+                load_aware=True)
+    runner = tiny[1]
+    cfg = SpecConfig("TEST", 4)
+    drafter = OffRecordingOracle(cfg, runner, truth, 3)
+    worker = SpeculativeWorker(cfg, drafter, runner)
+    worker.prior_accept, worker.PRIOR_WEIGHT, worker.global_interval = 0.0, 0.0, 4
+    h.worker = RunnerWorker(runner, worker)
+    h.sched.run_batch = h.worker.run
+    for i, p in enumerate(ps):
+        h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=30)
+    h.run()
+    assert [h.outputs[f"r{i}"] for i in range(4)] == ref
+    assert worker.steps_since_global > worker.global_interval  # the probe stayed due
+    assert drafter.proposed_steps == 0 and drafter.skipped_rows > 0
+    h.sched.check_no_leak()
