@@ -96,6 +96,8 @@ class SpeculativeWorker:
         self.tree_ops = make_tree_ops(cfg.tree_ops, getattr(runner, "device", "cpu"))
         self.global_interval = drafter.probe_every  # steps between server-wide probes
         self.steps_since_global = 0
+        # steps since any request had draft slots (`_off_step`); none seen yet: "long ago"
+        self.steps_since_slots = self.SLOT_HORIZON + 1
         self.draft_cost: float | None = None  # extra seconds per drafting request (EMA)
         # plain step seconds / C(batch) (EMA), starting from the one-row forward timed at
         # start-up: a drafter that drafts from the first step (and keeps drafting while its
@@ -243,14 +245,22 @@ class SpeculativeWorker:
     # `benchmark.profile_spec_step`). The WARM_STEPS steps before each server-wide probe run
     # the full path, so the probing request's head has fresh rows; the rows of skipped steps
     # never reach the head (a stale stretch of head KV: acceptance, never exactness). A probe
-    # that is due waits for a request the scheduler gave draft slots (`_global_probe`); while
-    # no request of the step has any (a busy batch, whose load-aware plan keeps it plain), none
-    # can probe or draft, so the step is plain too. (It was the full path, every step, for as
-    # long as the probe stayed due: at c = 32 on ShareGPT ~90% of an off EAGLE-3's steps,
+    # that is due waits for a request the scheduler gave draft slots (`_global_probe`), so the
+    # warm steps run only while the scheduler hands slots out at all: some request of the last
+    # SLOT_HORIZON steps had them (at c = 1 and 4 its per-request probes come every 16 and 64
+    # steps, `spec_budget.PROBE_EVERY`; in a busy batch the load-aware plan keeps every request
+    # plain and a request's probe would come after its whole life). Otherwise no request can
+    # probe or draft and the step stays plain. (It was the full path, every step, for as long
+    # as the probe stayed due: at c = 32 on ShareGPT ~90% of an off EAGLE-3's steps,
     # docs/benchmarks.md, "Eleventh session".)
     WARM_STEPS = 8
+    SLOT_HORIZON = 64
 
     def _off_step(self, entries: list[SpecEntry], budgets: list[tuple[int, bool]]) -> bool:
+        if any(e.slots.numel() - e.prefix_len > 1 for e in entries):
+            self.steps_since_slots = 0
+        else:
+            self.steps_since_slots += 1
         if not self.drafter.skips_when_off or self.cfg.disable_adaptive:
             return False
         if any(b != (1, False) for b in budgets):
@@ -259,7 +269,7 @@ class SpeculativeWorker:
             return False  # the drafter pays in general: requests probe on their own
         if self.global_interval - self.steps_since_global > self.WARM_STEPS:
             return True
-        return all(e.slots.numel() - e.prefix_len <= 1 for e in entries)
+        return self.steps_since_slots > self.SLOT_HORIZON
 
     def _plain_step(self, entries: list[SpecEntry],
                     t_step: float) -> tuple[list[list[int]], list[dict]]:

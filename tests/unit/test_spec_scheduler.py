@@ -475,10 +475,11 @@ def test_a_drafter_that_does_not_pay_is_skipped_between_server_wide_probes(tiny,
 
 def test_a_due_probe_that_no_request_can_take_keeps_the_steps_plain(tiny, monkeypatch):  # noqa: F811
     """A server-wide probe that is due waits for a request the scheduler gave draft slots.
-    While no request has any (here the scheduler's plan never hands them out, as a busy
-    batch's load-aware plan does), no request can probe or draft, so every step is a plain
-    step without the drafter, not the full path with its capture and bookkeeping; output is
-    plain decoding's and no KV leaks."""
+    While the scheduler hands out none (here its plan never does, as a busy batch's load-aware
+    plan does not), no request can probe or draft, so every step is a plain step without the
+    drafter, not the full path with its capture and bookkeeping (the warm steps before a probe
+    run only within SLOT_HORIZON steps of a request with slots); output is plain decoding's
+    and no KV leaks."""
     import runtime.scheduler.scheduler as sched_mod
 
     monkeypatch.setattr(sched_mod, "plan_drafts", lambda rates, caps, cost: [1] * len(caps))
