@@ -36,7 +36,7 @@ import httpx
 
 from benchmark.bench_one_batch import bench_decode
 from benchmark.bench_serving import BenchConfig, run_benchmark
-from benchmark.common import format_table, machine_info, write_json
+from benchmark.common import format_table, machine_info, stop_children_on_sigterm, write_json
 from corpora.datasets import DATASETS, load_bench_tokenizer, sample_requests
 from runtime.model_loader.default_model import embedded_gguf_path, resolve_model_path
 
@@ -221,4 +221,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    stop_children_on_sigterm()
     main()

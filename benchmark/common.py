@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import platform
+import signal
 import statistics
 import time
 from collections.abc import Callable
@@ -58,3 +59,15 @@ def write_json(path: str | Path, data: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2))
     return path
+
+
+def stop_children_on_sigterm() -> None:
+    """Make SIGTERM raise SystemExit, so a benchmark that is stopped (`kill`, a CI timeout)
+    still runs its `finally` blocks and stops the servers it started: Python's default
+    SIGTERM ends the process on the spot and left them running (seen with `sweep_serving`)."""
+
+    def _exit(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)
+

@@ -21,6 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmark.common import stop_children_on_sigterm
 from benchmark.sweep_serving import server
 
 
@@ -62,4 +63,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    stop_children_on_sigterm()
     raise SystemExit(main())

@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from benchmark.common import machine_info, write_json
+from benchmark.common import machine_info, stop_children_on_sigterm, write_json
 from benchmark.sweep_serving import server
 from corpora.datasets import chat_prompt_ids, load_bench_tokenizer, sample_requests
 
@@ -176,4 +176,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    stop_children_on_sigterm()
     raise SystemExit(main())

@@ -45,7 +45,7 @@ from typing import Any
 import httpx
 
 from benchmark.bench_serving import BenchConfig, run_benchmark
-from benchmark.common import format_table, machine_info, write_json
+from benchmark.common import format_table, machine_info, stop_children_on_sigterm, write_json
 from corpora.datasets import load_bench_tokenizer, sample_requests
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -285,4 +285,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    stop_children_on_sigterm()
     raise SystemExit(main())

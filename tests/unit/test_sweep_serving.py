@@ -118,3 +118,43 @@ def test_paired_ratio_pairs_rounds_and_the_report_prints_it(tmp_path, capsys):
     path.write_text(__import__("json").dumps({"results": results}))
     assert sw.main(["--report", str(path)]) == 0
     assert "0.90x" in capsys.readouterr().out
+
+
+def test_a_stopped_benchmark_still_stops_the_servers_it_started(tmp_path):
+    """SIGTERM to a benchmark (kill, a CI timeout) runs its `finally` blocks, so a server it
+    started (here a sleeping child, stopped in `finally` as `sw.server` does) does not outlive
+    it; Python's default SIGTERM left it running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    code = (
+        "import subprocess, sys, time\n"
+        "from benchmark.common import stop_children_on_sigterm\n"
+        "stop_children_on_sigterm()\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        "open(sys.argv[1], 'w').write(str(child.pid))\n"
+        "try:\n"
+        "    time.sleep(120)\n"
+        "finally:\n"
+        "    child.terminate()\n"
+        "    child.wait()\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.Popen([sys.executable, "-c", code, str(pid_file)], cwd=root,
+                            env={**os.environ, "PYTHONPATH": root})
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text()):
+        assert time.monotonic() < deadline and proc.poll() is None, "the benchmark did not start"
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 128 + signal.SIGTERM
+    try:
+        os.kill(child, 0)
+    except ProcessLookupError:
+        return  # stopped (and reaped by the benchmark)
+    raise AssertionError(f"the child {child} outlived the stopped benchmark")
