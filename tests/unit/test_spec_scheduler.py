@@ -421,6 +421,17 @@ def test_load_aware_budget_drafts_alone_and_not_when_the_batch_is_compute_bound(
     h.sched.check_no_leak()
 
 
+def serve_with(h, runner, worker: SpeculativeWorker, ps: list[list[int]], new: int) -> list:
+    """Serve prompts `ps` (greedy, `new` tokens each) through harness h with this worker;
+    their outputs in order."""
+    h.worker = RunnerWorker(runner, worker)
+    h.sched.run_batch = h.worker.run
+    for i, p in enumerate(ps):
+        h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=new)
+    h.run()
+    return [h.outputs[f"r{i}"] for i in range(len(ps))]
+
+
 class OffRecordingOracle(OracleMixDrafter):
     """An oracle drafter that may be skipped while it does not pay; records what it saw."""
 
@@ -457,12 +468,7 @@ def test_a_drafter_that_does_not_pay_is_skipped_between_server_wide_probes(tiny,
     worker.prior_accept = 0.0  # the drafter does not pay on this traffic
     worker.global_interval = 64  # (as after a few probes that did not pay)
     worker.PRIOR_WEIGHT = 0.0  # keep it so (what the probes accept must not bring it back)
-    h.worker = RunnerWorker(runner, worker)
-    h.sched.run_batch = h.worker.run
-    for i, p in enumerate(ps):
-        h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=40)
-    h.run()
-    assert [h.outputs[f"r{i}"] for i in range(6)] == ref
+    assert serve_with(h, runner, worker, ps, 40) == ref
     if skips:
         assert drafter.skipped_rows > 0
         # only the WARM_STEPS steps before each server-wide probe (and the probe) proposed
@@ -494,12 +500,7 @@ def test_a_due_probe_that_no_request_can_take_keeps_the_steps_plain(tiny, monkey
     drafter = OffRecordingOracle(cfg, runner, truth, 3)
     worker = SpeculativeWorker(cfg, drafter, runner)
     worker.prior_accept, worker.PRIOR_WEIGHT, worker.global_interval = 0.0, 0.0, 4
-    h.worker = RunnerWorker(runner, worker)
-    h.sched.run_batch = h.worker.run
-    for i, p in enumerate(ps):
-        h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=30)
-    h.run()
-    assert [h.outputs[f"r{i}"] for i in range(4)] == ref
+    assert serve_with(h, runner, worker, ps, 30) == ref
     assert worker.steps_since_global > worker.global_interval  # the probe stayed due
     assert drafter.proposed_steps == 0 and drafter.skipped_rows > 0
     h.sched.check_no_leak()
