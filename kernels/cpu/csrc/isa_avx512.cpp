@@ -642,7 +642,8 @@ struct alignas(64) TileConfig {
 // `acols` bytes: 32 digit bytes, or 64 paired bytes); tmm6 / tmm7: B of the two weight tiles
 // (acols / 4 rows x 64 bytes). The tile state is per thread: loaded on every call (a thread of
 // the pool may run any call). (Two row groups sharing each B load, all eight tiles busy with no
-// second set, measured 0.85-0.9x of this: `python -m benchmark.profile_cpu_engine`, prefill.)
+// second set, ran a prefill's gate/up matmul in 1.2-1.3x this one's time: docs/benchmarks.md,
+// "Eleventh session".)
 inline void amx_config(int rows, int acols) {
   TileConfig c;
   for (int i = 0; i < 6; ++i) {
