@@ -67,6 +67,12 @@ class SpecEntry:
     slots: torch.Tensor  # [prefix_len + budget]
     state: object  # RunnerReqState: params, prompt_ids, output_ids (tokens[-1] = the root)
 
+    @property
+    def fresh(self) -> int:
+        """Fresh KV slots the scheduler gave this step: tree nodes, root included (> 1: it
+        may draft)."""
+        return self.slots.numel() - self.prefix_len
+
 
 def _interpreted(runner) -> bool:
     """Whether the runner's attention kernel runs under Triton's CPU interpreter."""
@@ -184,7 +190,7 @@ class SpeculativeWorker:
         # load-aware budget keeps the batch plain) the probe stays due: a probe that could
         # not draft would teach nothing and postpone the next by a whole interval
         waiting = [(st.steps_since_probe, e.rid) for e in entries
-                   if e.slots.numel() - e.prefix_len > 1
+                   if e.fresh > 1
                    and (st := self.req_states.get(e.rid)) is not None]
         if not waiting:
             return None
@@ -195,7 +201,7 @@ class SpeculativeWorker:
                 global_probe: str | None = None) -> tuple[int, bool]:
         """(tree nodes, root included, this request may draft this step; whether it is backed
         off, i.e. may draft only what its drafter is confident of)."""
-        fresh = e.slots.numel() - e.prefix_len
+        fresh = e.fresh
         if self.cfg.disable_adaptive:
             return fresh, False
         st = self.req_states.get(e.rid)
@@ -257,7 +263,7 @@ class SpeculativeWorker:
     SLOT_HORIZON = 64
 
     def _off_step(self, entries: list[SpecEntry], budgets: list[tuple[int, bool]]) -> bool:
-        if any(e.slots.numel() - e.prefix_len > 1 for e in entries):
+        if any(e.fresh > 1 for e in entries):
             self.steps_since_slots = 0
         else:
             self.steps_since_slots += 1

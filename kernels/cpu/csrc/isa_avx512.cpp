@@ -925,43 +925,28 @@ inline void amx_rows_reg(const GemmArgs& a, AmxStage& st, const uint8_t* const* 
     for (int r = 0; r < MR; ++r) _mm512_store_ps(accm[t][r], acc[t][r]);
 }
 
-// The register-accumulator shapes: every row count of a tile pair at three digits (5 rows per
-// A tile) and of paired digits (8 rows per A tile). Returns false for any other shape.
+// The register-accumulator shapes, R = mr .. RMAX rows (one instantiation each): every row
+// count of a tile pair at three digits (5 rows per A tile) and, for paired digits (8 rows per
+// A tile), of a pair or a lone last tile (paired digits have no amx_rows to fall back on).
+// Returns false for any other shape.
+template <int FMT, int NT, bool PAIR, int R = 1>
+inline bool amx_rows_shape(const GemmArgs& a, AmxStage& st, const uint8_t* const* bsrc,
+                           int m0, int mr, float (*acc)[32][16], const int* stage) {
+  if constexpr (R > (PAIR ? 8 : 5)) {
+    return false;
+  } else {
+    if (mr != R) return amx_rows_shape<FMT, NT, PAIR, R + 1>(a, st, bsrc, m0, mr, acc, stage);
+    amx_rows_reg<FMT, 3, R, NT, PAIR>(a, st, bsrc, m0, acc, stage);
+    return true;
+  }
+}
+
 template <int FMT, int L, bool PAIR>
 inline bool amx_rows_fixed(const GemmArgs& a, AmxStage& st, const uint8_t* const* bsrc,
                            int NT, int m0, int mr, float (*acc)[32][16], const int* stage) {
   if constexpr (L == 3) {
-    if (NT != 2) {
-      if constexpr (PAIR) {  // a lone last tile: paired digits have no amx_rows to fall back on
-        switch (mr) {
-#define SPECSERVE_AMX_SHAPE(R) \
-  case R: amx_rows_reg<FMT, 3, R, 1, true>(a, st, bsrc, m0, acc, stage); return true;
-          SPECSERVE_AMX_SHAPE(1) SPECSERVE_AMX_SHAPE(2) SPECSERVE_AMX_SHAPE(3)
-          SPECSERVE_AMX_SHAPE(4) SPECSERVE_AMX_SHAPE(5) SPECSERVE_AMX_SHAPE(6)
-          SPECSERVE_AMX_SHAPE(7) SPECSERVE_AMX_SHAPE(8)
-#undef SPECSERVE_AMX_SHAPE
-          default: return false;
-        }
-      }
-      return false;
-    }
-    switch (mr) {
-#define SPECSERVE_AMX_SHAPE(R) \
-  case R: amx_rows_reg<FMT, 3, R, 2, PAIR>(a, st, bsrc, m0, acc, stage); return true;
-      SPECSERVE_AMX_SHAPE(1) SPECSERVE_AMX_SHAPE(2) SPECSERVE_AMX_SHAPE(3)
-      SPECSERVE_AMX_SHAPE(4) SPECSERVE_AMX_SHAPE(5)
-#undef SPECSERVE_AMX_SHAPE
-      default: break;
-    }
-    if constexpr (PAIR) {
-      switch (mr) {
-#define SPECSERVE_AMX_SHAPE(R) \
-  case R: amx_rows_reg<FMT, 3, R, 2, true>(a, st, bsrc, m0, acc, stage); return true;
-        SPECSERVE_AMX_SHAPE(6) SPECSERVE_AMX_SHAPE(7) SPECSERVE_AMX_SHAPE(8)
-#undef SPECSERVE_AMX_SHAPE
-        default: break;
-      }
-    }
+    if (NT == 2) return amx_rows_shape<FMT, 2, PAIR>(a, st, bsrc, m0, mr, acc, stage);
+    if constexpr (PAIR) return amx_rows_shape<FMT, 1, true>(a, st, bsrc, m0, mr, acc, stage);
   }
   return false;
 }
