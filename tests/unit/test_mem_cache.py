@@ -65,3 +65,27 @@ def test_kv_pool_move_copies_every_layer():
     pool.move(src, dst)
     for layer in range(3):
         torch.testing.assert_close(pool.k[layer][dst], expect[layer])
+
+
+@pytest.mark.parametrize("src, dst", [
+    ([5, 6], [1, 2]),  # disjoint
+    ([2, 3], [1, 2]),  # a commit's shape: a source read before a later copy writes it
+    ([2, 3], [3, 4]),  # in order, copy 1 would overwrite copy 2's source: gathered first
+    ([4, 2], [2, 7]),
+])
+def test_kv_pool_move_equals_gather_then_scatter(src, dst):
+    """`move` gives every destination the source's value from before the move, whichever way
+    it copies (one copy per slot in order, or gather then scatter), in every layer, K and V,
+    and leaves every other slot alone."""
+    pool = KVPool(8, 3, 2, 4, torch.float32, "cpu")
+    for layer in range(3):
+        pool.k[layer].normal_()
+        pool.v[layer].normal_()
+    before_k = [t.clone() for t in pool.k]
+    before_v = [t.clone() for t in pool.v]
+    pool.move(torch.tensor(src), torch.tensor(dst))
+    for layer in range(3):
+        for now, before in ((pool.k[layer], before_k[layer]), (pool.v[layer], before_v[layer])):
+            want = before.clone()
+            want[torch.tensor(dst)] = before[torch.tensor(src)]
+            assert torch.equal(now, want)
