@@ -52,6 +52,7 @@ class DraftTree:
     _first_child: Tensor | None = field(default=None, init=False, repr=False)
     _next_sibling: Tensor | None = field(default=None, init=False, repr=False)
     _mask: Tensor | None = field(default=None, init=False, repr=False)
+    _token_list: list[int] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.tokens = _as_long(self.tokens, "tokens")
@@ -97,6 +98,7 @@ class DraftTree:
         t.draft_probs = None
         t._parent_list = [-1]
         t._links = t._depth = t._first_child = t._next_sibling = t._mask = None
+        t._token_list = None
         return t
 
     @classmethod
@@ -107,7 +109,38 @@ class DraftTree:
         draft_probs: Tensor | None = None,
     ) -> DraftTree:
         """Build and validate a tree from token and parent arrays (asserts on malformed input)."""
+        if type(tokens) is list and type(parents) is list and draft_probs is None:
+            return cls._from_lists(tokens, parents)
         return cls(_as_long(tokens, "tokens"), _as_long(parents, "parents"), draft_probs)
+
+    @classmethod
+    def _from_lists(cls, tokens: list[int], parents: list[int]) -> DraftTree:
+        # What the n-gram and suffix drafters hand over each step: the same checks as
+        # __post_init__, on the lists, then one tensor each and the lists kept (no tensor ->
+        # list round trips in the worker's bookkeeping).
+        n = len(tokens)
+        assert n >= 1, "a draft tree has at least the root"
+        assert len(parents) == n, f"tokens and parents differ in length: {n} vs {len(parents)}"
+        assert parents[0] == -1, f"node 0 is the root, its parent must be -1, got {parents[0]}"
+        for i in range(1, n):
+            assert 0 <= parents[i] < i, (
+                f"node {i}: parent {parents[i]} breaks topological order (need 0 <= parent < {i})"
+            )
+        t = object.__new__(cls)
+        t.tokens = torch.tensor(tokens, dtype=torch.int64)
+        t.parents = torch.tensor(parents, dtype=torch.int64)
+        t.draft_probs = None
+        t._parent_list = list(parents)
+        t._links = t._depth = t._first_child = t._next_sibling = t._mask = None
+        t._token_list = [int(x) for x in tokens]
+        return t
+
+    @property
+    def token_list(self) -> list[int]:
+        """The tokens as a Python list (kept from construction or converted once; read only)."""
+        if self._token_list is None:
+            self._token_list = self.tokens.tolist()
+        return self._token_list
 
     @property
     def num_nodes(self) -> int:

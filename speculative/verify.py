@@ -78,8 +78,11 @@ class QMode(StrEnum):
     WITHOUT_REPLACEMENT = "without_replacement"
 
 
-def _greedy_walk(tree: DraftTree, argmax: list[int]) -> VerifyResult:
-    tokens = tree.tokens.tolist()
+def greedy_walk(tree: DraftTree, argmax: list[int]) -> VerifyResult:
+    """`verify_greedy` with the target's argmax at each node as a list (len = num_nodes)."""
+    assert len(argmax) == tree.num_nodes, (
+        f"argmax has {len(argmax)} entries for a tree of {tree.num_nodes} nodes")
+    tokens = tree.token_list
     nodes, accepted = [0], []
     node = 0
     while True:
@@ -103,7 +106,7 @@ def verify_greedy(tree: DraftTree, target_argmax: Tensor) -> VerifyResult:
     assert target_argmax.numel() == tree.num_nodes, (
         f"target_argmax has {target_argmax.numel()} entries for a tree of {tree.num_nodes} nodes"
     )
-    return _greedy_walk(tree, target_argmax.reshape(-1).tolist())
+    return greedy_walk(tree, target_argmax.reshape(-1).tolist())
 
 
 def verify_greedy_batch(trees: list[DraftTree], target_logits_flat: Tensor) -> list[VerifyResult]:
@@ -118,7 +121,7 @@ def verify_greedy_batch(trees: list[DraftTree], target_logits_flat: Tensor) -> l
     argmax = argmax_rows(target_logits_flat).tolist()  # [sum N]
     out, off = [], 0
     for t in trees:
-        out.append(_greedy_walk(t, argmax[off : off + t.num_nodes]))
+        out.append(greedy_walk(t, argmax[off : off + t.num_nodes]))
         off += t.num_nodes
     return out
 
@@ -133,7 +136,7 @@ def verify_seeded(tree: DraftTree, target_draws: Tensor) -> VerifyResult:
     assert target_draws.numel() == tree.num_nodes, (
         f"target_draws has {target_draws.numel()} entries for a tree of {tree.num_nodes} nodes"
     )
-    return _greedy_walk(tree, target_draws.reshape(-1).tolist())
+    return greedy_walk(tree, target_draws.reshape(-1).tolist())
 
 
 def _renormalize(r: Tensor, fallback: Tensor) -> Tensor:

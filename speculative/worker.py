@@ -41,7 +41,7 @@ from speculative.tree_ops import make_tree_ops
 from speculative.verify import (
     QMode,
     VerifyResult,
-    verify_greedy,
+    greedy_walk,
     verify_seeded,
     verify_stochastic,
 )
@@ -318,7 +318,7 @@ class SpeculativeWorker:
         for e, tree, r in zip(entries, trees, reqs):
             n = tree.num_nodes
             assert 1 <= n <= max(r.budget, 1), f"{e.rid}: drafter gave {n} nodes, budget {r.budget}"
-            tokens.append(tree.tokens.tolist())
+            tokens.append(tree.token_list)
             assert tokens[-1][0] == e.tokens[-1], "tree root must be the last token"
             slots.append(e.slots[: e.prefix_len + n])
         capture = self.drafter.capture_layers
@@ -404,13 +404,12 @@ class SpeculativeWorker:
                 for b, r in zip(greedy, res):
                     results[b] = r
             else:
-                argmax = argmax.cpu()
-                am = argmax.tolist()
+                am = argmax.cpu().tolist()
                 for b in greedy:
                     if sizes[b] == 1:  # no draft: the target's own token
                         results[b] = VerifyResult([0], [], am[starts[b]])
-                    else:
-                        results[b] = verify_greedy(trees[b], argmax[starts[b] : starts[b + 1]])
+                    else:  # (verify_greedy on the list: no tensor slice per request)
+                        results[b] = greedy_walk(trees[b], am[starts[b] : starts[b + 1]])
         sampled = [b for b, p in enumerate(params) if not p.is_greedy]
         if not sampled:
             return results
