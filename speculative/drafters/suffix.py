@@ -45,26 +45,66 @@ from speculative.tree import DraftTree
 CONFIDENT_SCORE = 2.0
 # Requests whose own index is kept at once (a request never released is dropped beyond this).
 MAX_LIVE_TREES = 4096
+# How far the global tree's estimates are trusted, learned online (`SourceCalibration`).
+CALIBRATION_PRIOR = 8.0  # pseudo-nodes per source, estimated = accepted (trust at first)
+CALIBRATION_DECAY = 0.998  # per observed drafting step: a memory of ~500 steps
+MIN_GLOBAL_TRUST = 0.05
 
 
-def merge_best_first(trees: list[tuple], budget: int) -> tuple[list[int], list[int], list[float]]:
+class SourceCalibration:
+    """How well each suffix structure's estimates predict acceptance, learned from the steps.
+
+    A node's estimate is a product of count / total along its path: the request's own history
+    and the global tree's other outputs both say "always followed by x" after one occurrence,
+    but on text that does not repeat across requests (rewrites of different passages, chat)
+    the global tree's phrases come from other requests' answers and are accepted far less
+    often than its estimates say. Per source, the decayed sums of drafted nodes' estimates and
+    of those accepted give an observed rate; the global tree's estimates are scaled by its
+    rate over the request tree's (at most 1, at least MIN_GLOBAL_TRUST) before the two trees
+    are merged and cut by cost, so where other requests' outputs do predict this one
+    (repeated tasks, agent loops) the factor stays near 1 and nothing changes. The request
+    tree's own estimates are left as they are (the cost cut of `worth_drafting` is calibrated
+    with them)."""
+
+    SOURCES = ("request", "global")
+
+    def __init__(self) -> None:
+        self.estimated = dict.fromkeys(self.SOURCES, CALIBRATION_PRIOR)
+        self.accepted = dict.fromkeys(self.SOURCES, CALIBRATION_PRIOR)
+
+    def rate(self, source: str) -> float:
+        return self.accepted[source] / self.estimated[source]
+
+    def global_trust(self) -> float:
+        return min(1.0, max(MIN_GLOBAL_TRUST, self.rate("global") / self.rate("request")))
+
+    def update(self, estimated: dict[str, float], accepted: dict[str, float]) -> None:
+        for src in self.SOURCES:
+            self.estimated[src] = self.estimated[src] * CALIBRATION_DECAY + estimated[src]
+            self.accepted[src] = self.accepted[src] * CALIBRATION_DECAY + accepted[src]
+
+
+def merge_best_first(trees: list[tuple], budget: int, origins: list[int] | None = None,
+                     ) -> tuple[list[int], list[int], list[float]]:
     """Several best-first trees (tokens, parents, probs, ...) over the same root merged into
     one: a path both hold keeps the higher probability; nodes in best-first order again (a
     child's probability never exceeds its parent's in any tree, so parents still come first),
-    at most `budget` nodes."""
-    best: dict[tuple[int, ...], float] = {}
-    for tokens, parents, probs, *_ in trees:
+    at most `budget` nodes. `origins`, if given, receives each node's tree index (root: -1)."""
+    best: dict[tuple[int, ...], tuple[float, int]] = {}
+    for k, (tokens, parents, probs, *_) in enumerate(trees):
         paths: list[tuple[int, ...]] = [()]
         for i in range(1, len(tokens)):
             path = paths[parents[i]] + (tokens[i],)
             paths.append(path)
-            if probs[i] > best.get(path, -1.0):
-                best[path] = probs[i]
-    order = sorted(best.items(), key=lambda kv: (-kv[1], len(kv[0])))[: budget - 1]
+            if probs[i] > best.get(path, (-1.0, 0))[0]:
+                best[path] = (probs[i], k)
+    order = sorted(best.items(), key=lambda kv: (-kv[1][0], len(kv[0])))[: budget - 1]
     root = trees[0][0][0]
     index = {(): 0}
     out_t, out_p, out_q = [root], [-1], [1.0]
-    for path, prob in order:
+    if origins is not None:
+        origins[:] = [-1]
+    for path, (prob, k) in order:
         parent = index.get(path[:-1])
         if parent is None:  # (a tie ordered a child first; cannot happen with ties by length)
             continue
@@ -72,6 +112,8 @@ def merge_best_first(trees: list[tuple], budget: int) -> tuple[list[int], list[i
         out_t.append(path[-1])
         out_p.append(parent)
         out_q.append(prob)
+        if origins is not None:
+            origins.append(k)
     return out_t, out_p, out_q
 
 
@@ -159,6 +201,10 @@ class SuffixDrafter(Drafter):
         self._prompt_len: dict[str, int] = {}
         self.last_source = ""  # "request" / "global" / "": where the last draft came from
         self.last_probs: list[float] = [1.0]  # the last draft's node probabilities (replay)
+        self.calibration = SourceCalibration()
+        # per request, its last draft until the step's tokens are observed: tokens, parents,
+        # each node's source and its estimate before calibration
+        self._pending: dict[str, tuple[list[int], list[int], list[str], list[float]]] = {}
 
     def describe(self) -> str:
         c = self.cfg
@@ -192,15 +238,51 @@ class SuffixDrafter(Drafter):
         if c.suffix_max_cached_requests > 0:
             found.append(("global", self.global_tree.draft_scored(tail, r.budget, **kw)))
         found = [(src, t) for src, t in found if t[3] > 0]
+        self._pending.pop(r.rid, None)
         if not found:
             return root
+        trust = self.calibration.global_trust()
+        if trust < 1.0:  # the global tree's estimates, as far as its record supports them
+            found = [(src, t) if src != "global" else
+                     (src, (t[0], t[1], [t[2][0]] + [q * trust for q in t[2][1:]], t[3] * trust,
+                            *t[4:]))
+                     for src, t in found]
         self.last_source = max(found, key=lambda f: f[1][3])[0]
         if r.backed_off and max(t[3] for _, t in found) < CONFIDENT_SCORE:
             return root
-        tokens, parents, probs = merge_best_first([t for _, t in found], r.budget)
+        origins: list[int] = []
+        tokens, parents, probs = merge_best_first([t for _, t in found], r.budget, origins)
         k = self.worth_drafting(probs, batch_size)
         self.last_probs = probs[:k]
+        if k > 1:
+            srcs = [found[o][0] for o in origins[1:k]]
+            est = [q / trust if s == "global" and trust < 1.0 else q
+                   for q, s in zip(probs[1:k], srcs)]
+            self._pending[r.rid] = (tokens[:k], parents[:k], srcs, est)
         return tokens[:k], parents[:k]
+
+    def _learn(self, rid: str, new: list[int]) -> None:
+        """Score the request's last draft against the tokens it gained (accepted drafts, then
+        the target's own token: the walk down the tree follows exactly the accepted path)."""
+        pending = self._pending.pop(rid, None)
+        if pending is None:
+            return
+        tokens, parents, srcs, est = pending
+        accepted_nodes, node = set(), 0
+        for t in new:
+            nxt = next((u for u in range(node + 1, len(tokens))
+                        if parents[u] == node and tokens[u] == t), -1)
+            if nxt < 0:
+                break
+            accepted_nodes.add(nxt)
+            node = nxt
+        estimated = dict.fromkeys(SourceCalibration.SOURCES, 0.0)
+        accepted = dict.fromkeys(SourceCalibration.SOURCES, 0.0)
+        for u in range(1, len(tokens)):
+            src = srcs[u - 1]
+            estimated[src] += est[u - 1]
+            accepted[src] += u in accepted_nodes
+        self.calibration.update(estimated, accepted)
 
     def worth_drafting(self, probs: list[float], batch_size: int = 1) -> int:
         """Nodes (root included) of a best-first tree worth verifying: the prefix that
@@ -239,6 +321,7 @@ class SuffixDrafter(Drafter):
         self.trees.move_to_end(rid)
         tree.catch_up(tokens)
         new = tokens[-num_new:]
+        self._learn(rid, new)
         if self.cfg.suffix_max_cached_requests <= 0:
             return
         out = self.outputs.get(rid)
@@ -255,11 +338,14 @@ class SuffixDrafter(Drafter):
 
     def release(self, rid: str) -> None:
         self.trees.pop(rid, None)
+        self._pending.pop(rid, None)
         self._prompt_len.pop(rid, None)
         self.global_tree.release(rid)  # its output stays counted until it is the oldest
 
     def reset(self) -> None:
         self.global_tree = NgramCache(self._global_cfg)
+        self.calibration = SourceCalibration()
+        self._pending.clear()
         self.trees.clear()
         self.outputs.clear()
         self._prompt_len.clear()

@@ -215,3 +215,46 @@ def test_the_request_and_global_trees_merge_best_first():
     assert probs == [1.0, 0.9, 0.8, 0.45, 0.4, 0.1]
     assert merge_best_first([own, glob], 3)[0] == [5, 6, 7]
 
+
+
+def test_source_calibration_trusts_the_global_tree_only_as_far_as_it_is_accepted():
+    from speculative.drafters.suffix import MIN_GLOBAL_TRUST, SourceCalibration
+
+    cal = SourceCalibration()
+    assert cal.global_trust() == 1.0
+    for _ in range(200):  # both accepted as estimated: full trust
+        cal.update({"request": 2.0, "global": 2.0}, {"request": 2.0, "global": 2.0})
+    assert cal.global_trust() == pytest.approx(1.0)
+    for _ in range(2000):  # the request tree's drafts land, the global tree's do not
+        cal.update({"request": 2.0, "global": 2.0}, {"request": 1.5, "global": 0.1})
+    assert cal.global_trust() < 0.1
+    for _ in range(5000):
+        cal.update({"request": 1.0, "global": 1.0}, {"request": 1.0, "global": 0.0})
+    assert cal.global_trust() == MIN_GLOBAL_TRUST
+    for _ in range(3000):  # it recovers when other requests' outputs predict again
+        cal.update({"request": 1.0, "global": 1.0}, {"request": 0.7, "global": 0.7})
+    assert cal.global_trust() == pytest.approx(1.0, abs=0.02)
+
+
+def test_global_drafts_that_keep_missing_are_scaled_down_and_request_ones_are_not():
+    d = suffix(suffix_max_draft_tokens=16)
+    answer = [50, 51, 52, 53, 54, 55, 56, 57, 58, 59]
+    feed(d, "a", [7, 8, 9], answer)
+    d.release("a")
+    for i in range(60):  # each new request goes elsewhere after answer[:4]
+        ctx = [200 + i, 21, 22] + answer[:4]
+        d.observe(f"b{i}", ctx, len(ctx))
+        tokens, _ = d.draft_lists(SpecReq(f"b{i}", ctx, 16))
+        assert tokens[:2] == [53, 54] and d.last_source == "global"
+        d.observe(f"b{i}", ctx + [99], 1)  # the target's token: no draft accepted
+        d.release(f"b{i}")
+    trust = d.calibration.global_trust()
+    assert trust < 0.5
+    ctx = [1, 2, 3] + answer[:4]
+    d.observe("c", ctx, len(ctx))
+    d.draft_lists(SpecReq("c", ctx, 16))
+    assert d.last_probs[1] == pytest.approx(trust)  # count 1 of 1, scaled by the record
+    own = [1, 2, 3, 4, 5, 6, 90, 1, 2, 3]  # the request's own history: not scaled
+    d.observe("e", own, len(own))
+    assert d.draft_lists(SpecReq("e", own, 16))[0] == [3, 4, 5, 6]
+    assert d.last_source == "request" and d.last_probs[1:] == [1.0, 1.0, 1.0]
