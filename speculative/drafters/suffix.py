@@ -141,6 +141,10 @@ class SuffixOptions(SpecOptions):
         False, "SUFFIX: let the scheduler plan tree sizes from each request's running "
         "acceptance rate, as for the other algorithms, instead of handing out the size caps "
         "and letting SUFFIX cut each tree by its nodes' probabilities and the verify-cost curve")
+    suffix_global_calibration: bool = option(
+        True, "SUFFIX: learn online how often the global tree's drafts are accepted against the "
+        "request tree's and scale its estimates by that (false: trust its count ratios as they "
+        "are)")
     suffix_max_draft_tokens: int | None = option(
         None, "SUFFIX: tree nodes (root included) a request may draft while the step's total "
         "stays within it, i.e. when it decodes alone (default: 2x "
@@ -241,7 +245,7 @@ class SuffixDrafter(Drafter):
         self._pending.pop(r.rid, None)
         if not found:
             return root
-        trust = self.calibration.global_trust()
+        trust = self.calibration.global_trust() if self.cfg.suffix_global_calibration else 1.0
         if trust < 1.0:  # the global tree's estimates, as far as its record supports them
             found = [(src, t) if src != "global" else
                      (src, (t[0], t[1], [t[2][0]] + [q * trust for q in t[2][1:]], t[3] * trust,
@@ -259,6 +263,8 @@ class SuffixDrafter(Drafter):
             est = [q / trust if s == "global" and trust < 1.0 else q
                    for q, s in zip(probs[1:k], srcs)]
             self._pending[r.rid] = (tokens[:k], parents[:k], srcs, est)
+            if len(self._pending) > MAX_LIVE_TREES:  # (a request never observed again)
+                self._pending.pop(next(iter(self._pending)))
         return tokens[:k], parents[:k]
 
     def _learn(self, rid: str, new: list[int]) -> None:
