@@ -28,6 +28,17 @@ def _as_long(x: Tensor | Sequence[int], name: str) -> Tensor:
 _ROOT_PARENTS = torch.tensor([-1], dtype=torch.int64)  # read only
 
 
+def _check_topology(n: int, parents: list[int]) -> None:
+    """A tree of n nodes in topological order: node 0 the root (parent -1), parents[i] < i."""
+    assert n >= 1, "a draft tree has at least the root"
+    assert len(parents) == n, f"tokens and parents differ in length: {n} vs {len(parents)}"
+    assert parents[0] == -1, f"node 0 is the root, its parent must be -1, got {parents[0]}"
+    for i in range(1, n):
+        assert 0 <= parents[i] < i, (
+            f"node {i}: parent {parents[i]} breaks topological order (need 0 <= parent < {i})"
+        )
+
+
 @dataclass(slots=True, eq=False)
 class DraftTree:
     """One request's draft tree, nodes in topological order (parents[i] < i).
@@ -58,16 +69,8 @@ class DraftTree:
         self.tokens = _as_long(self.tokens, "tokens")
         self.parents = _as_long(self.parents, "parents")
         n = self.tokens.numel()
-        assert n >= 1, "a draft tree has at least the root"
-        assert self.parents.numel() == n, (
-            f"tokens and parents differ in length: {n} vs {self.parents.numel()}"
-        )
         par = self.parents.tolist()
-        assert par[0] == -1, f"node 0 is the root, its parent must be -1, got {par[0]}"
-        for i in range(1, n):
-            assert 0 <= par[i] < i, (
-                f"node {i}: parent {par[i]} breaks topological order (need 0 <= parent < {i})"
-            )
+        _check_topology(n, par)
         if self.draft_probs is not None:
             assert self.draft_probs.dim() == 2 and self.draft_probs.shape[0] == n, (
                 f"draft_probs must be [N={n}, V], got {tuple(self.draft_probs.shape)}"
@@ -118,14 +121,7 @@ class DraftTree:
         # What the n-gram and suffix drafters hand over each step: the same checks as
         # __post_init__, on the lists, then one tensor each and the lists kept (no tensor ->
         # list round trips in the worker's bookkeeping).
-        n = len(tokens)
-        assert n >= 1, "a draft tree has at least the root"
-        assert len(parents) == n, f"tokens and parents differ in length: {n} vs {len(parents)}"
-        assert parents[0] == -1, f"node 0 is the root, its parent must be -1, got {parents[0]}"
-        for i in range(1, n):
-            assert 0 <= parents[i] < i, (
-                f"node {i}: parent {parents[i]} breaks topological order (need 0 <= parent < {i})"
-            )
+        _check_topology(len(tokens), parents)
         t = object.__new__(cls)
         t.tokens = torch.tensor(tokens, dtype=torch.int64)
         t.parents = torch.tensor(parents, dtype=torch.int64)
