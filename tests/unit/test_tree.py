@@ -84,12 +84,28 @@ def test_chain_is_a_tree_with_one_child_per_node() -> None:
         ([], [], None, "at least the root"),
     ],
 )
+@pytest.mark.parametrize("as_tensors", [False, True])  # drafters' lists, and tensors
 def test_from_parents_rejects_malformed_trees(
-    tokens: list[int], parents: list[int], q_shape: tuple[int, int] | None, message: str
+    tokens: list[int], parents: list[int], q_shape: tuple[int, int] | None, message: str,
+    as_tensors: bool,
 ) -> None:
     q = torch.full(q_shape, 0.2) if q_shape else None
+    if as_tensors:
+        tokens, parents = torch.tensor(tokens), torch.tensor(parents)
     with pytest.raises(AssertionError, match=message):
         DraftTree.from_parents(tokens, parents, q)
+
+
+def test_trees_from_lists_and_from_tensors_are_the_same_tree() -> None:
+    tokens, parents = [7, 8, 9, 10, 11], [-1, 0, 0, 1, 3]
+    a = DraftTree.from_parents(tokens, parents)
+    b = DraftTree.from_parents(torch.tensor(tokens), torch.tensor(parents))
+    for t in (a, b):
+        assert t.token_list == tokens and t.tokens.dtype == torch.int64
+        assert t.parents.tolist() == parents and t.depth.tolist() == [0, 1, 1, 2, 3]
+    assert torch.equal(a.ancestor_mask, b.ancestor_mask)
+    tokens.append(12)  # the caller's list is not the tree's
+    assert a.num_nodes == 5 and a.token_list == [7, 8, 9, 10, 11]
 
 
 def test_pack_trees_flattens_a_batch_of_different_sizes() -> None:
