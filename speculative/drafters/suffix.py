@@ -47,7 +47,7 @@ CONFIDENT_SCORE = 2.0
 MAX_LIVE_TREES = 4096
 # How far the global tree's estimates are trusted, learned online (`SourceCalibration`).
 CALIBRATION_PRIOR = 8.0  # pseudo-nodes per source, estimated = accepted (trust at first)
-CALIBRATION_DECAY = 0.998  # per observed drafting step: a memory of ~500 steps
+CALIBRATION_DECAY = 0.998  # per observed drafting step of any request: a memory of ~500
 MIN_GLOBAL_TRUST = 0.05
 
 
