@@ -246,11 +246,11 @@ class SuffixDrafter(Drafter):
         if not found:
             return root
         trust = self.calibration.global_trust() if self.cfg.suffix_global_calibration else 1.0
-        if trust < 1.0:  # the global tree's estimates, as far as its record supports them
-            found = [(src, t) if src != "global" else
-                     (src, (t[0], t[1], [t[2][0]] + [q * trust for q in t[2][1:]], t[3] * trust,
-                            *t[4:]))
-                     for src, t in found]
+        # the global tree's estimates, as far as its record supports them (the root stays 1)
+        scale = [trust if src == "global" else 1.0 for src, _ in found]
+        found = [(src, t) if f == 1.0 else
+                 (src, (t[0], t[1], [1.0] + [q * f for q in t[2][1:]], t[3] * f, *t[4:]))
+                 for (src, t), f in zip(found, scale)]
         self.last_source = max(found, key=lambda f: f[1][3])[0]
         if r.backed_off and max(t[3] for _, t in found) < CONFIDENT_SCORE:
             return root
@@ -260,8 +260,7 @@ class SuffixDrafter(Drafter):
         self.last_probs = probs[:k]
         if k > 1:
             srcs = [found[o][0] for o in origins[1:k]]
-            est = [q / trust if s == "global" and trust < 1.0 else q
-                   for q, s in zip(probs[1:k], srcs)]
+            est = [q / scale[o] for q, o in zip(probs[1:k], origins[1:k])]  # before scaling
             self._pending[r.rid] = (tokens[:k], parents[:k], srcs, est)
             if len(self._pending) > MAX_LIVE_TREES:  # (a request never observed again)
                 self._pending.pop(next(iter(self._pending)))
