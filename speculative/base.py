@@ -111,6 +111,10 @@ class Drafter(ABC):
     # which nobody drafts may skip it entirely (no `propose`, no capture, no `draft_extend`);
     # it hears of them through `skipped`. For drafters whose per-step work only serves drafting
     skips_when_off: ClassVar[bool] = False
+    # a step in which no request may draft (every budget 1) is plain decoding for this drafter
+    # (`_plain_step`, whatever the traffic): its `propose` would return bare roots and none of
+    # its state depends on the step (NGRAM: the trie counts a request's tokens when it drafts)
+    plain_without_budget: ClassVar[bool] = False
     # set by the worker every step: the drafter as a whole does not pay on the current traffic
     # (the server-wide regime of `_off_step`); a drafter may defer work that only serves
     # drafting while it holds (EAGLE heads: the head pass over committed rows)
@@ -207,7 +211,8 @@ class Drafter(ABC):
 
     def skipped(self, rids: list[str]) -> None:  # noqa: B027
         """These requests decoded one token in a step the worker ran without the drafter
-        (only for `skips_when_off` drafters): no rows reached `draft_extend`."""
+        (only for `skips_when_off` and `plain_without_budget` drafters): no rows reached
+        `draft_extend`."""
 
     def observe(self, rid: str, tokens: list[int], num_new: int) -> None:  # noqa: B027
         """The request's history grew by its last `num_new` tokens (prompt first time)."""

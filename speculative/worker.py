@@ -305,7 +305,8 @@ class SpeculativeWorker:
         self.drafter.traffic_off = (not self.cfg.disable_adaptive and
                                     self.prior_accept < self.break_even(len(entries)))
         budgets = [self._budget(e, len(entries), probe) for e in entries]
-        if self._off_step(entries, budgets):
+        if self._off_step(entries, budgets) or (self.drafter.plain_without_budget and
+                                                all(b <= 1 for b, _ in budgets)):
             return self._plain_step(entries, t_step)
         for e, (budget, backed_off) in zip(entries, budgets):
             reqs.append(SpecReq(e.rid, e.tokens, budget, e.state.params,

@@ -60,6 +60,7 @@ class NgramDrafter(Drafter):
     # (docs/benchmarks.md).
     default_num_draft_tokens = {"cpu": 4, "torch": 8}
     vllm_methods = ("ngram", "prompt_lookup")
+    plain_without_budget = True
 
     @classmethod
     def resolve_options(cls, opts: NgramOptions, ctx: ResolveContext) -> NgramOptions:
@@ -94,6 +95,10 @@ class NgramDrafter(Drafter):
         self.own_context = not cfg.ngram_disable_own_context
         self._contexts: OrderedDict[str, ContextIndex] = OrderedDict()
         self._max_contexts = self.cache.cfg.max_tracked_requests
+        # Lazy counting (`_count`): rid -> how many tokens of its history the trie has counted
+        # (present once the request has drafted), and rid -> its latest history (`observe`).
+        self._counted: dict[str, int] = {}
+        self._history: dict[str, list[int]] = {}
         if cfg.ngram_external_corpus_path:
             n = self.cache.load_corpus(cfg.ngram_external_corpus_path, tokenize=self._tokenize)
             logger.info("n-gram trie preloaded with %d tokens from %s", n,
@@ -108,6 +113,9 @@ class NgramDrafter(Drafter):
 
     def propose(self, reqs: list[SpecReq]) -> list[DraftTree]:
         depth = self.cfg.ngram_max_trie_depth
+        for r in reqs:  # every drafting request's n-grams first, as if counted as they came
+            if r.budget > 1:
+                self._count(r.rid, r.tokens)
         trees = []
         for r in reqs:
             if r.budget <= 1:
@@ -144,16 +152,34 @@ class NgramDrafter(Drafter):
         return own_context_tree(r.tokens, starts, size, tokens, parents)
 
     def release(self, rid: str) -> None:
+        tokens = self._history.pop(rid, None)
+        if tokens is not None and rid in self._counted:
+            self._count(rid, tokens)  # a request that drafted leaves all its n-grams
+        self._counted.pop(rid, None)
         self.cache.release(rid)
         self._contexts.pop(rid, None)
 
     def reset(self) -> None:
         self.cache = NgramCache(self.cache.cfg)
         self._contexts.clear()
+        self._counted.clear()
+        self._history.clear()
 
+    # Counting is lazy. The trie counts a request's n-grams just before its first draft (its
+    # prompt and output so far), then before each draft the tokens since, and its last tokens
+    # when it finishes, so a request that drafts feeds the trie exactly what counting every
+    # token as it came would have, in time for every draft it makes (a piecewise `extend`
+    # equals one `insert`). A request that never drafts (at c = 32 the load-aware plan gives
+    # a compute-bound batch no draft slots) leaves no n-grams: counting ~18 n-grams per token
+    # in Python took ~1 ms of a ~50 ms batch-32 step that no one drafted from
+    # (docs/benchmarks.md, "Thirteenth session"). What one request wrote still helps the next
+    # as long as drafting is on.
     def observe(self, rid: str, tokens: list[int], num_new: int) -> None:
-        if num_new >= len(tokens):
-            self.cache.insert(tokens)  # a new request's prompt
-            return
-        tail = tokens[-(self.cfg.ngram_max_trie_depth + num_new) : -num_new]
-        self.cache.extend(rid, tail, tokens[-num_new:])
+        self._history[rid] = tokens
+
+    def _count(self, rid: str, tokens: list[int]) -> None:
+        done, n = self._counted.get(rid, 0), len(tokens)
+        if done < n:
+            depth = self.cfg.ngram_max_trie_depth
+            self.cache.extend(rid, tokens[max(done - depth, 0):done], tokens[done:])
+        self._counted[rid] = n

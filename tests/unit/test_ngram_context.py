@@ -88,6 +88,62 @@ def _drafter(own: bool) -> NgramDrafter:
                         runner=None)
 
 
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def _teach(d: NgramDrafter, rid: str, tokens: list[int]) -> None:
+    """A request that came, drafted and finished: its n-grams are in the trie."""
+    d.observe(rid, tokens, len(tokens))
+    d.propose([SpecReq(rid, tokens, 8, GREEDY)])
+    d.release(rid)
+
+
+def _ngram_counts(cache) -> dict[tuple[int, ...], int]:
+    """Every n-gram the trie holds, with its count."""
+    out, stack = {}, [(0, ())]
+    while stack:
+        node, path = stack.pop()
+        for child in cache._children(node):
+            key = (*path, cache._tok[child])
+            out[key] = cache._cnt[child]
+            stack.append((child, key))
+    return out
+
+
+def test_the_trie_counts_a_request_before_it_drafts_and_all_of_it_when_it_ends():
+    """Counting is lazy: nothing while a request only decodes; before a draft, its whole
+    history so far (the same counts as one insert of it); at release, the rest. A request
+    that never drafted leaves no n-grams."""
+    from speculative.ngram_cache import NgramCache
+
+    rng = random.Random(5)
+    history = [rng.randrange(50) for _ in range(40)]
+    d = _drafter(True)
+    d.observe("r", history[:30], 30)
+    for n in range(31, 36):
+        d.observe("r", history[:n], 1)
+    assert d.cache.num_nodes == 0  # decoding only: nothing counted yet
+    d.propose([SpecReq("r", history[:35], 8, GREEDY)])
+    whole = NgramCache(d.cache.cfg)
+    whole.insert(history[:35])
+    assert _ngram_counts(d.cache) == _ngram_counts(whole)
+    d.propose([SpecReq("r", history[:35], 1, GREEDY)])  # no budget: no counting either way
+    for n in range(36, 41):
+        d.observe("r", history[:n], 1)
+    d.release("r")
+    whole = NgramCache(d.cache.cfg)
+    whole.insert(history)
+    assert _ngram_counts(d.cache) == _ngram_counts(whole)
+    # one that only decoded (a busy batch's plan gave it no draft slots) leaves nothing
+    before = _ngram_counts(d.cache)
+    other = [rng.randrange(50, 90) for _ in range(20)]
+    d.observe("q", other, 20)
+    d.propose([SpecReq("q", other, 1, GREEDY)])
+    d.release("q")
+    assert _ngram_counts(d.cache) == before
+    assert not d._counted and not d._history
+
+
 def test_a_short_match_drafts_the_requests_own_continuation_first():
     rng = random.Random(1)
     passage = [rng.randrange(100, 5000) for _ in range(60)]
@@ -95,14 +151,16 @@ def test_a_short_match_drafts_the_requests_own_continuation_first():
     for own in (True, False):
         d = _drafter(own)
         # another request taught the trie that token 77 is followed by 88 (most recently)
-        d.observe("old", [3, 77, 88, 4, 5], 5)
+        _teach(d, "old", [3, 77, 88, 4, 5])
         # this request's prompt: ... 77 then the passage; its output rewrote one word and
         # ends in 77, so the longest match is the single token 77
         prompt = [1, 77, *passage, 2]
         d.observe("r", prompt, len(prompt))
-        d.observe("old2", [6, 77, 88, 9], 4)  # the other continuation is the most recent
+        d.propose([SpecReq("r", prompt, 16, GREEDY)])  # it drafted on its prompt
+        _teach(d, "old2", [6, 77, 88, 9])  # the other continuation is the most recent
         history = [*prompt, 11, 77]
-        tree = d.propose([SpecReq("r", history, 16, SamplingParams(temperature=0.0))])[0]
+        d.observe("r", history, 2)
+        tree = d.propose([SpecReq("r", history, 16, GREEDY)])[0]
         assert d.cache.last_match_len <= OWN_CONTEXT_MAX_MATCH
         results[own] = tree
     own_tree, trie_tree = results[True], results[False]

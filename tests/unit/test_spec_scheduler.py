@@ -504,3 +504,40 @@ def test_a_due_probe_that_no_request_can_take_keeps_the_steps_plain(tiny, monkey
     assert worker.steps_since_global > worker.global_interval  # the probe stayed due
     assert drafter.proposed_steps == 0 and drafter.skipped_rows > 0
     h.sched.check_no_leak()
+
+
+def test_ngram_steps_without_draft_slots_are_plain_and_count_nothing(tiny, monkeypatch):  # noqa: F811
+    """NGRAM (`plain_without_budget`): a step in which the scheduler gave no request draft
+    slots is a plain decode step (no propose), whatever the traffic, and the trie counts
+    nothing for requests that never drafted; with slots it drafts and counts. Greedy output is
+    plain decoding's both ways, and no KV leaks."""
+    import runtime.scheduler.scheduler as sched_mod
+    from speculative.drafters.ngram import NgramDrafter
+
+    class CountingNgram(NgramDrafter):
+        proposed = 0
+
+        def propose(self, reqs):
+            self.proposed += 1
+            return super().propose(reqs)
+
+    ps = prompts(4, seed=33)
+    ref = reference(tiny, ps, ignore_eos=True, max_new_tokens=24)
+    runner = tiny[1]
+    for slots in (False, True):
+        with monkeypatch.context() as m:
+            if not slots:
+                m.setattr(sched_mod, "plan_drafts", lambda rates, caps, cost: [1] * len(caps))
+                m.setattr(sched_mod, "with_probes", lambda sizes, caps, accs: sizes)
+            h = Harness(tiny, num_draft_tokens=4, max_running_requests=4,
+                        chunked_prefill_size=32, load_aware=True)
+            cfg = SpecConfig("NGRAM", 4)
+            drafter = CountingNgram(cfg, runner)
+            worker = SpeculativeWorker(cfg, drafter, runner)
+            assert serve_with(h, runner, worker, ps, 24) == ref
+            if slots:
+                assert drafter.proposed and drafter.cache.num_nodes > 0
+            else:
+                assert not drafter.proposed and drafter.cache.num_nodes == 0
+            assert len(drafter._history) <= 1  # (the last release rides the next batch)
+            h.sched.check_no_leak()
