@@ -113,7 +113,8 @@ class Drafter(ABC):
     skips_when_off: ClassVar[bool] = False
     # a step in which no request may draft (every budget 1) is plain decoding for this drafter
     # (`_plain_step`, whatever the traffic): its `propose` would return bare roots and none of
-    # its state depends on the step (NGRAM: the trie counts a request's tokens when it drafts)
+    # its state depends on the step (NGRAM: the trie counts a request's tokens when it drafts;
+    # LOOKAHEAD: a window advances only when its columns were drafted)
     plain_without_budget: ClassVar[bool] = False
     # set by the worker every step: the drafter as a whole does not pay on the current traffic
     # (the server-wide regime of `_off_step`); a drafter may defer work that only serves

@@ -76,6 +76,9 @@ class LookaheadDrafter(Drafter):
     options = LookaheadOptions
     vllm_methods = ("lookahead",)
     wants_node_argmax = True
+    # a request without draft slots keeps its window as it is (no columns drafted, no Jacobi
+    # step), so a step in which no request has slots is plain decoding
+    plain_without_budget = True
 
     @classmethod
     def resolve_options(cls, opts: LookaheadOptions, ctx: ResolveContext) -> LookaheadOptions:

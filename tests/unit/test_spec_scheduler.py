@@ -506,21 +506,24 @@ def test_a_due_probe_that_no_request_can_take_keeps_the_steps_plain(tiny, monkey
     h.sched.check_no_leak()
 
 
-def test_ngram_steps_without_draft_slots_are_plain_and_count_nothing(tiny, monkeypatch):  # noqa: F811
-    """NGRAM (`plain_without_budget`): a step in which the scheduler gave no request draft
-    slots is a plain decode step (no propose), whatever the traffic, and the trie counts
-    nothing for requests that never drafted; with slots it drafts and counts. Greedy output is
-    plain decoding's both ways, and no KV leaks."""
+@pytest.mark.parametrize("algorithm", ["NGRAM", "LOOKAHEAD"])
+def test_steps_without_draft_slots_are_plain_for_model_free_drafters(tiny, monkeypatch,  # noqa: F811
+                                                                     algorithm):
+    """NGRAM and LOOKAHEAD (`plain_without_budget`): a step in which the scheduler gave no
+    request draft slots is a plain decode step (no propose), whatever the traffic, and NGRAM's
+    trie counts nothing for requests that never drafted; with slots they draft (and the trie
+    counts). Greedy output is plain decoding's both ways, and no KV leaks."""
     import runtime.scheduler.scheduler as sched_mod
-    from speculative.drafters.ngram import NgramDrafter
+    from speculative.base import ALGORITHMS
 
-    class CountingNgram(NgramDrafter):
+    class Counting(ALGORITHMS[algorithm]):
         proposed = 0
 
         def propose(self, reqs):
             self.proposed += 1
             return super().propose(reqs)
 
+    assert Counting.plain_without_budget
     ps = prompts(4, seed=33)
     ref = reference(tiny, ps, ignore_eos=True, max_new_tokens=24)
     runner = tiny[1]
@@ -531,13 +534,12 @@ def test_ngram_steps_without_draft_slots_are_plain_and_count_nothing(tiny, monke
                 m.setattr(sched_mod, "with_probes", lambda sizes, caps, accs: sizes)
             h = Harness(tiny, num_draft_tokens=4, max_running_requests=4,
                         chunked_prefill_size=32, load_aware=True)
-            cfg = SpecConfig("NGRAM", 4)
-            drafter = CountingNgram(cfg, runner)
+            cfg = SpecConfig(algorithm, 4)
+            drafter = Counting(cfg, runner)
             worker = SpeculativeWorker(cfg, drafter, runner)
             assert serve_with(h, runner, worker, ps, 24) == ref
-            if slots:
-                assert drafter.proposed and drafter.cache.num_nodes > 0
-            else:
-                assert not drafter.proposed and drafter.cache.num_nodes == 0
-            assert len(drafter._history) <= 1  # (the last release rides the next batch)
+            assert bool(drafter.proposed) == slots
+            if algorithm == "NGRAM":
+                assert (drafter.cache.num_nodes > 0) == slots
+                assert len(drafter._history) <= 1  # (the last release rides the next batch)
             h.sched.check_no_leak()
