@@ -26,6 +26,7 @@ def _as_long(x: Tensor | Sequence[int], name: str) -> Tensor:
 
 
 _ROOT_PARENTS = torch.tensor([-1], dtype=torch.int64)  # read only
+_ROOT_MASK = torch.ones(1, 1, dtype=torch.bool)  # read only
 
 
 def _check_topology(n: int, parents: list[int]) -> None:
@@ -96,12 +97,15 @@ class DraftTree:
         speculative server: built without the general validation, which is for drafters'
         trees)."""
         t = object.__new__(cls)
-        t.tokens = torch.tensor([int(root_token)], dtype=torch.int64)
+        root_token = int(root_token)
+        t.tokens = torch.tensor([root_token], dtype=torch.int64)
         t.parents = _ROOT_PARENTS
         t.draft_probs = None
         t._parent_list = [-1]
-        t._links = t._depth = t._first_child = t._next_sibling = t._mask = None
-        t._token_list = None
+        t._links = ([0], [-1], [-1])
+        t._depth = t._first_child = t._next_sibling = None
+        t._mask = _ROOT_MASK
+        t._token_list = [root_token]
         return t
 
     @classmethod
@@ -113,6 +117,8 @@ class DraftTree:
     ) -> DraftTree:
         """Build and validate a tree from token and parent arrays (asserts on malformed input)."""
         if type(tokens) is list and type(parents) is list and draft_probs is None:
+            if len(tokens) == 1 and parents == [-1]:
+                return cls.root(tokens[0])  # (most trees of a busy batch)
             return cls._from_lists(tokens, parents)
         return cls(_as_long(tokens, "tokens"), _as_long(parents, "parents"), draft_probs)
 
@@ -158,6 +164,11 @@ class DraftTree:
                 last_child[p] = i
             self._links = (depth, first_child, next_sibling)
         return self._links
+
+    @property
+    def depth_list(self) -> list[int]:
+        """Each node's depth, root 0, as a Python list (read only)."""
+        return self._link_lists()[0]
 
     @property
     def depth(self) -> Tensor:

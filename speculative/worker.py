@@ -330,7 +330,8 @@ class SpeculativeWorker:
         else:
             batch = ForwardBatch.build(
                 ForwardMode.TARGET_VERIFY, tokens, slots, [e.prefix_len for e in entries],
-                positions=[e.prefix_len + t.depth for e, t in zip(entries, trees)],
+                positions=torch.tensor([e.prefix_len + d for e, t in zip(entries, trees)
+                                        for d in t.depth_list]),
                 custom_masks=[t.ancestor_mask for t in trees], logits="all",
                 capture_layers=capture,
             )

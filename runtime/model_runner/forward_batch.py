@@ -86,7 +86,7 @@ class ForwardBatch:
         new_tokens: list[list[int]],
         kv_slots: list[torch.Tensor],
         prefix_lens: list[int],
-        positions: list[torch.Tensor] | None = None,
+        positions: list[torch.Tensor] | torch.Tensor | None = None,
         custom_masks: list[torch.Tensor] | None = None,
         logits: str = "last",
         capture_layers: tuple[int, ...] = (),
@@ -95,7 +95,8 @@ class ForwardBatch:
 
         `kv_slots[b]` holds all `seq_len` slots of request b (prefix first); the new tokens'
         KV goes to its last `extend_len` entries. `positions[b]` defaults to
-        prefix_len + arange(extend_len) (trees pass prefix_len + depth). `logits` is "last"
+        prefix_len + arange(extend_len) (trees pass prefix_len + depth); one [T] tensor of every
+        new token's position, requests in order, may stand for the list. `logits` is "last"
         (one row per request) or "all" (every new token: verification).
         """
         extend_lens = [len(t) for t in new_tokens]
@@ -108,7 +109,8 @@ class ForwardBatch:
         return ForwardBatch(
             mode=mode,
             input_ids=torch.tensor([t for toks in new_tokens for t in toks], dtype=torch.int64),
-            positions=torch.cat(positions).to(torch.int64),
+            positions=(positions if isinstance(positions, torch.Tensor)
+                       else torch.cat(positions)).to(torch.int64),
             out_cache_loc=torch.cat([s[p:] for s, p in zip(kv_slots, prefix_lens)]),
             extend_lens=extend_lens,
             prefix_lens=list(prefix_lens),

@@ -108,6 +108,21 @@ def test_trees_from_lists_and_from_tensors_are_the_same_tree() -> None:
     assert a.num_nodes == 5 and a.token_list == [7, 8, 9, 10, 11]
 
 
+def test_a_one_node_tree_from_lists_is_the_root_tree_with_the_same_views() -> None:
+    """`from_parents([t], [-1])` takes `root`'s shortcut (shared read-only parents and mask):
+    every view equals the general construction's, and the tensors are not shared with the
+    caller."""
+    fast = DraftTree.from_parents([7], [-1])
+    general = DraftTree(torch.tensor([7]), torch.tensor([-1]))
+    for t in (fast, DraftTree.root(7)):
+        assert t.token_list == [7] and t.num_nodes == 1 and t.depth_list == [0]
+        for name in ("tokens", "parents", "depth", "first_child", "next_sibling",
+                     "ancestor_mask"):
+            assert torch.equal(getattr(t, name), getattr(general, name)), name
+        assert t.children(0) == []
+    assert DraftTree.from_parents([7, 8], [-1, 0]).depth_list == [0, 1]
+
+
 def test_pack_trees_flattens_a_batch_of_different_sizes() -> None:
     rng = random.Random(7)
     trees = [_random_tree(rng, n, with_q=True) for n in (5, 1, 9, 3)]
