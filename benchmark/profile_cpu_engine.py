@@ -44,17 +44,20 @@ def profile(runner: ModelRunner, context: int, n: int, steps: int, batch: int = 
     core = runner.model.core
     vocab = runner.vocab_size
     gen = torch.Generator().manual_seed(0)
-    prompts = torch.randint(100, vocab - 100, (batch, context), generator=gen).tolist()
+    # each request's prefix, then the n tokens its forwards feed (any n, longer than the prefix
+    # included)
+    prompts = torch.randint(100, vocab - 100, (batch, context + n), generator=gen).tolist()
     slots = request_slots(batch, context + n, layout)
-    runner.forward(ForwardBatch.build(ForwardMode.EXTEND, prompts, [s[:context] for s in slots],
-                                      [0] * batch))
+    if context:
+        runner.forward(ForwardBatch.build(ForwardMode.EXTEND, [p[:context] for p in prompts],
+                                          [s[:context] for s in slots], [0] * batch))
     mask = torch.tril(torch.ones(n, n, dtype=torch.bool))
     mode = ForwardMode.DECODE if n == 1 else ForwardMode.TARGET_VERIFY
     kw = {} if n == 1 else dict(positions=[torch.arange(context, context + n)] * batch,
                                 custom_masks=[mask] * batch, logits="all")
 
     def step():
-        runner.forward(ForwardBatch.build(mode, [p[:n] for p in prompts], slots,
+        runner.forward(ForwardBatch.build(mode, [p[context:] for p in prompts], slots,
                                           [context] * batch, **kw))
 
     step()
