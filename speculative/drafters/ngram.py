@@ -2,8 +2,9 @@
 
 One `NgramCache` is shared by every request of the server: what one request wrote (a document
 it quoted, code it repeated) helps the next. A request's tokens are counted when it drafts (see
-`observe`): one that never drafts, in a compute-bound batch, costs the trie nothing. On a short (1-3 token) context match the tree comes
-from the request's own prompt and output first, the trie filling the rest (`ngram_context`).
+`observe`): one that never drafts, in a compute-bound batch, costs the trie nothing. On a short
+(1-3 token) context match the tree comes from the request's own prompt and output first, the
+trie filling the rest (`ngram_context`).
 The drafter is deterministic, so verification treats q as one-hot (lossless for any tree it
 builds).
 """
