@@ -242,7 +242,9 @@ class SpeculativeWorker:
                                                           self.MAX_PROBE_INTERVAL)
             st.probe_bar = None
 
-    # While the drafter as a whole does not pay on the current traffic (the server-wide regime
+    # A `plain_without_budget` drafter (NGRAM, LOOKAHEAD) gets a plain step whenever no request
+    # of the step may draft, whatever the traffic. Otherwise:
+    # while the drafter as a whole does not pay on the current traffic (the server-wide regime
     # above), a step in which no request drafts and no server-wide probe is due within
     # WARM_STEPS runs as plain decoding for a `skips_when_off` drafter: no propose, no capture
     # of target hidden states, no draft extend (`_plain_step`). What a never-drafting EAGLE-3
@@ -267,6 +269,8 @@ class SpeculativeWorker:
             self.steps_since_slots = 0
         else:
             self.steps_since_slots += 1
+        if self.drafter.plain_without_budget and all(b <= 1 for b, _ in budgets):
+            return True  # nobody may draft: the step is plain whatever the traffic
         if not self.drafter.skips_when_off or self.cfg.disable_adaptive:
             return False
         if any(b != (1, False) for b in budgets):
@@ -305,8 +309,7 @@ class SpeculativeWorker:
         self.drafter.traffic_off = (not self.cfg.disable_adaptive and
                                     self.prior_accept < self.break_even(len(entries)))
         budgets = [self._budget(e, len(entries), probe) for e in entries]
-        if self._off_step(entries, budgets) or (self.drafter.plain_without_budget and
-                                                all(b <= 1 for b, _ in budgets)):
+        if self._off_step(entries, budgets):
             return self._plain_step(entries, t_step)
         for e, (budget, backed_off) in zip(entries, budgets):
             reqs.append(SpecReq(e.rid, e.tokens, budget, e.state.params,
