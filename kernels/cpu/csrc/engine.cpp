@@ -773,7 +773,7 @@ torch::Tensor linear_op(const PackedLinear& w, torch::Tensor x, int levels, int 
   TORCH_CHECK(y.is_contiguous() && y.dtype() == torch::kFloat32 && y.size(0) == M &&
               y.size(1) == ncols, "y must be a contiguous float32 [M, N]");
   const IsaKernels* k = pick_isa(isa);
-  ActBuffers act;
+  thread_local ActBuffers act;  // kept across calls (grown, never shrunk), as a forward keeps its own
   act.reserve(std::max(M, 1), w.K, levels);
   MatmulStep mm{k, &pool(nthreads), &act, levels};
   const float* xp = x.data_ptr<float>();
