@@ -20,16 +20,15 @@ that is most of a small layer's time). Writes JSON (`--output`).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
-import statistics
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from benchmark.common import format_table, machine_info, write_json
+from benchmark.common import format_table, machine_info, median_time, write_json
 from kernels import cpu
 from kernels.cpu.packing import Fmt, pack_blocks, quantize
 from runtime.model_loader.default_model import resolve_model_path
@@ -65,15 +64,9 @@ def time_call(ws: list, x: torch.Tensor, y: torch.Tensor, digits: int, threads: 
               epilogue: int, reps: int) -> float:
     """Median ms of one call, the calls cycling through the copies `ws`."""
     ext = cpu.load()
-    for w in ws[:3]:
-        ext.linear(w, x, digits, threads, isa, epilogue, y)
-    times = []
-    for i in range(reps):
-        w = ws[i % len(ws)]
-        t = time.perf_counter()
-        ext.linear(w, x, digits, threads, isa, epilogue, y)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+    copies = itertools.cycle(ws)
+    return median_time(lambda: ext.linear(next(copies), x, digits, threads, isa, epilogue, y),
+                       reps, warmup=3) * 1e3
 
 
 def main(argv: list[str] | None = None) -> dict:
