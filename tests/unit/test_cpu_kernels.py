@@ -122,6 +122,31 @@ def test_activation_digits_are_the_same_on_every_isa_and_reconstruct_the_value(d
     assert torch.allclose(fsum.double(), value.view(9, 3, 32).sum(-1), rtol=1e-6)
 
 
+@pytest.mark.parametrize("digits", [1, 3])
+def test_block_exponents_hold_across_the_float_range(digits):
+    """A block's power of two is read from the bits of amax / 127 (kernels.h, block_exponent):
+    the same exponent as frexp at either end of the float range, at 127 * 2^k boundaries and at
+    the 2^-100 cut below which a block is all zero digits."""
+    amaxes = [2.0**-100, 2.0**-100 * (1 - 2.0**-20), 1e-38, 0.0, 2.0**-60, 0.5, 1.0, 126.99,
+              127.0, 127.01, 2.0**100, 3.0e38]
+    x = torch.randn(4, 96, generator=torch.Generator().manual_seed(6)).view(12, 32)
+    x = (x / x.abs().amax(dim=1, keepdim=True)).double() * torch.tensor(amaxes).double()[:, None]
+    x = x.float().view(4, 96)
+    assert x.isfinite().all()
+    outs = {isa: ext().quantize(x, digits, isa) for isa in isas()}
+    for isa, out in outs.items():
+        assert all(torch.equal(a, b) for a, b in zip(out, outs["generic"])), isa
+    q, scale, _, _ = outs["generic"]
+    value = sum(q[:, i].double() * 128.0 ** (digits - 1 - i) for i in range(digits))
+    value = (value.view(4, 3, 32) * scale.double()[:, :, None]).view(4, 96)
+    assert torch.equal(value, quantized_activations(x, digits))
+    _, e = torch.frexp(torch.tensor(amaxes, dtype=torch.float32) / 127)
+    live = torch.tensor(amaxes) >= 2.0**-100
+    want = torch.where(live, torch.ldexp(torch.ones(12), (e - 7 * (digits - 1)).float()),
+                       torch.tensor(2.0 ** (-7 * (digits - 1))))
+    assert torch.equal(scale.view(12), want)
+
+
 # ---- matmul -------------------------------------------------------------------------------
 
 # stated tolerances, relative to the largest |output|: against the exact product of the

@@ -287,12 +287,13 @@ struct MatmulStep {
     if (is_block_format(w.fmt)) {
       int r0, r1;
       split_range(M, tid, n, &r0, &r1);
-      isa->quantize(x, ldx, r0, r1, w.K, levels, act->q.data(), act->scale.data(),
-                    act->sums.data(), act->fsum.data());
       a.act = act->view(w.K, levels);
-      if (isa->pair_digits && amx_pairs_apply(w.fmt, levels, M)) {
-        isa->pair_digits(act->q.data(), r0, r1, w.K, act->pairs.data());
+      if (isa->quantize_pairs && amx_pairs_apply(w.fmt, levels, M) && w.K % QK == 0) {
+        isa->quantize_pairs(x, ldx, r0, r1, w.K, act->pairs.data(), act->scale.data(),
+                            act->sums.data(), act->fsum.data());
       } else {
+        isa->quantize(x, ldx, r0, r1, w.K, levels, act->q.data(), act->scale.data(),
+                      act->sums.data(), act->fsum.data());
         a.act.pairs = nullptr;
       }
       pool->barrier(tid);

@@ -269,10 +269,9 @@ void quantize(const float* x, int64_t ldx, int r0, int r1, int K, int L, int8_t*
         m = _mm256_max_ps(m, _mm256_and_ps(v[h], absmask));
       }
       const float amax = hmax256(m);
-      int e = 0;
       const bool live = amax >= 0x1p-100f;
-      if (live) std::frexp(amax / 127.f, &e);
-      const __m256 inv = _mm256_set1_ps(live ? std::ldexp(1.f, -e) : 0.f);
+      const int e = block_exponent(amax);  // 2^e > amax / 127
+      const __m256 inv = _mm256_set1_ps(live ? pow2(-e) : 0.f);
       for (int h = 0; h < 4; ++h) v[h] = _mm256_mul_ps(v[h], inv);
       int64_t total = 0;
       for (int l = 0; l < L; ++l) {
@@ -296,7 +295,7 @@ void quantize(const float* x, int64_t ldx, int r0, int r1, int K, int L, int8_t*
         sums[((int64_t)r * L + l) * nb + b] = sl;
         total = total * 128 + sl;
       }
-      const float sc = std::ldexp(1.f, e - 7 * (L - 1));
+      const float sc = pow2(e - 7 * (L - 1));
       scale[(int64_t)r * nb + b] = sc;
       fsum[(int64_t)r * nb + b] = (float)total * sc;
     }

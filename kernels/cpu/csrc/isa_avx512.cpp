@@ -391,10 +391,9 @@ void quantize(const float* x, int64_t ldx, int r0, int r1, int K, int L, int8_t*
       __m512 v[2] = {_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)};
       const float amax = _mm512_reduce_max_ps(
           _mm512_max_ps(_mm512_and_ps(v[0], absmask), _mm512_and_ps(v[1], absmask)));
-      int e = 0;
       const bool live = amax >= 0x1p-100f;
-      if (live) std::frexp(amax / 127.f, &e);  // 2^e > amax / 127
-      const __m512 inv = _mm512_set1_ps(live ? std::ldexp(1.f, -e) : 0.f);
+      const int e = block_exponent(amax);  // 2^e > amax / 127
+      const __m512 inv = _mm512_set1_ps(live ? pow2(-e) : 0.f);
       v[0] = _mm512_mul_ps(v[0], inv);
       v[1] = _mm512_mul_ps(v[1], inv);
       int64_t total = 0;
@@ -414,7 +413,7 @@ void quantize(const float* x, int64_t ldx, int r0, int r1, int K, int L, int8_t*
         sums[((int64_t)r * L + l) * nb + b] = sl;
         total = total * 128 + sl;
       }
-      const float sc = std::ldexp(1.f, e - 7 * (L - 1));
+      const float sc = pow2(e - 7 * (L - 1));
       scale[(int64_t)r * nb + b] = sc;
       fsum[(int64_t)r * nb + b] = (float)total * sc;
     }
@@ -1036,31 +1035,58 @@ void amx_levels(const GemmArgs& a, int t0, int t1) {
   }
 }
 
-// Rows [r0, r1) of three-level digits into the paired layout (kernels.h), 16 weights at a time.
-void pair_digits(const int8_t* q, int r0, int r1, int K, int8_t* pairs) {
+// quantize() at three levels with the digits written as pairs (kernels.h) straight from the
+// registers: the same scales, sums and integers as quantize() followed by pairing its three digit
+// rows, without storing and re-reading them (bench_gemm --rows 256: docs/benchmarks.md,
+// "Fifteenth session").
+void quantize_pairs(const float* x, int64_t ldx, int r0, int r1, int K, int8_t* pairs,
+                    float* scale, int32_t* sums, float* fsum) {
+  constexpr int L = 3;
   const int nb = K / QK;
+  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   const __m512i half = _mm512_set1_epi32(1024), seven = _mm512_set1_epi32(7);
   for (int r = r0; r < r1; ++r) {
-    const int8_t* d = q + (int64_t)r * 3 * K;
     int8_t* out = pairs + (int64_t)r * 4 * K;  // R0's row, then R1's (2 K bytes each)
     for (int b = 0; b < nb; ++b) {
-      for (int h = 0; h < QK; h += 16) {
-        const int k = b * QK + h;
-        auto digit = [&](int l) {
-          return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(d + (int64_t)l * K + k)));
-        };
-        const __m512i x = _mm512_add_epi32(
-            _mm512_slli_epi32(_mm512_add_epi32(_mm512_slli_epi32(digit(0), 7), digit(1)), 7),
-            digit(2));
-        const __m512i r0v = _mm512_srai_epi32(_mm512_add_epi32(x, half), 11);
-        const __m512i r1v = _mm512_sub_epi32(x, _mm512_slli_epi32(r0v, 11));
-        int8_t* o = out + b * 64 + h;
+      const float* xb = x + (int64_t)r * ldx + b * QK;
+      __m512 v[2] = {_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)};
+      const float amax = _mm512_reduce_max_ps(
+          _mm512_max_ps(_mm512_and_ps(v[0], absmask), _mm512_and_ps(v[1], absmask)));
+      const bool live = amax >= 0x1p-100f;
+      const int e = block_exponent(amax);  // 2^e > amax / 127
+      const __m512 inv = _mm512_set1_ps(live ? pow2(-e) : 0.f);
+      v[0] = _mm512_mul_ps(v[0], inv);
+      v[1] = _mm512_mul_ps(v[1], inv);
+      __m512i xi[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};  // Horner over digits
+      int64_t total = 0;
+      for (int l = 0; l < L; ++l) {
+        __m512i acc = _mm512_setzero_si512();
+        for (int h = 0; h < 2; ++h) {
+          __m512 d = _mm512_roundscale_ps(v[h], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          if (l == 0) d = _mm512_min_ps(_mm512_max_ps(d, _mm512_set1_ps(-127.f)),
+                                        _mm512_set1_ps(127.f));
+          const __m512i di = _mm512_cvtps_epi32(d);
+          xi[h] = _mm512_add_epi32(_mm512_slli_epi32(xi[h], 7), di);
+          acc = _mm512_add_epi32(acc, di);
+          v[h] = _mm512_mul_ps(_mm512_sub_ps(v[h], d), _mm512_set1_ps(128.f));
+        }
+        const int32_t sl = _mm512_reduce_add_epi32(acc);
+        sums[((int64_t)r * L + l) * nb + b] = sl;
+        total = total * 128 + sl;
+      }
+      for (int h = 0; h < 2; ++h) {
+        const __m512i r0v = _mm512_srai_epi32(_mm512_add_epi32(xi[h], half), 11);
+        const __m512i r1v = _mm512_sub_epi32(xi[h], _mm512_slli_epi32(r0v, 11));
+        int8_t* o = out + b * 64 + 16 * h;
         _mm_storeu_si128((__m128i*)o, _mm512_cvtepi32_epi8(_mm512_srai_epi32(r0v, 3)));
         _mm_storeu_si128((__m128i*)(o + 32), _mm512_cvtepi32_epi8(_mm512_and_si512(r0v, seven)));
         _mm_storeu_si128((__m128i*)(o + 2 * K), _mm512_cvtepi32_epi8(_mm512_srai_epi32(r1v, 3)));
         _mm_storeu_si128((__m128i*)(o + 2 * K + 32),
                          _mm512_cvtepi32_epi8(_mm512_and_si512(r1v, seven)));
       }
+      const float sc = pow2(e - 7 * (L - 1));
+      scale[(int64_t)r * nb + b] = sc;
+      fsum[(int64_t)r * nb + b] = (float)total * sc;
     }
   }
 }
@@ -1103,7 +1129,7 @@ const IsaKernels* avx512_kernels() {
 // the kernel for the tile state before choosing it).
 const IsaKernels* amx_kernels() {
   static const IsaKernels table = {"amx", gemm_amx, quantize, rmsnorm, attention, argmax,
-                                   pair_digits};
+                                   quantize_pairs};
   return &table;
 }
 }  // namespace specserve

@@ -111,9 +111,8 @@ void quantize(const float* x, int64_t ldx, int r0, int r1, int K, int L, int8_t*
       const float* xb = x + (int64_t)r * ldx + b * QK;
       float amax = 0.f;
       for (int i = 0; i < QK; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
-      int e = 0;
-      if (amax >= 0x1p-100f) std::frexp(amax / 127.f, &e);  // 2^e > amax / 127
-      const float inv = std::ldexp(1.f, -e);  // exact: a power of two
+      const int e = block_exponent(amax);  // 2^e > amax / 127
+      const float inv = pow2(-e);  // exact: a power of two
       int32_t s[3] = {0, 0, 0};
       for (int i = 0; i < QK; ++i) {
         float v = amax >= 0x1p-100f ? xb[i] * inv : 0.f;
@@ -130,7 +129,7 @@ void quantize(const float* x, int64_t ldx, int r0, int r1, int K, int L, int8_t*
         sums[((int64_t)r * L + l) * nb + b] = s[l];
         total = total * 128 + s[l];
       }
-      const float sc = std::ldexp(1.f, e - 7 * (L - 1));
+      const float sc = pow2(e - 7 * (L - 1));
       scale[(int64_t)r * nb + b] = sc;
       fsum[(int64_t)r * nb + b] = (float)total * sc;
     }

@@ -7,10 +7,39 @@
 // sequence of float operations whatever M is, whichever rows share the call and however the work
 // is split over threads (work is split over N, heads or rows, never over a reduction).
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
 namespace specserve {
+
+// An activation block's exponent in quantize(): e with 2^e > amax / 127 (std::frexp's exponent
+// of amax / 127), 0 for a block under 2^-100 (its digits are all zero). Read from the quotient's
+// bits when it is a normal float (every live block's is: amax / 127 >= 2^-107), through
+// std::frexp otherwise; pow2(n) is std::ldexp(1.f, n), built from bits inside the normal range.
+// The same values as the libm calls, which were about half of quantize()'s time (three calls
+// per 32 activations; docs/benchmarks.md, "Fifteenth session").
+inline int block_exponent(float amax) {
+  if (!(amax >= 0x1p-100f)) return 0;
+  const float v = amax / 127.f;
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  const int be = (int)((u >> 23) & 0xff);
+  if (be == 0 || be == 0xff) {
+    int e = 0;
+    std::frexp(v, &e);
+    return e;
+  }
+  return be - 126;
+}
+
+inline float pow2(int n) {
+  if (n < -126 || n > 127) return std::ldexp(1.f, n);
+  const uint32_t u = (uint32_t)(n + 127) << 23;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
 
 // Weight formats of a packed linear (values shared with kernels/cpu/formats.py).
 enum WeightFormat : int32_t { F32 = 0, BF16 = 1, F16 = 2, Q8_0 = 3, Q4_0 = 4, Q4_1 = 5 };
@@ -52,7 +81,7 @@ struct ActQ {
   const int32_t* sums = nullptr;  // [M][levels][K/32]: sum of each level's digits per block
   const float* fsum = nullptr;    // [M][K/32]: sum of the block's quantized values (Q4_1 mins)
   // Three-level Q4 calls on AMX only (`amx_pairs_apply`): the same digits as two "paired" tile
-  // rows per activation row, [M][2][K / 32][64] (`pair_digits` in IsaKernels), else null.
+  // rows per activation row, [M][2][K / 32][64] (`quantize_pairs` in IsaKernels), else null.
   const int8_t* pairs = nullptr;
 };
 
@@ -169,9 +198,11 @@ struct IsaKernels {
   // the first maximum of x[0, n) as numpy's argmax finds it (a NaN is the maximum, the first
   // one wins; -0 and +0 tie): its index (-1 when n == 0) and *best its value
   int64_t (*argmax)(const float* x, int64_t n, float* best);
-  // rows [r0, r1) of three-level digits q[M][3][K] into ActQ::pairs' layout (above); set only
-  // by tables whose gemm reads pairs (amx) — the engine fills them when amx_pairs_apply
-  void (*pair_digits)(const int8_t* q, int r0, int r1, int K, int8_t* pairs) = nullptr;
+  // quantize() at three levels for rows [r0, r1), K % QK == 0, writing the digits in ActQ::pairs'
+  // layout (above) instead of q (scales and sums as quantize() writes them); set only by tables
+  // whose gemm reads pairs (amx): the engine calls it instead of quantize when amx_pairs_apply
+  void (*quantize_pairs)(const float* x, int64_t ldx, int r0, int r1, int K, int8_t* pairs,
+                         float* scale, int32_t* sums, float* fsum) = nullptr;
 };
 
 // argmax (above) one element at a time: the generic table's, and the SIMD ones' way for a row
