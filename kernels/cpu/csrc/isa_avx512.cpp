@@ -490,6 +490,48 @@ inline __m512 scores16(const __m512 (&q)[NV], const KV* kc, int64_t kv_stride,
   return _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), m, _mm512_mul_ps(reduce16(p), scale));
 }
 
+// Heads whose value accumulators one pass holds in registers (NV each, plus a key's NV values).
+template <int NV>
+constexpr int values_heads() { return NV <= 4 ? 4 : NV <= 8 ? 2 : 1; }
+
+// Keys [j0, j1) of one row (slots sl) into the output accumulators of H of its queries (heads in
+// a row: their probabilities e0 + h * estride, their outputs o0 + h * D), each key's values read
+// (and, fp16, widened) once for the H of them. Every query runs the FMAs it runs alone, o += e_j
+// V_j in key order; H of them side by side give the FMA unit H independent chains where one
+// query's NV-long chain per key waited out the FMA latency.
+template <int NV, int H, class KV>
+inline void accumulate_values(const float* e0, int64_t estride, float* o0, const KV* vc,
+                              int64_t kv_stride, const int64_t* sl, int j0, int j1) {
+  constexpr int D = 16 * NV;
+  __m512 o[H][NV];
+  for (int h = 0; h < H; ++h)
+    for (int v = 0; v < NV; ++v) o[h][v] = _mm512_loadu_ps(o0 + h * D + 16 * v);
+  for (int j = j0; j < j1; ++j) {
+    const KV* vp = vc + sl[j] * kv_stride;
+    __m512 vv[NV];
+    for (int v = 0; v < NV; ++v) vv[v] = kv_load(vp + 16 * v);
+    for (int h = 0; h < H; ++h) {
+      const __m512 ej = _mm512_set1_ps(e0[h * estride + j]);
+      for (int v = 0; v < NV; ++v) o[h][v] = _mm512_fmadd_ps(ej, vv[v], o[h][v]);
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o0 + h * D + 16 * v, o[h][v]);
+}
+
+// accumulate_values for nh <= H heads (one instantiation per count)
+template <int NV, class KV, int H>
+inline void accumulate_values_n(int nh, const float* e0, int64_t estride, float* o0,
+                                const KV* vc, int64_t kv_stride, const int64_t* sl, int j0,
+                                int j1) {
+  if constexpr (H > 1) {
+    if (nh < H) {
+      return accumulate_values_n<NV, KV, H - 1>(nh, e0, estride, o0, vc, kv_stride, sl, j0, j1);
+    }
+  }
+  accumulate_values<NV, H, KV>(e0, estride, o0, vc, kv_stride, sl, j0, j1);
+}
+
 // An item's queries (its rows x its heads, one KV group) go through the keys block by block
 // together, so a block of K (and later V) rows is read from memory once and from L1 by the
 // others. Every query's own float operations are those it would do alone (scores per block of
@@ -560,18 +602,11 @@ void attention_d(const AttnArgs& a, int i0, int i1, AttnScratch& s) {
         const int j1 = Lr[r] < j0 + 16 ? Lr[r] : j0 + 16;
         if (j1 <= j0) continue;
         prefetch_kv_rows<3, D>(vc, kv_stride, sl[r], j1, std::min(Lr[r], j0 + 32));
-        for (int hh = 0; hh < G; ++hh) {
+        constexpr int HB = values_heads<NV>();
+        for (int hh = 0; hh < G; hh += HB) {
           const int qi = r * G + hh;
-          const float* e = s.scores + qi * sstride;
-          float* op = s.out + qi * D;
-          __m512 o[NV];
-          for (int v = 0; v < NV; ++v) o[v] = _mm512_loadu_ps(op + 16 * v);
-          for (int j = j0; j < j1; ++j) {
-            const KV* vp = vc + sl[r][j] * kv_stride;
-            const __m512 ej = _mm512_set1_ps(e[j]);
-            for (int v = 0; v < NV; ++v) o[v] = _mm512_fmadd_ps(ej, kv_load(vp + 16 * v), o[v]);
-          }
-          for (int v = 0; v < NV; ++v) _mm512_storeu_ps(op + 16 * v, o[v]);
+          accumulate_values_n<NV, KV, HB>(G - hh < HB ? G - hh : HB, s.scores + qi * sstride,
+                                          sstride, s.out + qi * D, vc, kv_stride, sl[r], j0, j1);
         }
       }
     }
