@@ -107,19 +107,22 @@ def test_packed_size_is_checked():
 # ---- activation digits -------------------------------------------------------------------
 
 @pytest.mark.parametrize("digits", [1, 2, 3])
-def test_activation_digits_are_the_same_on_every_isa_and_reconstruct_the_value(digits):
-    x = torch.randn(9, 96) * torch.logspace(-3, 3, 96)  # blocks of very different scales
+@pytest.mark.parametrize("k", [96, 1184])  # 3 blocks; 37 (AVX-512 sums them 16 at a time)
+def test_activation_digits_are_the_same_on_every_isa_and_reconstruct_the_value(digits, k):
+    nb = k // 32
+    x = torch.randn(9, k) * torch.logspace(-3, 3, k)  # blocks of very different scales
     x[3] = 0.0  # an all-zero row
+    x[5, 32 * (nb - 2):] = 0.0  # all-zero blocks at the end of a row
     outs = {isa: ext().quantize(x, digits, isa) for isa in isas()}
     ref = outs["generic"]
     for isa, out in outs.items():
         assert all(torch.equal(a, b) for a, b in zip(out, ref)), isa
     q, scale, sums, fsum = ref
     value = sum(q[:, i].double() * 128.0 ** (digits - 1 - i) for i in range(digits))
-    value = (value.view(9, 3, 32) * scale.double()[:, :, None]).view(9, 96)
+    value = (value.view(9, nb, 32) * scale.double()[:, :, None]).view(9, k)
     assert torch.equal(value, quantized_activations(x, digits))
-    assert torch.equal(sums, q.view(9, digits, 3, 32).sum(-1, dtype=torch.int32))
-    assert torch.allclose(fsum.double(), value.view(9, 3, 32).sum(-1), rtol=1e-6)
+    assert torch.equal(sums, q.view(9, digits, nb, 32).sum(-1, dtype=torch.int32))
+    assert torch.allclose(fsum.double(), value.view(9, nb, 32).sum(-1), rtol=1e-6)
 
 
 @pytest.mark.parametrize("digits", [1, 3])
@@ -240,6 +243,21 @@ def test_amx_tiles_give_the_vpdpbusd_kernels_bits(fmt):
             silu = {isa: ext().linear(fused, x[:m], levels=digits, nthreads=3, isa=isa,
                                       epilogue=EPI_SILU_MUL) for isa in ("avx512", "amx")}
             assert torch.equal(silu["avx512"], silu["amx"]), (digits, m)
+
+
+@pytest.mark.parametrize("fmt", [Fmt.Q4_0, Fmt.Q4_1])
+def test_amx_paired_digits_over_many_blocks(fmt):
+    """Three-digit Q4 calls of >= 32 rows quantize straight into paired digits (quantize_pairs),
+    summing the digits 16 blocks at a time: at 37 blocks (two full groups and a tail) the tile
+    path still gives the vpdpbusd kernel's bits."""
+    if "amx" not in isas():
+        pytest.skip("this CPU (or its kernel) has no AMX-INT8")
+    lin, _ = make_linear(fmt, 48, 1184, seed=7)
+    x = torch.randn(40, 1184, generator=torch.Generator().manual_seed(8))
+    x[3, 1000:] = 0.0
+    x[4] *= torch.logspace(-4, 4, 1184)
+    out = {isa: ext().linear(lin, x, levels=3, nthreads=2, isa=isa) for isa in ("avx512", "amx")}
+    assert torch.equal(out["avx512"], out["amx"])
 
 
 def test_a_row_does_not_depend_on_its_neighbours():

@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <vector>
 
 #include "kernels.h"
 
@@ -380,23 +381,101 @@ void gemm(const GemmArgs& a, int t0, int t1) {
 
 // ---- activation digits (the same values as isa_generic.cpp's scalar quantize) -------------------
 
+// Row xr's block scales, 16 blocks at a time and ahead of the digits (whose per-block work then
+// no longer waits on a scalar division and exponent): inv[b] = 2^-e (0 for a block under
+// 2^-100) and scale[b] = 2^(e - 7 (L - 1)), with e = block_exponent(amax) exactly (the
+// quotient's bits; block_exponent itself for a lane whose quotient is not a normal float).
+inline void block_scales(const float* xr, int nb, int L, float* inv, float* scale) {
+  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  alignas(64) float amax[16];
+  for (int b0 = 0; b0 < nb; b0 += 16) {
+    const int n = nb - b0 < 16 ? nb - b0 : 16;
+    for (int i = 0; i < n; ++i) {
+      const float* xb = xr + (int64_t)(b0 + i) * QK;
+      amax[i] = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(_mm512_loadu_ps(xb), absmask),
+                                                   _mm512_and_ps(_mm512_loadu_ps(xb + 16), absmask)));
+    }
+    const __mmask16 m = n == 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+    const __m512 a = _mm512_maskz_load_ps(m, amax);
+    const __mmask16 live = _mm512_mask_cmp_ps_mask(m, a, _mm512_set1_ps(0x1p-100f), _CMP_GE_OQ);
+    const __m512i be = _mm512_and_si512(
+        _mm512_srli_epi32(_mm512_castps_si512(_mm512_div_ps(a, _mm512_set1_ps(127.f))), 23),
+        _mm512_set1_epi32(0xff));
+    __m512i e = _mm512_maskz_sub_epi32(live, be, _mm512_set1_epi32(126));
+    const __mmask16 odd = live & (_mm512_cmpeq_epi32_mask(be, _mm512_setzero_si512()) |
+                                  _mm512_cmpeq_epi32_mask(be, _mm512_set1_epi32(0xff)));
+    if (odd) {
+      alignas(64) int32_t ev[16];
+      _mm512_store_si512(ev, e);
+      for (int i = 0; i < n; ++i) if (odd >> i & 1) ev[i] = block_exponent(amax[i]);
+      e = _mm512_load_si512(ev);
+    }
+    const __m512i one = _mm512_set1_epi32(127);
+    const __m512 iv = _mm512_maskz_mov_ps(
+        live, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(one, e), 23)));
+    const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(one, e), _mm512_set1_epi32(-7 * (L - 1))), 23));
+    _mm512_mask_storeu_ps(inv + b0, m, iv);
+    _mm512_mask_storeu_ps(scale + b0, m, sc);
+  }
+}
+
+
+// A row's per-level digit sums, 16 blocks at a time: each block's lane sums are kept as vectors
+// and reduced together (the transposed tree of reduce16, in integers, so any order is exact),
+// then Q4_1's fsum = (float)(Horner of the sums) * scale for the 16 blocks in one go. The sums
+// are below 2^31 (|sum| <= 32 * 127 per level, Horner total < 2^27), so int32 holds what the
+// scalar code held in int64, and the conversion rounds the same integer.
+struct DigitSums {
+  __m512i acc[3][16];
+  static __m512i reduce(const __m512i (&p)[16]) {
+    __m512i w[4];
+    for (int g = 0; g < 4; ++g) {
+      __m512i t[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m512i a0 = p[4 * g + 2 * h], a1 = p[4 * g + 2 * h + 1];
+        t[h] = _mm512_add_epi32(_mm512_unpacklo_epi32(a0, a1), _mm512_unpackhi_epi32(a0, a1));
+      }
+      w[g] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[0], t[1]), _mm512_unpackhi_epi64(t[0], t[1]));
+    }
+    const __m512i y01 = _mm512_add_epi32(_mm512_shuffle_i32x4(w[0], w[1], 0x44),
+                                         _mm512_shuffle_i32x4(w[0], w[1], 0xEE));
+    const __m512i y23 = _mm512_add_epi32(_mm512_shuffle_i32x4(w[2], w[3], 0x44),
+                                         _mm512_shuffle_i32x4(w[2], w[3], 0xEE));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(y01, y23, 0x88),
+                            _mm512_shuffle_i32x4(y01, y23, 0xDD));
+  }
+  // blocks [b0, b0 + n) of row r, their lane sums in acc[l][0..n)
+  void flush(int L, int64_t r, int nb, int b0, int n, const float* scale, int32_t* sums,
+             float* fsum) {
+    const __mmask16 m = n == 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+    __m512i total = _mm512_setzero_si512();
+    for (int l = 0; l < L; ++l) {
+      for (int i = n; i < 16; ++i) acc[l][i] = _mm512_setzero_si512();
+      const __m512i sl = reduce(acc[l]);
+      _mm512_mask_storeu_epi32(sums + (r * L + l) * nb + b0, m, sl);
+      total = _mm512_add_epi32(_mm512_slli_epi32(total, 7), sl);
+    }
+    const __m512 sc = _mm512_maskz_loadu_ps(m, scale + r * nb + b0);
+    _mm512_mask_storeu_ps(fsum + r * nb + b0, m, _mm512_mul_ps(_mm512_cvtepi32_ps(total), sc));
+  }
+};
+
 void quantize(const float* x, int64_t ldx, int r0, int r1, int K, int L, int8_t* q, float* scale,
               int32_t* sums, float* fsum) {
   if (K % QK) return generic_kernels()->quantize(x, ldx, r0, r1, K, L, q, scale, sums, fsum);
   const int nb = K / QK;
-  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  thread_local std::vector<float> invs;
+  if ((int)invs.size() < nb) invs.resize(nb);
+  DigitSums ds;
   for (int r = r0; r < r1; ++r) {
+    block_scales(x + (int64_t)r * ldx, nb, L, invs.data(), scale + (int64_t)r * nb);
     for (int b = 0; b < nb; ++b) {
       const float* xb = x + (int64_t)r * ldx + b * QK;
       __m512 v[2] = {_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)};
-      const float amax = _mm512_reduce_max_ps(
-          _mm512_max_ps(_mm512_and_ps(v[0], absmask), _mm512_and_ps(v[1], absmask)));
-      const bool live = amax >= 0x1p-100f;
-      const int e = block_exponent(amax);  // 2^e > amax / 127
-      const __m512 inv = _mm512_set1_ps(live ? pow2(-e) : 0.f);
+      const __m512 inv = _mm512_set1_ps(invs[b]);
       v[0] = _mm512_mul_ps(v[0], inv);
       v[1] = _mm512_mul_ps(v[1], inv);
-      int64_t total = 0;
       for (int l = 0; l < L; ++l) {
         __m512i acc = _mm512_setzero_si512();
         for (int h = 0; h < 2; ++h) {
@@ -409,13 +488,9 @@ void quantize(const float* x, int64_t ldx, int r0, int r1, int K, int L, int8_t*
           acc = _mm512_add_epi32(acc, di);
           v[h] = _mm512_mul_ps(_mm512_sub_ps(v[h], d), _mm512_set1_ps(128.f));
         }
-        const int32_t sl = _mm512_reduce_add_epi32(acc);
-        sums[((int64_t)r * L + l) * nb + b] = sl;
-        total = total * 128 + sl;
+        ds.acc[l][b & 15] = acc;
       }
-      const float sc = pow2(e - 7 * (L - 1));
-      scale[(int64_t)r * nb + b] = sc;
-      fsum[(int64_t)r * nb + b] = (float)total * sc;
+      if ((b & 15) == 15 || b == nb - 1) ds.flush(L, r, nb, b & ~15, (b & 15) + 1, scale, sums, fsum);
     }
   }
 }
@@ -1078,22 +1153,20 @@ void quantize_pairs(const float* x, int64_t ldx, int r0, int r1, int K, int8_t* 
                     float* scale, int32_t* sums, float* fsum) {
   constexpr int L = 3;
   const int nb = K / QK;
-  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   const __m512i half = _mm512_set1_epi32(1024), seven = _mm512_set1_epi32(7);
+  thread_local std::vector<float> invs;
+  if ((int)invs.size() < nb) invs.resize(nb);
+  DigitSums ds;
   for (int r = r0; r < r1; ++r) {
     int8_t* out = pairs + (int64_t)r * 4 * K;  // R0's row, then R1's (2 K bytes each)
+    block_scales(x + (int64_t)r * ldx, nb, L, invs.data(), scale + (int64_t)r * nb);
     for (int b = 0; b < nb; ++b) {
       const float* xb = x + (int64_t)r * ldx + b * QK;
       __m512 v[2] = {_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)};
-      const float amax = _mm512_reduce_max_ps(
-          _mm512_max_ps(_mm512_and_ps(v[0], absmask), _mm512_and_ps(v[1], absmask)));
-      const bool live = amax >= 0x1p-100f;
-      const int e = block_exponent(amax);  // 2^e > amax / 127
-      const __m512 inv = _mm512_set1_ps(live ? pow2(-e) : 0.f);
+      const __m512 inv = _mm512_set1_ps(invs[b]);
       v[0] = _mm512_mul_ps(v[0], inv);
       v[1] = _mm512_mul_ps(v[1], inv);
       __m512i xi[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};  // Horner over digits
-      int64_t total = 0;
       for (int l = 0; l < L; ++l) {
         __m512i acc = _mm512_setzero_si512();
         for (int h = 0; h < 2; ++h) {
@@ -1105,9 +1178,7 @@ void quantize_pairs(const float* x, int64_t ldx, int r0, int r1, int K, int8_t* 
           acc = _mm512_add_epi32(acc, di);
           v[h] = _mm512_mul_ps(_mm512_sub_ps(v[h], d), _mm512_set1_ps(128.f));
         }
-        const int32_t sl = _mm512_reduce_add_epi32(acc);
-        sums[((int64_t)r * L + l) * nb + b] = sl;
-        total = total * 128 + sl;
+        ds.acc[l][b & 15] = acc;
       }
       for (int h = 0; h < 2; ++h) {
         const __m512i r0v = _mm512_srai_epi32(_mm512_add_epi32(xi[h], half), 11);
@@ -1119,9 +1190,7 @@ void quantize_pairs(const float* x, int64_t ldx, int r0, int r1, int K, int8_t* 
         _mm_storeu_si128((__m128i*)(o + 2 * K + 32),
                          _mm512_cvtepi32_epi8(_mm512_and_si512(r1v, seven)));
       }
-      const float sc = pow2(e - 7 * (L - 1));
-      scale[(int64_t)r * nb + b] = sc;
-      fsum[(int64_t)r * nb + b] = (float)total * sc;
+      if ((b & 15) == 15 || b == nb - 1) ds.flush(L, r, nb, b & ~15, (b & 15) + 1, scale, sums, fsum);
     }
   }
 }
