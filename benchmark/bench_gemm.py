@@ -14,7 +14,11 @@ per layer, and the calls go through the copies in turn as a forward does (one co
 cache however large the call); times do not depend on the values. The table gives ms per call,
 then what the model's linears add up to per forward (every layer's four and the LM head) and
 per row. A call from Python costs ~10 us more than the same matmul inside a forward (at M = 1
-that is most of a small layer's time). Writes JSON (`--output`).
+that is most of a small layer's time). `--quantize` also times the activation digits alone (the
+`quantize` op on one thread, the part of each call before its barrier) at the same shapes.
+Writes JSON (`--output`).
+
+    python -m benchmark.bench_gemm --rows 32,256 --isa amx --quantize
 """
 
 from __future__ import annotations
@@ -69,6 +73,12 @@ def time_call(ws: list, x: torch.Tensor, y: torch.Tensor, digits: int, threads: 
                        reps, warmup=3) * 1e3
 
 
+def time_quantize(x: torch.Tensor, digits: int, isa: str, reps: int) -> float:
+    """Median ms of quantizing the rows of x alone (the `quantize` op, one thread)."""
+    ext = cpu.load()
+    return median_time(lambda: ext.quantize(x, digits, isa), reps, warmup=3) * 1e3
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", default=None, help="model dir for the shapes (default model)")
@@ -81,6 +91,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--digits", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=60)
+    p.add_argument("--quantize", action="store_true",
+                   help="also time quantizing each call's rows alone (one thread)")
     p.add_argument("--output", default="results/bench_gemm.json")
     args = p.parse_args(argv)
 
@@ -114,10 +126,17 @@ def main(argv: list[str] | None = None) -> dict:
                     y = torch.zeros(m, n // 2 if epi == EPI_SILU_MUL else n)
                     cell["ms"][name] = time_call(weights[name], x, y, args.digits, args.threads,
                                                  isa, epi, args.reps)
+                    if args.quantize:
+                        cell.setdefault("quantize_ms", {})[name] = time_quantize(
+                            x, args.digits, isa, args.reps)
                     bar.update()
                 per_layer = sum(v for kk, v in cell["ms"].items() if kk != "lm_head")
                 cell["per_forward_ms"] = per_layer * layers + cell["ms"].get("lm_head", 0.0)
                 cell["per_row_ms"] = cell["per_forward_ms"] / m
+                if args.quantize:
+                    cell["quantize_per_forward_ms"] = sum(
+                        v * (1 if kk == "lm_head" else layers)
+                        for kk, v in cell["quantize_ms"].items())
                 results.append(cell)
 
     headers = ["isa", "M", *shapes, "per forward", "per row"]
@@ -130,6 +149,11 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"ms per call (median of {args.reps}), {args.digits} digits, {args.threads} threads; "
           f"per forward = {layers} layers x the layer shapes + lm_head")
     print(format_table(headers, table))
+    if args.quantize:
+        print(f"\nquantizing the rows alone: ms per call, one thread (median of {args.reps})")
+        print(format_table(["isa", "M", *shapes, "per forward"],
+                           [[c["isa"], c["rows"], *(f"{c['quantize_ms'][s]:.3f}" for s in shapes),
+                             f"{c['quantize_per_forward_ms']:.2f}"] for c in results]))
     return report
 
 

@@ -23,9 +23,12 @@ def test_times_every_row_count_of_the_default_model(tmp_path):
     from benchmark.bench_gemm import main
 
     report = main(["--rows", "1,33", "--shapes", "qkv,gate_up", "--reps", "3", "--threads", "1",
-                   "--output", str(tmp_path / "g.json")])
+                   "--quantize", "--output", str(tmp_path / "g.json")])
     assert [c["rows"] for c in report["results"]] == [1, 33]
     for cell in report["results"]:
         assert set(cell["ms"]) == {"qkv", "gate_up"} and all(v > 0 for v in cell["ms"].values())
         assert cell["per_row_ms"] == pytest.approx(cell["per_forward_ms"] / cell["rows"])
+        assert set(cell["quantize_ms"]) == {"qkv", "gate_up"}
+        assert cell["quantize_per_forward_ms"] == pytest.approx(
+            report["layers"] * sum(cell["quantize_ms"].values()))
     assert (tmp_path / "g.json").exists()

@@ -17,8 +17,8 @@ namespace specserve {
 // of amax / 127), 0 for a block under 2^-100 (its digits are all zero). Read from the quotient's
 // bits when it is a normal float (every live block's is: amax / 127 >= 2^-107), through
 // std::frexp otherwise; pow2(n) is std::ldexp(1.f, n), built from bits inside the normal range.
-// The same values as the libm calls, which were about half of quantize()'s time (three calls
-// per 32 activations; docs/benchmarks.md, "Fifteenth session").
+// The same values as the libm calls (three per 32 activations: without them quantize() took
+// 16% less time on AVX-512; docs/benchmarks.md, "Fifteenth session").
 inline int block_exponent(float amax) {
   if (!(amax >= 0x1p-100f)) return 0;
   const float v = amax / 127.f;
