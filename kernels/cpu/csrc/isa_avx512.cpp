@@ -461,21 +461,26 @@ struct DigitSums {
   }
 };
 
-void quantize(const float* x, int64_t ldx, int r0, int r1, int K, int L, int8_t* q, float* scale,
-              int32_t* sums, float* fsum) {
-  if (K % QK) return generic_kernels()->quantize(x, ldx, r0, r1, K, L, q, scale, sums, fsum);
+// Rows [r0, r1) as L levels of digits (the same values as isa_generic.cpp's scalar quantize):
+// each row's scales first (block_scales), then block by block its digits, 16 at a time, handed
+// to digit(r, b, l, h, di) as int32 lanes, then block(r, b) once the block's levels are done;
+// the sums and Q4_1's fsum go through DigitSums.
+template <class Digit, class Block>
+inline void quantize_rows(const float* x, int64_t ldx, int r0, int r1, int K, int L,
+                          float* scale, int32_t* sums, float* fsum, Digit&& digit,
+                          Block&& block) {
   const int nb = K / QK;
   thread_local std::vector<float> invs;
   if ((int)invs.size() < nb) invs.resize(nb);
+  float* const iv = invs.data();
   DigitSums ds;
   for (int r = r0; r < r1; ++r) {
-    block_scales(x + (int64_t)r * ldx, nb, L, invs.data(), scale + (int64_t)r * nb);
+    block_scales(x + (int64_t)r * ldx, nb, L, iv, scale + (int64_t)r * nb);
     for (int b = 0; b < nb; ++b) {
       const float* xb = x + (int64_t)r * ldx + b * QK;
-      __m512 v[2] = {_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)};
-      const __m512 inv = _mm512_set1_ps(invs[b]);
-      v[0] = _mm512_mul_ps(v[0], inv);
-      v[1] = _mm512_mul_ps(v[1], inv);
+      const __m512 inv = _mm512_set1_ps(iv[b]);
+      __m512 v[2] = {_mm512_mul_ps(_mm512_loadu_ps(xb), inv),
+                     _mm512_mul_ps(_mm512_loadu_ps(xb + 16), inv)};
       for (int l = 0; l < L; ++l) {
         __m512i acc = _mm512_setzero_si512();
         for (int h = 0; h < 2; ++h) {
@@ -483,16 +488,30 @@ void quantize(const float* x, int64_t ldx, int r0, int r1, int K, int L, int8_t*
           if (l == 0) d = _mm512_min_ps(_mm512_max_ps(d, _mm512_set1_ps(-127.f)),
                                         _mm512_set1_ps(127.f));
           const __m512i di = _mm512_cvtps_epi32(d);
-          _mm_storeu_si128((__m128i*)(q + ((int64_t)r * L + l) * K + b * QK + 16 * h),
-                           _mm512_cvtepi32_epi8(di));
+          digit(r, b, l, h, di);
           acc = _mm512_add_epi32(acc, di);
           v[h] = _mm512_mul_ps(_mm512_sub_ps(v[h], d), _mm512_set1_ps(128.f));
         }
         ds.acc[l][b & 15] = acc;
       }
-      if ((b & 15) == 15 || b == nb - 1) ds.flush(L, r, nb, b & ~15, (b & 15) + 1, scale, sums, fsum);
+      block(r, b);
+      if ((b & 15) == 15 || b == nb - 1) {
+        ds.flush(L, r, nb, b & ~15, (b & 15) + 1, scale, sums, fsum);
+      }
     }
   }
+}
+
+void quantize(const float* x, int64_t ldx, int r0, int r1, int K, int L, int8_t* q, float* scale,
+              int32_t* sums, float* fsum) {
+  if (K % QK) return generic_kernels()->quantize(x, ldx, r0, r1, K, L, q, scale, sums, fsum);
+  quantize_rows(
+      x, ldx, r0, r1, K, L, scale, sums, fsum,
+      [&](int r, int b, int l, int h, __m512i di) {
+        _mm_storeu_si128((__m128i*)(q + ((int64_t)r * L + l) * K + b * QK + 16 * h),
+                         _mm512_cvtepi32_epi8(di));
+      },
+      [](int, int) {});
 }
 
 // ---- norms and attention --------------------------------------------------------------------
@@ -1151,48 +1170,28 @@ void amx_levels(const GemmArgs& a, int t0, int t1) {
 // "Fifteenth session").
 void quantize_pairs(const float* x, int64_t ldx, int r0, int r1, int K, int8_t* pairs,
                     float* scale, int32_t* sums, float* fsum) {
-  constexpr int L = 3;
-  const int nb = K / QK;
   const __m512i half = _mm512_set1_epi32(1024), seven = _mm512_set1_epi32(7);
-  thread_local std::vector<float> invs;
-  if ((int)invs.size() < nb) invs.resize(nb);
-  DigitSums ds;
-  for (int r = r0; r < r1; ++r) {
-    int8_t* out = pairs + (int64_t)r * 4 * K;  // R0's row, then R1's (2 K bytes each)
-    block_scales(x + (int64_t)r * ldx, nb, L, invs.data(), scale + (int64_t)r * nb);
-    for (int b = 0; b < nb; ++b) {
-      const float* xb = x + (int64_t)r * ldx + b * QK;
-      __m512 v[2] = {_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)};
-      const __m512 inv = _mm512_set1_ps(invs[b]);
-      v[0] = _mm512_mul_ps(v[0], inv);
-      v[1] = _mm512_mul_ps(v[1], inv);
-      __m512i xi[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};  // Horner over digits
-      for (int l = 0; l < L; ++l) {
-        __m512i acc = _mm512_setzero_si512();
+  __m512i xi[2];  // the block's digits so far, Horner: X = (a0 128 + a1) 128 + a2
+  quantize_rows(
+      x, ldx, r0, r1, K, 3, scale, sums, fsum,
+      [&](int, int, int l, int h, __m512i di) {
+        xi[h] = l == 0 ? di : _mm512_add_epi32(_mm512_slli_epi32(xi[h], 7), di);
+      },
+      [&](int r, int b) {
+        int8_t* out = pairs + (int64_t)r * 4 * K;  // R0's row, then R1's (2 K bytes each)
         for (int h = 0; h < 2; ++h) {
-          __m512 d = _mm512_roundscale_ps(v[h], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-          if (l == 0) d = _mm512_min_ps(_mm512_max_ps(d, _mm512_set1_ps(-127.f)),
-                                        _mm512_set1_ps(127.f));
-          const __m512i di = _mm512_cvtps_epi32(d);
-          xi[h] = _mm512_add_epi32(_mm512_slli_epi32(xi[h], 7), di);
-          acc = _mm512_add_epi32(acc, di);
-          v[h] = _mm512_mul_ps(_mm512_sub_ps(v[h], d), _mm512_set1_ps(128.f));
+          const __m512i r0v = _mm512_srai_epi32(_mm512_add_epi32(xi[h], half), 11);
+          const __m512i r1v = _mm512_sub_epi32(xi[h], _mm512_slli_epi32(r0v, 11));
+          int8_t* o = out + b * 64 + 16 * h;
+          _mm_storeu_si128((__m128i*)o, _mm512_cvtepi32_epi8(_mm512_srai_epi32(r0v, 3)));
+          _mm_storeu_si128((__m128i*)(o + 32),
+                           _mm512_cvtepi32_epi8(_mm512_and_si512(r0v, seven)));
+          _mm_storeu_si128((__m128i*)(o + 2 * K),
+                           _mm512_cvtepi32_epi8(_mm512_srai_epi32(r1v, 3)));
+          _mm_storeu_si128((__m128i*)(o + 2 * K + 32),
+                           _mm512_cvtepi32_epi8(_mm512_and_si512(r1v, seven)));
         }
-        ds.acc[l][b & 15] = acc;
-      }
-      for (int h = 0; h < 2; ++h) {
-        const __m512i r0v = _mm512_srai_epi32(_mm512_add_epi32(xi[h], half), 11);
-        const __m512i r1v = _mm512_sub_epi32(xi[h], _mm512_slli_epi32(r0v, 11));
-        int8_t* o = out + b * 64 + 16 * h;
-        _mm_storeu_si128((__m128i*)o, _mm512_cvtepi32_epi8(_mm512_srai_epi32(r0v, 3)));
-        _mm_storeu_si128((__m128i*)(o + 32), _mm512_cvtepi32_epi8(_mm512_and_si512(r0v, seven)));
-        _mm_storeu_si128((__m128i*)(o + 2 * K), _mm512_cvtepi32_epi8(_mm512_srai_epi32(r1v, 3)));
-        _mm_storeu_si128((__m128i*)(o + 2 * K + 32),
-                         _mm512_cvtepi32_epi8(_mm512_and_si512(r1v, seven)));
-      }
-      if ((b & 15) == 15 || b == nb - 1) ds.flush(L, r, nb, b & ~15, (b & 15) + 1, scale, sums, fsum);
-    }
-  }
+      });
 }
 
 // Below this many digit rows (M x digits) the tile unit's fixed cost per block (C tiles zeroed,
