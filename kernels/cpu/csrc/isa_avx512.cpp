@@ -421,30 +421,52 @@ inline void block_scales(const float* xr, int nb, int L, float* inv, float* scal
 }
 
 
+// Lane-wise steps of reduce16 for float and int32 vectors (the same lanes move either way).
+inline __m512 vadd(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
+inline __m512i vadd(__m512i a, __m512i b) { return _mm512_add_epi32(a, b); }
+inline __m512 lo32(__m512 a, __m512 b) { return _mm512_unpacklo_ps(a, b); }
+inline __m512i lo32(__m512i a, __m512i b) { return _mm512_unpacklo_epi32(a, b); }
+inline __m512 hi32(__m512 a, __m512 b) { return _mm512_unpackhi_ps(a, b); }
+inline __m512i hi32(__m512i a, __m512i b) { return _mm512_unpackhi_epi32(a, b); }
+inline __m512 lo64(__m512 a, __m512 b) {
+  return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+}
+inline __m512i lo64(__m512i a, __m512i b) { return _mm512_unpacklo_epi64(a, b); }
+inline __m512 hi64(__m512 a, __m512 b) {
+  return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+}
+inline __m512i hi64(__m512i a, __m512i b) { return _mm512_unpackhi_epi64(a, b); }
+template <int IMM>
+inline __m512 lanes128(__m512 a, __m512 b) { return _mm512_shuffle_f32x4(a, b, IMM); }
+template <int IMM>
+inline __m512i lanes128(__m512i a, __m512i b) { return _mm512_shuffle_i32x4(a, b, IMM); }
+
+// r[j] = sum of the 16 lanes of p[j], for 16 vectors at once (a fixed tree of in-lane unpacks
+// and 128-bit lane shuffles: ~3 instructions per vector instead of ~8 for one reduce_add); V is
+// __m512 (attention scores) or __m512i (digit sums).
+template <class V>
+inline V reduce16(const V (&p)[16]) {
+  V w[4];
+  for (int g = 0; g < 4; ++g) {
+    V s[2];
+    for (int h = 0; h < 2; ++h) {
+      const V a0 = p[4 * g + 2 * h], a1 = p[4 * g + 2 * h + 1];
+      s[h] = vadd(lo32(a0, a1), hi32(a0, a1));
+    }
+    w[g] = vadd(lo64(s[0], s[1]), hi64(s[0], s[1]));  // lane k: 4 partials
+  }
+  const V y01 = vadd(lanes128<0x44>(w[0], w[1]), lanes128<0xEE>(w[0], w[1]));
+  const V y23 = vadd(lanes128<0x44>(w[2], w[3]), lanes128<0xEE>(w[2], w[3]));
+  return vadd(lanes128<0x88>(y01, y23), lanes128<0xDD>(y01, y23));
+}
+
 // A row's per-level digit sums, 16 blocks at a time: each block's lane sums are kept as vectors
-// and reduced together (the transposed tree of reduce16, in integers, so any order is exact),
+// and reduced together (reduce16, in integers, so any order is exact),
 // then Q4_1's fsum = (float)(Horner of the sums) * scale for the 16 blocks in one go. The sums
 // are below 2^31 (|sum| <= 32 * 127 per level, Horner total < 2^27), so int32 holds what the
 // scalar code held in int64, and the conversion rounds the same integer.
 struct DigitSums {
   __m512i acc[3][16];
-  static __m512i reduce(const __m512i (&p)[16]) {
-    __m512i w[4];
-    for (int g = 0; g < 4; ++g) {
-      __m512i t[2];
-      for (int h = 0; h < 2; ++h) {
-        const __m512i a0 = p[4 * g + 2 * h], a1 = p[4 * g + 2 * h + 1];
-        t[h] = _mm512_add_epi32(_mm512_unpacklo_epi32(a0, a1), _mm512_unpackhi_epi32(a0, a1));
-      }
-      w[g] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[0], t[1]), _mm512_unpackhi_epi64(t[0], t[1]));
-    }
-    const __m512i y01 = _mm512_add_epi32(_mm512_shuffle_i32x4(w[0], w[1], 0x44),
-                                         _mm512_shuffle_i32x4(w[0], w[1], 0xEE));
-    const __m512i y23 = _mm512_add_epi32(_mm512_shuffle_i32x4(w[2], w[3], 0x44),
-                                         _mm512_shuffle_i32x4(w[2], w[3], 0xEE));
-    return _mm512_add_epi32(_mm512_shuffle_i32x4(y01, y23, 0x88),
-                            _mm512_shuffle_i32x4(y01, y23, 0xDD));
-  }
   // blocks [b0, b0 + n) of row r, their lane sums in acc[l][0..n)
   void flush(int L, int64_t r, int nb, int b0, int n, const float* scale, int32_t* sums,
              float* fsum) {
@@ -452,7 +474,7 @@ struct DigitSums {
     __m512i total = _mm512_setzero_si512();
     for (int l = 0; l < L; ++l) {
       for (int i = n; i < 16; ++i) acc[l][i] = _mm512_setzero_si512();
-      const __m512i sl = reduce(acc[l]);
+      const __m512i sl = reduce16(acc[l]);
       _mm512_mask_storeu_epi32(sums + (r * L + l) * nb + b0, m, sl);
       total = _mm512_add_epi32(_mm512_slli_epi32(total, 7), sl);
     }
@@ -534,28 +556,6 @@ void rmsnorm(const float* x, int64_t ldx, const float* w, float eps, int D, floa
       _mm512_storeu_ps(yr + i, _mm512_mul_ps(v, _mm512_loadu_ps(w + i)));
     }
   }
-}
-
-// r[j] = sum of the 16 lanes of p[j], for 16 vectors at once (a fixed tree of in-lane unpacks
-// and 128-bit lane shuffles: ~3 instructions per vector instead of ~8 for one reduce_add).
-inline __m512 reduce16(const __m512 (&p)[16]) {
-  __m512 w[4];
-  for (int g = 0; g < 4; ++g) {
-    __m512 s[2];
-    for (int h = 0; h < 2; ++h) {
-      const __m512 a0 = p[4 * g + 2 * h], a1 = p[4 * g + 2 * h + 1];
-      s[h] = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-    }
-    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(s[0]), _mm512_castps_pd(s[1]));
-    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(s[0]), _mm512_castps_pd(s[1]));
-    w[g] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));  // lane k: 4 partials
-  }
-  const __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x44),
-                                   _mm512_shuffle_f32x4(w[0], w[1], 0xEE));
-  const __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x44),
-                                   _mm512_shuffle_f32x4(w[2], w[3], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88),
-                       _mm512_shuffle_f32x4(y01, y23, 0xDD));
 }
 
 // 16 lanes of a KV row: fp32 as stored, fp16 widened (exact)
