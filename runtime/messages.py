@@ -7,12 +7,18 @@ little-endian int64 bytes (`pack_ints` / `unpack_ints`).
 
 from __future__ import annotations
 
+import sys
+
 import msgspec
 import numpy as np
 import torch
 
+_LITTLE = sys.byteorder == "little"
+
 
 def pack_ints(t: torch.Tensor) -> bytes:
+    if _LITTLE and t.dtype == torch.int64 and t.device.type == "cpu":
+        return t.numpy().tobytes()  # (each torch call saved counts: see ForwardBatch.build)
     return t.to(torch.int64).cpu().numpy().astype("<i8", copy=False).tobytes()
 
 

@@ -99,22 +99,41 @@ class ForwardBatch:
         new token's position, requests in order, may stand for the list. `logits` is "last"
         (one row per request) or "all" (every new token: verification).
         """
+        # Index arithmetic in Python lists, then one tensor per field: after a forward has
+        # streamed the weights through the caches, each small torch op costs 20-60 us cold (a
+        # 3 us torch.cat measured 56-75 us there), so a per-request slice or arange of a batch
+        # of 32 was ~1 ms of bookkeeping a step (docs/benchmarks.md, "Sixteenth session").
         extend_lens = [len(t) for t in new_tokens]
-        for b, (slots, p, e) in enumerate(zip(kv_slots, prefix_lens, extend_lens)):
-            assert slots.numel() == p + e, f"request {b}: {slots.numel()} slots for {p}+{e} tokens"
+        seq_lens = [s.numel() for s in kv_slots]
+        for b, (n, p, e) in enumerate(zip(seq_lens, prefix_lens, extend_lens)):
+            assert n == p + e, f"request {b}: {n} slots for {p}+{e} tokens"
         if positions is None:
-            positions = [torch.arange(p, p + e) for p, e in zip(prefix_lens, extend_lens)]
-        ends = torch.tensor(extend_lens).cumsum(0)
-        logits_indices = ends - 1 if logits == "last" else torch.arange(int(ends[-1]))
+            positions = torch.tensor([p + i for p, e in zip(prefix_lens, extend_lens)
+                                      for i in range(e)], dtype=torch.int64)
+        elif not isinstance(positions, torch.Tensor):
+            positions = torch.cat(positions)
+        kv_indices = torch.cat(kv_slots)
+        new_rows, off = [], 0  # where each request's new tokens' slots sit in kv_indices
+        for n, p in zip(seq_lens, prefix_lens):
+            new_rows.extend(range(off + p, off + n))
+            off += n
+        total = len(new_rows)
+        if logits == "last":
+            ends, end = [], 0
+            for e in extend_lens:
+                end += e
+                ends.append(end - 1)
+            logits_indices = torch.tensor(ends, dtype=torch.int64)
+        else:
+            logits_indices = torch.arange(total)
         return ForwardBatch(
             mode=mode,
             input_ids=torch.tensor([t for toks in new_tokens for t in toks], dtype=torch.int64),
-            positions=(positions if isinstance(positions, torch.Tensor)
-                       else torch.cat(positions)).to(torch.int64),
-            out_cache_loc=torch.cat([s[p:] for s, p in zip(kv_slots, prefix_lens)]),
+            positions=positions.to(torch.int64),
+            out_cache_loc=kv_indices[torch.tensor(new_rows, dtype=torch.int64)],
             extend_lens=extend_lens,
             prefix_lens=list(prefix_lens),
-            kv_indices=torch.cat(kv_slots),
+            kv_indices=kv_indices,
             logits_indices=logits_indices,
             custom_masks=custom_masks,
             capture_layers=capture_layers,

@@ -44,6 +44,14 @@ class RunnerReqState:
     prompt_ids: list[int]
     output_ids: list[int] = field(default_factory=list)
     slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    # prompt_ids + output_ids, grown in place: a speculative step reads the whole history, and
+    # a fresh concatenation per request per step cost ~80 us of a ~6 ms step at c = 1 on
+    # 500-token prompts (each of its int objects touched with the caches the forward just
+    # filled with weights). Drafters may keep it; it only ever grows.
+    history: list[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.history = self.prompt_ids + self.output_ids
 
 
 class RunnerWorker:
@@ -77,7 +85,7 @@ class RunnerWorker:
             st = RunnerReqState(params, list(entry.prompt_ids or []))
             self.states[entry.rid] = st
             if self.spec is not None and st.prompt_ids:
-                self.spec.drafter.observe(entry.rid, st.prompt_ids, len(st.prompt_ids))
+                self.spec.drafter.observe(entry.rid, st.history, len(st.history))
         return st
 
     @staticmethod
@@ -94,13 +102,14 @@ class RunnerWorker:
 
     def _append(self, rid: str, st: RunnerReqState, tokens: list[int]) -> None:
         st.output_ids.extend(tokens)
+        st.history.extend(tokens)
         if self.spec is not None:
-            self.spec.drafter.observe(rid, st.prompt_ids + st.output_ids, len(tokens))
+            self.spec.drafter.observe(rid, st.history, len(tokens))
 
     def _run_spec(self, msg: RunBatch, states: list[RunnerReqState],
                   slots: list[torch.Tensor], t0: float) -> BatchResult:
         entries = [
-            SpecEntry(e.rid, st.prompt_ids + st.output_ids, e.prefix_len, s, st)
+            SpecEntry(e.rid, st.history, e.prefix_len, s, st)
             for e, st, s in zip(msg.reqs, states, slots)
         ]
         out, infos = self.spec.step(entries)
@@ -117,7 +126,7 @@ class RunnerWorker:
         rows, off = [], 0
         for e, st, s in zip(msg.reqs, states, slots):
             n = len(e.new_token_ids)
-            history = st.prompt_ids + st.output_ids
+            history = st.history
             nxt = history[e.prefix_len + 1 : e.prefix_len + n + 1]
             assert len(nxt) == n, f"{e.rid}: no token follows its prefill chunk"
             rows.append(TargetRows(e.rid, e.prefix_len, s, torch.arange(off, off + n), nxt,

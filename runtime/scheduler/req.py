@@ -42,6 +42,16 @@ class Req:
         """Every token whose KV the request needs before its next token: prompt + outputs."""
         return self.prompt_ids + self.output_ids
 
+    def fill_slice(self, start: int, end: int) -> list[int]:
+        """fill_ids[start:end] without building fill_ids (a decode step needs one token of
+        it; the concatenation touched every token of a long prompt each step)."""
+        n = len(self.prompt_ids)
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]
+
     @property
     def kv_len(self) -> int:
         return self.kv_slots.numel()

@@ -254,12 +254,11 @@ class Scheduler:
             return None
 
     def _entry(self, req: Req, chunk: int, new_slots: torch.Tensor) -> tuple:
-        fill = req.fill_ids
         start = req.kv_len
         known = min(req.runner_kv_len, start)  # the runner's table holds these slots already
         slots = torch.cat([req.kv_slots[known:], new_slots]) if known < start else new_slots
         entry = ReqBatchEntry(
-            rid=req.rid, new_token_ids=fill[start : start + chunk], prefix_len=start,
+            rid=req.rid, new_token_ids=req.fill_slice(start, start + chunk), prefix_len=start,
             kv_slots=pack_ints(slots), slots_start=known, needs_token=chunk == req.num_pending,
         )
         if not req.runner_knows:
@@ -380,11 +379,15 @@ class Scheduler:
                                                          spec_info):
             # a prefill chunk keeps all its slots; a (speculative) decode step keeps one per
             # token gained (root + accepted drafts) and frees the rest of its tree's slots
+            num_new = new_slots.numel()
             keep_slots = len(tokens) if entry.needs_token and len(entry.new_token_ids) == 1 \
-                else len(new_slots)
-            req.kv_slots = torch.cat([req.kv_slots, new_slots[:keep_slots]])
+                else num_new
+            if keep_slots >= num_new:  # (no slices to take: torch ops are dear between forwards)
+                req.kv_slots = torch.cat([req.kv_slots, new_slots])
+            else:
+                req.kv_slots = torch.cat([req.kv_slots, new_slots[:keep_slots]])
+                self.allocator.free(new_slots[keep_slots:])
             req.runner_kv_len = req.kv_len  # the runner's table: these, then the freed ones
-            self.allocator.free(new_slots[keep_slots:])
             if not tokens:
                 continue
             req.output_ids.extend(tokens)

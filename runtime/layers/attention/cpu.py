@@ -33,26 +33,43 @@ class CpuAttnMetadata:
     mask_indptr: torch.Tensor  # [B + 1] int64, empty when causal
 
 
+def _cumsum0(xs: list[int]) -> list[int]:
+    """[0, x0, x0 + x1, ...]"""
+    out, acc = [0], 0
+    for x in xs:
+        acc += x
+        out.append(acc)
+    return out
+
+
 def plan(batch: ForwardBatch) -> CpuAttnMetadata:
-    ext = torch.tensor(batch.extend_lens, dtype=torch.int32)
-    pre = torch.tensor(batch.prefix_lens, dtype=torch.int32)
+    # Python lists, then one tensor each: small torch ops run with cold caches right after a
+    # forward (20-60 us each, see ForwardBatch.build)
+    ext_l, pre_l = batch.extend_lens, batch.prefix_lens
+    ext = torch.tensor(ext_l, dtype=torch.int32)
+    pre = torch.tensor(pre_l, dtype=torch.int32)
     t = batch.num_tokens
     if batch.batch_size == 1:
         tok_req = torch.zeros(t, dtype=torch.int32)
         tok_local = torch.arange(t, dtype=torch.int32)
-        kv_indptr = torch.tensor([0, batch.prefix_lens[0] + batch.extend_lens[0]])
+        kv_indptr = torch.tensor([0, pre_l[0] + ext_l[0]])
+    elif t == batch.batch_size and max(ext_l) == 1:  # one new token each (a decode step)
+        tok_req = torch.arange(t, dtype=torch.int32)
+        tok_local = torch.zeros(t, dtype=torch.int32)
+        kv_indptr = torch.tensor(_cumsum0([p + 1 for p in pre_l]), dtype=torch.int64)
     else:
-        tok_req = torch.repeat_interleave(torch.arange(batch.batch_size, dtype=torch.int32), ext)
-        starts = torch.cumsum(ext, 0, dtype=torch.int32) - ext
-        tok_local = torch.arange(t, dtype=torch.int32) - torch.repeat_interleave(starts, ext)
-        kv_indptr = torch.zeros(batch.batch_size + 1, dtype=torch.int64)
-        torch.cumsum(ext.to(torch.int64) + pre, 0, out=kv_indptr[1:])
+        req_l, local_l = [], []
+        for b, e in enumerate(ext_l):
+            req_l.extend([b] * e)
+            local_l.extend(range(e))
+        tok_req = torch.tensor(req_l, dtype=torch.int32)
+        tok_local = torch.tensor(local_l, dtype=torch.int32)
+        kv_indptr = torch.tensor(_cumsum0([p + e for p, e in zip(pre_l, ext_l)]),
+                                 dtype=torch.int64)
     masks, mask_indptr = _EMPTY_U8, _EMPTY_I64
     if batch.mode.uses_custom_mask:
         masks = torch.cat([m.reshape(-1) for m in batch.custom_masks]).to(torch.uint8)
-        sq = torch.tensor([e * e for e in batch.extend_lens], dtype=torch.int64)
-        mask_indptr = torch.zeros(batch.batch_size + 1, dtype=torch.int64)
-        torch.cumsum(sq, 0, out=mask_indptr[1:])
+        mask_indptr = torch.tensor(_cumsum0([e * e for e in ext_l]), dtype=torch.int64)
     return CpuAttnMetadata(tok_req, tok_local, kv_indptr, pre, ext, masks, mask_indptr)
 
 
