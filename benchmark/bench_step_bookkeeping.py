@@ -7,8 +7,10 @@ allocation, applying the result), timed with the caches cold (as right after a f
 A CPU-engine forward streams the model's weights through every cache level, so the Python and
 torch code that runs between two forwards finds its code and data evicted: a small torch op
 that takes ~3 us in a loop takes 20-60 us there. This times the index assembly of one step
-(decode: one new token per request; verify: a `--tree-nodes` chain per request, positions and
-ancestor masks, as the speculative worker builds it) after sweeping `--evict-mb` of memory
+(decode: one new token per request; spec root: a speculative step in which no one drafted,
+each request's one-node tree built as the drafters hand it over; verify: a `--tree-nodes`
+chain per request built from lists, positions and ancestor masks, as the speculative worker
+builds it) after sweeping `--evict-mb` of memory
 (cold) and back to back (warm). The scheduler rows run a real `Scheduler` over a stand-in
 runner that sweeps the same memory instead of a forward and answers one token per request:
 the time of `Scheduler.step` minus the stand-in's, per decode step (the scheduler's side of
@@ -38,19 +40,28 @@ def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def step_inputs(batch: int, context: int, nodes: int, verify: bool) -> dict:
-    """One step's per-request pieces: slot tensors (prefix + new), tokens, trees."""
-    n = nodes if verify else 1
+MODES = ("decode", "spec root", "verify")
+
+
+def step_inputs(batch: int, context: int, nodes: int, mode: str) -> dict:
+    """One step's per-request pieces: slot tensors (prefix + new) and each tree's lists."""
+    n = nodes if mode == "verify" else 1
     slots = [torch.arange(b * 100_000, b * 100_000 + context + n) for b in range(batch)]
-    trees = [DraftTree.from_parents(list(range(7, 7 + n)), [-1] + list(range(n - 1)))
-             for _ in range(batch)]
-    return {"slots": slots, "trees": trees, "prefix_lens": [context] * batch}
+    lists = [(list(range(7 + b, 7 + b + n)), [-1] + list(range(n - 1))) for b in range(batch)]
+    return {"slots": slots, "lists": lists, "prefix_lens": [context] * batch}
 
 
-def bookkeeping(inp: dict, verify: bool) -> None:
-    trees, prefix_lens = inp["trees"], inp["prefix_lens"]
+def bookkeeping(inp: dict, mode: str) -> None:
+    prefix_lens = inp["prefix_lens"]
+    if mode == "decode":  # plain decoding: no trees
+        batch = ForwardBatch.build(ForwardMode.DECODE, [[t[0]] for t, _ in inp["lists"]],
+                                   inp["slots"], prefix_lens)
+        batch.check()
+        plan(batch)
+        return
+    trees = [DraftTree.from_parents(t, p) for t, p in inp["lists"]]
     tokens = [t.token_list for t in trees]
-    if verify:
+    if mode == "verify":
         batch = ForwardBatch.build(
             ForwardMode.TARGET_VERIFY, tokens, inp["slots"], prefix_lens,
             positions=torch.tensor([p + d for p, t in zip(prefix_lens, trees)
@@ -112,22 +123,22 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # as the model runner sets torch's own ops (runner_process.py)
     sweep = np.ones(args.evict_mb * (1 << 20) // 8)
     rows, records = [], []
-    cases = [(b, v) for b in args.batch_sizes for v in (False, True)]
-    for b, verify in tqdm(cases, desc="bookkeeping", unit="case"):
-        inp = step_inputs(b, args.context, args.tree_nodes, verify)
+    cases = [(b, m) for b in args.batch_sizes for m in MODES]
+    for b, m in tqdm(cases, desc="bookkeeping", unit="case"):
+        inp = step_inputs(b, args.context, args.tree_nodes, m)
         for _ in range(10):  # first calls (lazy imports, allocator growth) are not counted
-            bookkeeping(inp, verify)
+            bookkeeping(inp, m)
         cold, warm = [], []
         for _ in range(args.reps):
             sweep.sum()
             t = time.perf_counter()
-            bookkeeping(inp, verify)
+            bookkeeping(inp, m)
             cold.append(time.perf_counter() - t)
             t = time.perf_counter()
-            bookkeeping(inp, verify)
+            bookkeeping(inp, m)
             warm.append(time.perf_counter() - t)
         c, w = statistics.median(cold) * 1e6, statistics.median(warm) * 1e6
-        mode = f"verify {args.tree_nodes}" if verify else "decode"
+        mode = f"verify {args.tree_nodes}" if m == "verify" else m
         records.append({"batch": b, "mode": mode, "cold_us": c, "warm_us": w})
         rows.append([b, mode, c, w, c / w])
     for b in tqdm(args.batch_sizes, desc="scheduler", unit="batch"):
@@ -136,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append([b, "scheduler decode", c, "-", "-"])
     write_json(args.output, {"args": vars(args), "machine": machine_info(), "rows": records})
     print(f"\nJSON: {args.output}\n")
-    print(f"median us per step: ForwardBatch.build + check + the CPU attention plan, and "
+    print(f"median us per step: the trees (spec), ForwardBatch.build + check + the CPU attention "
+          f"plan, and "
           f"the scheduler's decode step ({args.context}-token prefixes; cold = after sweeping "
           f"{args.evict_mb} MB)")
     print(format_table(["batch", "mode", "cold us", "warm us", "cold / warm"], rows))

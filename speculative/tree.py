@@ -98,8 +98,7 @@ class DraftTree:
         trees)."""
         t = object.__new__(cls)
         root_token = int(root_token)
-        t.tokens = torch.tensor([root_token], dtype=torch.int64)
-        t.parents = _ROOT_PARENTS
+        t.parents = _ROOT_PARENTS  # (tokens: a tensor on first use, __getattr__)
         t.draft_probs = None
         t._parent_list = [-1]
         t._links = ([0], [-1], [-1])
@@ -129,13 +128,23 @@ class DraftTree:
         # list round trips in the worker's bookkeeping).
         _check_topology(len(tokens), parents)
         t = object.__new__(cls)
-        t.tokens = torch.tensor(tokens, dtype=torch.int64)
-        t.parents = torch.tensor(parents, dtype=torch.int64)
-        t.draft_probs = None
+        t.draft_probs = None  # (tokens, parents: tensors on first use, __getattr__)
         t._parent_list = list(parents)
         t._links = t._depth = t._first_child = t._next_sibling = t._mask = None
         t._token_list = [int(x) for x in tokens]
         return t
+
+    def __getattr__(self, name: str):
+        # `tokens` / `parents` of a tree built from lists (`root`, `_from_lists`) become tensors
+        # on first use: the worker reads most trees of a step only as lists, and a small torch
+        # op right after a forward costs 20-60 us (docs/benchmarks.md, "Sixteenth session")
+        if name == "tokens":
+            self.tokens = torch.tensor(self._token_list, dtype=torch.int64)
+            return self.tokens
+        if name == "parents":
+            self.parents = torch.tensor(self._parent_list, dtype=torch.int64)
+            return self.parents
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def token_list(self) -> list[int]:

@@ -15,6 +15,7 @@ from runtime.messages import pack_ints, unpack_ints
 from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.sampling.sampling_params import SamplingParams
 from runtime.scheduler.req import Req
+from speculative.tree import DraftTree
 
 
 def reference_build(new_tokens, kv_slots, prefix_lens, logits):
@@ -90,6 +91,18 @@ def test_verify_plan_offsets_each_tree_mask():
     assert b.positions.tolist() == [4, 4, 5, 6, 4, 5]
 
 
+def test_list_built_trees_make_their_tensors_on_first_use():
+    t = DraftTree.from_parents([5, 6, 7, 8], [-1, 0, 0, 2])
+    ref = DraftTree(torch.tensor([5, 6, 7, 8]), torch.tensor([-1, 0, 0, 2]))
+    assert torch.equal(t.tokens, ref.tokens) and torch.equal(t.parents, ref.parents)
+    assert t.tokens.dtype == t.parents.dtype == torch.int64 and t.tokens is t.tokens
+    assert t.token_list == [5, 6, 7, 8] and torch.equal(t.depth, ref.depth)
+    r = DraftTree.root(9)
+    assert r.tokens.tolist() == [9] and r.parents.tolist() == [-1] and r.num_nodes == 1
+    with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
+        t.nonexistent  # noqa: B018
+
+
 def test_fill_slice_is_the_slice_of_fill_ids():
     req = Req(rid="r", prompt_ids=[10, 11, 12, 13], params=SamplingParams())
     req.output_ids = [20, 21, 22]
@@ -122,6 +135,7 @@ def test_bench_step_bookkeeping_reports_every_case(tmp_path):
 
     rows = json.loads((tmp_path / "b.json").read_text())["rows"]
     assert [(r["batch"], r["mode"]) for r in rows] == [
-        (1, "decode"), (1, "verify 4"), (4, "decode"), (4, "verify 4"),
+        (1, "decode"), (1, "spec root"), (1, "verify 4"),
+        (4, "decode"), (4, "spec root"), (4, "verify 4"),
         (1, "scheduler decode step"), (4, "scheduler decode step")]
     assert all(r["cold_us"] > 0 for r in rows)
