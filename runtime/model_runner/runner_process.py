@@ -94,9 +94,12 @@ class RunnerWorker:
         `slots_start`, then the shipped slots (the scheduler's list, in the same order)."""
         new = unpack_ints(entry.kv_slots)
         start = entry.slots_start
-        assert start <= st.slots.numel(), (
-            f"{entry.rid}: slots from {start}, the runner holds {st.slots.numel()}")
-        st.slots = torch.cat([st.slots[:start], new]) if start else new
+        held = st.slots.numel()
+        assert start <= held, f"{entry.rid}: slots from {start}, the runner holds {held}"
+        if not start:
+            st.slots = new
+        else:  # (no slice when it holds exactly the prefix: a decode step's case)
+            st.slots = torch.cat([st.slots if start == held else st.slots[:start], new])
         assert st.slots.numel() > entry.prefix_len, f"{entry.rid}: no slot for a new token"
         return st.slots
 
