@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -117,15 +118,11 @@ class ForwardBatch:
         for n, p in zip(seq_lens, prefix_lens):
             new_rows.extend(range(off + p, off + n))
             off += n
-        total = len(new_rows)
         if logits == "last":
-            ends, end = [], 0
-            for e in extend_lens:
-                end += e
-                ends.append(end - 1)
-            logits_indices = torch.tensor(ends, dtype=torch.int64)
+            logits_indices = torch.tensor([end - 1 for end in accumulate(extend_lens)],
+                                          dtype=torch.int64)
         else:
-            logits_indices = torch.arange(total)
+            logits_indices = torch.arange(len(new_rows))
         return ForwardBatch(
             mode=mode,
             input_ids=torch.tensor([t for toks in new_tokens for t in toks], dtype=torch.int64),

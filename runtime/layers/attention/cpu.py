@@ -12,6 +12,7 @@ per layer.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -33,15 +34,6 @@ class CpuAttnMetadata:
     mask_indptr: torch.Tensor  # [B + 1] int64, empty when causal
 
 
-def _cumsum0(xs: list[int]) -> list[int]:
-    """[0, x0, x0 + x1, ...]"""
-    out, acc = [0], 0
-    for x in xs:
-        acc += x
-        out.append(acc)
-    return out
-
-
 def plan(batch: ForwardBatch) -> CpuAttnMetadata:
     # Python lists, then one tensor each: small torch ops run with cold caches right after a
     # forward (20-60 us each, see ForwardBatch.build)
@@ -53,10 +45,6 @@ def plan(batch: ForwardBatch) -> CpuAttnMetadata:
         tok_req = torch.zeros(t, dtype=torch.int32)
         tok_local = torch.arange(t, dtype=torch.int32)
         kv_indptr = torch.tensor([0, pre_l[0] + ext_l[0]])
-    elif t == batch.batch_size and max(ext_l) == 1:  # one new token each (a decode step)
-        tok_req = torch.arange(t, dtype=torch.int32)
-        tok_local = torch.zeros(t, dtype=torch.int32)
-        kv_indptr = torch.tensor(_cumsum0([p + 1 for p in pre_l]), dtype=torch.int64)
     else:
         req_l, local_l = [], []
         for b, e in enumerate(ext_l):
@@ -64,12 +52,13 @@ def plan(batch: ForwardBatch) -> CpuAttnMetadata:
             local_l.extend(range(e))
         tok_req = torch.tensor(req_l, dtype=torch.int32)
         tok_local = torch.tensor(local_l, dtype=torch.int32)
-        kv_indptr = torch.tensor(_cumsum0([p + e for p, e in zip(pre_l, ext_l)]),
-                                 dtype=torch.int64)
+        kv_indptr = torch.tensor(list(accumulate((p + e for p, e in zip(pre_l, ext_l)),
+                                                 initial=0)), dtype=torch.int64)
     masks, mask_indptr = _EMPTY_U8, _EMPTY_I64
     if batch.mode.uses_custom_mask:
         masks = torch.cat([m.reshape(-1) for m in batch.custom_masks]).to(torch.uint8)
-        mask_indptr = torch.tensor(_cumsum0([e * e for e in ext_l]), dtype=torch.int64)
+        mask_indptr = torch.tensor(list(accumulate((e * e for e in ext_l), initial=0)),
+                                   dtype=torch.int64)
     return CpuAttnMetadata(tok_req, tok_local, kv_indptr, pre, ext, masks, mask_indptr)
 
 
