@@ -29,6 +29,10 @@ which point it is older than everything queued and goes back to the front. Amort
 
 Memory: about 100 bytes per node (measured), so the default 1M nodes is ~100 MB; SGLang's C++
 trie defaults to 10M nodes. Not thread-safe: the model runner calls it from one thread.
+
+Two implementations of one trie: `NgramCache` below (Python, the reference) and
+`NativeNgramCache` (the same operations in C++, `kernels/cpu/csrc/ngram_trie.cpp`);
+`new_ngram_cache` gives the native one where the CPU extension loads.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import json
+import os
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -181,8 +186,105 @@ class _ReqState:
     versions: list[int]  # node version when recorded; _MISSING: tail[-k:] was not in the trie
 
 
-class NgramCache:
+class _CacheCommon:
+    """What both implementations share: corpus loading and `draft` on top of `draft_lists`."""
+
+    cfg: NgramConfig
+
+    def draft(
+        self,
+        context_tail: Sequence[int],
+        num_draft_tokens: int | None = None,
+        *,
+        key: Hashable | None = None,
+        backed_off: bool = False,
+    ) -> DraftTree:
+        """A draft tree of at most `num_draft_tokens` nodes rooted at context_tail[-1].
+
+        Reads only the last D-1 tokens. Suffixes are matched longest first (down to
+        min_match_window) and their continuations merged into one tree until it is full; no
+        match gives the root-only tree. With `size_by_match` the tree is sized by the longest
+        match (`tree_size_for_match`), and `backed_off` drafts only on a confident match. With
+        the `key` of the request's last `extend` over the same context, the suffix nodes are
+        reused instead of looked up.
+        """
+        tokens, parents = self.draft_lists(context_tail, num_draft_tokens, key=key,
+                                           backed_off=backed_off)
+        return DraftTree.from_parents(tokens, parents)
+
+    def draft_lists(self, context_tail: Sequence[int], num_draft_tokens: int | None = None, *,
+                    key: Hashable | None = None,
+                    backed_off: bool = False) -> tuple[list[int], list[int]]:
+        raise NotImplementedError
+
+    def insert(self, tokens: Sequence[int]) -> None:
+        raise NotImplementedError
+
+    def load_corpus(
+        self, path: str | Path, tokenize: Callable[[str], Sequence[int]] | None = None
+    ) -> int:
+        """Preload documents; returns the number of tokens inserted.
+
+        `.jsonl`: one record per line, {"tokens": [...]}, {"text": "..."} or a bare JSON string.
+        Any other file: plain text, one document per blank-line-separated paragraph. Text needs
+        `tokenize` (text -> token ids). Each document is inserted on its own (no n-gram spans
+        two documents).
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"n-gram corpus not found: {path}")
+
+        def encode(text: str, where: str) -> Sequence[int]:
+            if tokenize is None:
+                raise ValueError(f"{where}: text needs a tokenizer (pass tokenize=...)")
+            return tokenize(text)
+
+        total = 0
+        with path.open(encoding="utf-8") as f:
+            if path.suffix == ".jsonl":
+                for line_no, line in enumerate(f, start=1):
+                    if not line.strip():
+                        continue
+                    where = f"{path}:{line_no}"
+                    try:
+                        rec = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{where}: invalid JSON: {e.msg}") from e
+                    if isinstance(rec, str):
+                        ids = encode(rec, where)
+                    elif isinstance(rec, dict) and "tokens" in rec:
+                        ids = rec["tokens"]
+                    elif isinstance(rec, dict) and "text" in rec:
+                        ids = encode(rec["text"], where)
+                    else:
+                        want = '{"tokens": [...]}, {"text": ...} or a JSON string'
+                        raise ValueError(f"{where}: expected {want}")
+                    self.insert(ids)
+                    total += len(ids)
+            else:
+                for para in f.read().split("\n\n"):
+                    if para.strip():
+                        ids = encode(para, str(path))
+                        self.insert(ids)
+                        total += len(ids)
+        return total
+
+
+def _breadths(cfg: NgramConfig) -> list[int]:
+    """Breadth for (match length m, tree level l), indexed by m + l - 2 in [0, D-2]: the
+    linear decay SGLang uses, spanning exactly max_bfs_breadth (m = l = 1) down to
+    min_bfs_breadth (m + l = D, the deepest continuation the trie holds)."""
+    depth = cfg.max_trie_depth
+    span = max(depth - 2, 1)
+    lo, delta = cfg.min_bfs_breadth, cfg.max_bfs_breadth - cfg.min_bfs_breadth
+    return [lo + delta * max(span - i, 0) // span for i in range(depth)]
+
+
+class NgramCache(_CacheCommon):
     """A capacity-bounded n-gram trie with LRU leaf eviction, and tree drafting from it.
+
+    The reference implementation, in Python; `NativeNgramCache` is the same trie in C++ (what
+    `new_ngram_cache` gives when the CPU extension loads).
 
     Nodes are integer ids into parallel lists (id 0 = root; evicted ids are reused, and a
     version bump tells stale references apart):
@@ -216,12 +318,7 @@ class NgramCache:
         self._num_nodes = 0
         self._states: OrderedDict[Hashable, _ReqState] = OrderedDict()
         self.last_match_len = 0  # m of the last draft (0: no match), for replay statistics
-        # breadth for (match length m, tree level l), indexed by m + l - 2 in [0, D-2]: the
-        # linear decay SGLang uses, spanning exactly max_bfs_breadth (m = l = 1) down to
-        # min_bfs_breadth (m + l = D, the deepest continuation the trie holds).
-        span = max(self._depth - 2, 1)
-        lo, delta = cfg.min_bfs_breadth, cfg.max_bfs_breadth - cfg.min_bfs_breadth
-        self._breadth = [lo + delta * max(span - i, 0) // span for i in range(self._depth)]
+        self._breadth = _breadths(cfg)
 
     @property
     def num_nodes(self) -> int:
@@ -608,27 +705,6 @@ class NgramCache:
         return best
 
 
-    def draft(
-        self,
-        context_tail: Sequence[int],
-        num_draft_tokens: int | None = None,
-        *,
-        key: Hashable | None = None,
-        backed_off: bool = False,
-    ) -> DraftTree:
-        """A draft tree of at most `num_draft_tokens` nodes rooted at context_tail[-1].
-
-        Reads only the last D-1 tokens. Suffixes are matched longest first (down to
-        min_match_window) and their continuations merged into one tree until it is full; no
-        match gives the root-only tree. With `size_by_match` the tree is sized by the longest
-        match (`tree_size_for_match`), and `backed_off` drafts only on a confident match. With
-        the `key` of the request's last `extend` over the same context, the suffix nodes are
-        reused instead of looked up.
-        """
-        tokens, parents = self.draft_lists(context_tail, num_draft_tokens, key=key,
-                                           backed_off=backed_off)
-        return DraftTree.from_parents(tokens, parents)
-
     def draft_lists(
         self,
         context_tail: Sequence[int],
@@ -749,56 +825,19 @@ class NgramCache:
             top = self._tops[node] = array("q", [order[i] for i in best])
         return top
 
-    # ---------------------------------------------------------------- corpus, checks
+    # ---------------------------------------------------------------- checks
 
-    def load_corpus(
-        self, path: str | Path, tokenize: Callable[[str], Sequence[int]] | None = None
-    ) -> int:
-        """Preload documents; returns the number of tokens inserted.
-
-        `.jsonl`: one record per line, {"tokens": [...]}, {"text": "..."} or a bare JSON string.
-        Any other file: plain text, one document per blank-line-separated paragraph. Text needs
-        `tokenize` (text -> token ids). Each document is inserted on its own (no n-gram spans
-        two documents).
-        """
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"n-gram corpus not found: {path}")
-
-        def encode(text: str, where: str) -> Sequence[int]:
-            if tokenize is None:
-                raise ValueError(f"{where}: text needs a tokenizer (pass tokenize=...)")
-            return tokenize(text)
-
-        total = 0
-        with path.open(encoding="utf-8") as f:
-            if path.suffix == ".jsonl":
-                for line_no, line in enumerate(f, start=1):
-                    if not line.strip():
-                        continue
-                    where = f"{path}:{line_no}"
-                    try:
-                        rec = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{where}: invalid JSON: {e.msg}") from e
-                    if isinstance(rec, str):
-                        ids = encode(rec, where)
-                    elif isinstance(rec, dict) and "tokens" in rec:
-                        ids = rec["tokens"]
-                    elif isinstance(rec, dict) and "text" in rec:
-                        ids = encode(rec["text"], where)
-                    else:
-                        want = '{"tokens": [...]}, {"text": ...} or a JSON string'
-                        raise ValueError(f"{where}: expected {want}")
-                    self.insert(ids)
-                    total += len(ids)
-            else:
-                for para in f.read().split("\n\n"):
-                    if para.strip():
-                        ids = encode(para, str(path))
-                        self.insert(ids)
-                        total += len(ids)
-        return total
+    def dump(self) -> list[tuple[tuple[int, ...], int]]:
+        """Every stored n-gram with its count, depth first, children in recency order (for
+        tests: both implementations give the same list for the same operations)."""
+        out, stack = [], [((), _ROOT)]
+        while stack:
+            path, node = stack.pop()
+            for child in self._children(node):
+                gram = (*path, self._tok[child])
+                out.append((gram, self._cnt[child]))
+                stack.append((gram, child))
+        return out
 
     def check_integrity(self) -> None:
         """Assert every structural invariant (O(num_nodes); for tests and debugging)."""
@@ -847,3 +886,87 @@ class NgramCache:
         for st in self._states.values():
             assert len(st.anchors) == len(st.versions) == len(st.tail) + 1 <= self._depth
             assert st.anchors[0] == _ROOT, "anchors[0] must be the root"
+
+
+class NativeNgramCache(_CacheCommon):
+    """`NgramCache` in C++ (`kernels/cpu/csrc/ngram_trie.cpp`): the same trie operation for
+    operation (counts, recency orders, LRU eviction, every draft identical;
+    tests/unit/test_ngram_native.py replays random operations on both), at native cost. At
+    c = 64 SUFFIX's global tree counted and drafted for ~2 ms of every step in Python
+    (docs/benchmarks.md, "Seventeenth session"). Request keys that are not strings are keyed
+    by their repr."""
+
+    def __init__(self, cfg: NgramConfig) -> None:
+        from kernels import cpu
+
+        self.cfg = cfg
+        self._t = cpu.load().NgramTrie(
+            cfg.capacity, cfg.max_trie_depth, cfg.min_match_window, cfg.max_bfs_breadth,
+            _breadths(cfg), cfg.match_type == "PROB", cfg.num_draft_tokens, cfg.size_by_match,
+            cfg.max_tracked_requests)
+
+    @staticmethod
+    def _key(key: Hashable | None) -> str | None:
+        return key if key is None or type(key) is str else "\0" + repr(key)
+
+    @property
+    def num_nodes(self) -> int:
+        """Trie nodes excluding the root; always <= cfg.capacity."""
+        return self._t.num_nodes
+
+    @property
+    def last_match_len(self) -> int:
+        """m of the last draft (0: no match)."""
+        return self._t.last_match_len
+
+    def count(self, ngram: Sequence[int]) -> int:
+        return self._t.count(ngram)
+
+    def insert(self, tokens: Sequence[int]) -> None:
+        self._t.insert(tokens)
+
+    def extend(self, key: Hashable, context_tail: Sequence[int], new_tokens: Sequence[int]) -> None:
+        self._t.extend(self._key(key), context_tail, new_tokens)
+
+    def release(self, key: Hashable) -> None:
+        self._t.release(self._key(key))
+
+    def remove(self, tokens: Sequence[int]) -> None:
+        self._t.remove(tokens)
+
+    def draft_scored(
+        self, context_tail: Sequence[int], max_nodes: int, *, spec_factor: float,
+        spec_offset: float, min_prob: float, key: Hashable | None = None,
+    ) -> tuple[list[int], list[int], list[float], float, int]:
+        return self._t.draft_scored(context_tail, max_nodes, spec_factor, spec_offset, min_prob,
+                                    self._key(key))
+
+    def draft_lists(
+        self, context_tail: Sequence[int], num_draft_tokens: int | None = None, *,
+        key: Hashable | None = None, backed_off: bool = False,
+    ) -> tuple[list[int], list[int]]:
+        return self._t.draft_lists(context_tail, num_draft_tokens, self._key(key), backed_off)
+
+    def dump(self) -> list[tuple[tuple[int, ...], int]]:
+        return [(tuple(gram), c) for gram, c in self._t.dump()]
+
+    def check_integrity(self) -> None:
+        try:
+            self._t.check_integrity()
+        except RuntimeError as e:  # (a C++ logic_error)
+            raise AssertionError(str(e)) from None
+
+
+def native_available() -> bool:
+    """Whether `new_ngram_cache` gives the C++ trie here."""
+    if os.environ.get("SPECSERVE_NGRAM_NATIVE", "1") == "0":
+        return False
+    from kernels import cpu
+
+    return cpu.available()[0]
+
+
+def new_ngram_cache(cfg: NgramConfig) -> NgramCache | NativeNgramCache:
+    """The C++ trie when the CPU extension loads (it is built at set-up), else the Python one;
+    SPECSERVE_NGRAM_NATIVE=0 forces Python. Both give the same drafts."""
+    return NativeNgramCache(cfg) if native_available() else NgramCache(cfg)

@@ -1,5 +1,6 @@
 """The CPU engine's C++ extension: quantized batch-invariant matmuls, query-invariant attention
-and the fused decoder stack (sources in `kernels/cpu/csrc/`).
+and the fused decoder stack (sources in `kernels/cpu/csrc/`), and the NGRAM / SUFFIX drafters'
+n-gram trie (`ngram_trie.cpp`, used through `speculative.ngram_cache.NativeNgramCache`).
 
 It is compiled by this project on first use (`torch.utils.cpp_extension.load`, ninja + the
 system g++) into `<cache>/cpu_ext/`, keyed by a hash of the sources, and reused afterwards;
@@ -25,7 +26,7 @@ from runtime.errors import SpecserveError
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("engine.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_generic.cpp")
+SOURCES = ("engine.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_generic.cpp", "ngram_trie.cpp")
 HEADERS = ("kernels.h", "pool.h")
 # -ffp-contract=off: a*b+c stays two roundings unless the code asks for an FMA, so the float
 # steps of a kernel are the ones written (and the same for every row). Never -ffast-math.

@@ -35,7 +35,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from speculative.base import Drafter, SpecReq, register_algorithm
-from speculative.ngram_cache import NgramCache, NgramConfig
+from speculative.ngram_cache import NgramConfig, new_ngram_cache
 from speculative.ngram_context import ContextIndex
 from speculative.options import ResolveContext, SpecConfig, SpecOptions, flag, option
 from speculative.tree import DraftTree
@@ -198,7 +198,7 @@ class SuffixDrafter(Drafter):
         breadth = max(1, min(64, math.ceil(1.0 / cfg.suffix_min_token_prob)))
         self._global_cfg = NgramConfig(capacity=cfg.suffix_cache_capacity, max_trie_depth=depth,
                                        max_bfs_breadth=breadth)
-        self.global_tree = NgramCache(self._global_cfg)
+        self.global_tree = new_ngram_cache(self._global_cfg)
         self.trees: OrderedDict[str, ContextIndex] = OrderedDict()  # per live request
         # outputs the global tree counts, oldest first (finished or running)
         self.outputs: OrderedDict[str, array] = OrderedDict()
@@ -209,6 +209,7 @@ class SuffixDrafter(Drafter):
         # per request, its last draft until the step's tokens are observed: tokens, parents,
         # each node's source and its estimate before calibration
         self._pending: dict[str, tuple[list[int], list[int], list[str], list[float]]] = {}
+        self._payable: dict[tuple[int, int, int], bool] = {}  # can_pay's answers
 
     def describe(self) -> str:
         c = self.cfg
@@ -225,7 +226,8 @@ class SuffixDrafter(Drafter):
     def draft_lists(self, r: SpecReq, batch_size: int = 1) -> tuple[list[int], list[int]]:
         root = ([r.tokens[-1]], [-1])
         self.last_source, self.last_probs = "", [1.0]
-        if r.budget <= 1:
+        if r.budget <= 1 or not self.can_pay(batch_size, r.budget):
+            self._pending.pop(r.rid, None)
             return root
         c = self.cfg
         tail = r.tokens[-c.suffix_max_tree_depth:]
@@ -289,6 +291,24 @@ class SuffixDrafter(Drafter):
             accepted[src] += u in accepted_nodes
         self.calibration.update(estimated, accepted)
 
+    def can_pay(self, batch_size: int, budget: int) -> bool:
+        """Whether any tree of at most `budget` nodes could keep a draft in `worth_drafting`
+        at this batch size. Exact: every node's probability is at most 1 (products of count
+        fractions, the global tree's scaled by a trust <= 1, merged by max), and the cut's
+        rate only falls as a probability does, so when a tree of certain drafts is cut to
+        its root, every tree is, and drafting it is skipped. On the CPU engine at c = 64
+        (compute-bound) no draft pays, and drafting all 64 requests' trees only to cut them
+        took ~1.6 ms a step (docs/benchmarks.md, "Seventeenth session")."""
+        if self.verify_cost is None or self.cfg.disable_adaptive:
+            return True
+        key = (batch_size, budget, id(self.verify_cost))
+        ok = self._payable.get(key)
+        if ok is None:
+            if len(self._payable) > 4096:
+                self._payable.clear()
+            ok = self._payable[key] = self.worth_drafting([1.0] * budget, batch_size) > 1
+        return ok
+
     def worth_drafting(self, probs: list[float], batch_size: int = 1) -> int:
         """Nodes (root included) of a best-first tree worth verifying: the prefix that
         maximises the step's expected tokens per verify cost. Alone, (1 + sum of its drafts'
@@ -348,7 +368,7 @@ class SuffixDrafter(Drafter):
         self.global_tree.release(rid)  # its output stays counted until it is the oldest
 
     def reset(self) -> None:
-        self.global_tree = NgramCache(self._global_cfg)
+        self.global_tree = new_ngram_cache(self._global_cfg)
         self.calibration = SourceCalibration()
         self._pending.clear()
         self.trees.clear()

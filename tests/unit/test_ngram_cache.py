@@ -7,25 +7,44 @@ from collections import Counter
 
 import pytest
 
-from speculative.ngram_cache import NgramCache, NgramConfig, tree_size_for_match
+from speculative.ngram_cache import (
+    NativeNgramCache,
+    NgramCache,
+    NgramConfig,
+    _breadths,
+    native_available,
+    tree_size_for_match,
+)
+
+IMPLS = ["python", "native"] if native_available() else ["python"]
 
 
-def _cache(**kw) -> NgramCache:
+@pytest.fixture(params=IMPLS, autouse=True)
+def impl(request) -> str:
+    """Every test runs on the Python trie and on the C++ one (same behaviour, same drafts)."""
+    global _IMPL
+    _IMPL = request.param
+    return request.param
+
+
+_IMPL = "python"
+
+
+def _cache(**kw) -> NgramCache | NativeNgramCache:
     """A cache whose trees fill their budget (the builders' own behaviour); the tests of
     sizing by match length pass size_by_match=True."""
-    return NgramCache(NgramConfig(**{"size_by_match": False, **kw}))
+    cls = NativeNgramCache if _IMPL == "native" else NgramCache
+    return cls(NgramConfig(**{"size_by_match": False, **kw}))
 
 
-def _dump(cache: NgramCache) -> list[tuple[tuple[int, ...], int]]:
+def _dump(cache) -> list[tuple[tuple[int, ...], int]]:
     """Every stored n-gram with its count, children in the trie's recency order."""
-    out, stack = [], [((), 0)]
-    while stack:
-        path, node = stack.pop()
-        for child in cache._children(node):
-            gram = path + (cache._tok[child],)
-            out.append((gram, cache._cnt[child]))
-            stack.append((gram, child))
-    return out
+    return cache.dump()
+
+
+def _python_only(impl: str) -> None:
+    if impl != "python":
+        pytest.skip("reads the Python trie's internals")
 
 
 def _brute_counts(seqs: list[list[int]], depth: int) -> dict[tuple[int, ...], int]:
@@ -88,8 +107,9 @@ def test_bfs_takes_the_most_recent_children_within_decaying_breadth() -> None:
     depth, max_b, min_b = 6, 5, 1
     cache = _cache(max_trie_depth=depth, max_bfs_breadth=max_b, min_bfs_breadth=min_b)
     # breadth index m + level - 2 spans exactly max_b .. min_b and never grows
-    assert cache._breadth[0] == max_b and cache._breadth[depth - 2] == min_b
-    assert all(a >= b for a, b in zip(cache._breadth, cache._breadth[1:]))
+    breadth = _breadths(cache.cfg)
+    assert breadth[0] == max_b and breadth[depth - 2] == min_b
+    assert all(a >= b for a, b in zip(breadth, breadth[1:]))
     # after token 7: 30 continuations c, each followed by 6 continuations d, then e
     for c in range(100, 130):
         for d in range(200, 206):
@@ -99,11 +119,11 @@ def test_bfs_takes_the_most_recent_children_within_decaying_breadth() -> None:
     assert len(tokens) <= 200
     level1 = _children(parents, 0)
     # only a 1-token match exists (m = 1): level l takes breadth[l - 1] children
-    assert len(level1) == cache._breadth[0] == max_b
+    assert len(level1) == breadth[0] == max_b
     assert [tokens[i] for i in level1] == [129, 128, 127, 126, 125]  # most recent first
     for i in level1:
         level2 = _children(parents, i)
-        assert len(level2) == cache._breadth[1]
+        assert len(level2) == breadth[1]
         assert [tokens[j] for j in level2] == [205, 204, 203, 202][: len(level2)]
         for j in level2:
             assert len(_children(parents, j)) == 1  # one stored continuation
@@ -115,7 +135,8 @@ def test_bfs_takes_the_most_recent_children_within_decaying_breadth() -> None:
 
 def test_longer_matches_get_narrower_trees_and_shorter_ones_merge_in() -> None:
     cache = _cache(max_trie_depth=10, max_bfs_breadth=9, min_bfs_breadth=1)
-    assert cache._breadth[:5] == [9, 8, 7, 6, 5]
+    breadth = _breadths(cache.cfg)
+    assert breadth[:5] == [9, 8, 7, 6, 5]
     for c in range(100, 120):
         cache.insert([1, 2, 3, 4, 5, c])
     # the 5-token match alone (budget) takes breadth[4] = 5 most recent continuations
@@ -357,7 +378,8 @@ def test_integrity_holds_after_random_operations(match_type: str, seed: int) -> 
     cache.check_integrity()
 
 
-def test_check_integrity_catches_a_corrupted_trie() -> None:
+def test_check_integrity_catches_a_corrupted_trie(impl: str) -> None:
+    _python_only(impl)
     cache = _cache(match_type="PROB")
     cache.insert([1, 2, 3, 1, 2, 4])
     cache.draft([1, 2], 4)
@@ -373,7 +395,7 @@ def test_check_integrity_catches_a_corrupted_trie() -> None:
         cache.check_integrity()
 
 
-def test_trie_nodes_add_no_objects_for_the_garbage_collector() -> None:
+def test_trie_nodes_add_no_objects_for_the_garbage_collector(impl: str) -> None:
     # millions of nodes must not make every full collection walk millions of objects
     rng = random.Random(6)
     cache = _cache(match_type="PROB")
@@ -464,7 +486,8 @@ def test_tree_size_grows_with_the_match_length_within_the_budget() -> None:
 
 
 def test_sized_trees_follow_the_longest_match_and_backoff_drafts_only_on_long_ones() -> None:
-    cache = NgramCache(NgramConfig(max_trie_depth=18, num_draft_tokens=8))
+    cls = NativeNgramCache if _IMPL == "native" else NgramCache
+    cache = cls(NgramConfig(max_trie_depth=18, num_draft_tokens=8))
     assert cache.cfg.size_by_match  # the default
     passage = list(range(1000, 1040))
     cache.insert(passage)

@@ -100,14 +100,7 @@ def _teach(d: NgramDrafter, rid: str, tokens: list[int]) -> None:
 
 def _ngram_counts(cache) -> dict[tuple[int, ...], int]:
     """Every n-gram the trie holds, with its count."""
-    out, stack = {}, [(0, ())]
-    while stack:
-        node, path = stack.pop()
-        for child in cache._children(node):
-            key = (*path, cache._tok[child])
-            out[key] = cache._cnt[child]
-            stack.append((child, key))
-    return out
+    return dict(cache.dump())
 
 
 def test_the_trie_counts_a_request_before_it_drafts_and_all_of_it_when_it_ends():

@@ -204,6 +204,44 @@ def test_the_cpu_engine_cost_curve_cuts_the_unlikely_tail():
     assert d.worth_drafting([1.0, 0.8, 0.7, 0.6], batch_size=1) == 4
 
 
+def test_a_batch_where_no_draft_can_pay_skips_drafting_and_cuts_the_same_trees():
+    """can_pay is exact: wherever it says no, worth_drafting cuts every tree of probabilities
+    <= 1 to its root; and then nothing is drafted (neither tree is read)."""
+    from runtime.verify_cost import VERIFY_COST, VerifyCost
+
+    rng = random.Random(3)
+    curves = [VERIFY_COST["cpu"], VerifyCost((1, 2, 8, 64), (1.0, 1.05, 1.5, 12.0)),
+              VerifyCost((1, 4, 16), (1.0, 1.1, 4.5)),
+              VerifyCost((1, 8, 32, 64), (1.0, 3.56, 8.85, 16.25))]
+    d = create_drafter(SpecConfig("SUFFIX", 8), None)
+    said_no = 0
+    for curve in curves:
+        d.verify_cost = curve
+        for batch in (1, 2, 4, 8, 16, 32, 64):
+            for budget in (2, 4, 8, 16):
+                if d.can_pay(batch, budget):
+                    continue
+                said_no += 1
+                for _ in range(50):
+                    probs = sorted((rng.random() ** rng.choice([0.1, 1, 3])
+                                    for _ in range(budget - 1)), reverse=True)
+                    assert d.worth_drafting([1.0, *probs], batch) == 1
+    assert said_no > 10
+    # a step of 64 on a curve measured at start-up on an AMX machine (2026-11-28, rounded):
+    # a tree of certain drafts is cut, so nothing is drafted
+    d.verify_cost = VerifyCost((1, 2, 8, 16, 32, 48, 64),
+                               (1.0, 2.29, 3.56, 5.86, 8.85, 11.84, 16.25))
+    assert not d.can_pay(64, 8) and d.can_pay(1, 8) and d.can_pay(32, 8)
+    toks = [5, 6, 7, 8, 9] * 6
+    d.observe("a", toks, len(toks))
+    assert d.propose([SpecReq("a", toks, 8)])[0].num_nodes > 1  # alone, a sure chain pays
+    calls = []
+    d.global_tree.draft_scored = lambda *a, **k: calls.append(a)
+    trees = d.propose([SpecReq("a", toks, 8)] + [SpecReq(f"b{i}", toks[:5], 8)
+                                                 for i in range(63)])
+    assert trees[0].num_nodes == 1 and not calls
+
+
 def test_the_request_and_global_trees_merge_best_first():
     from speculative.drafters.suffix import merge_best_first
 

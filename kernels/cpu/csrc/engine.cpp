@@ -903,6 +903,8 @@ std::vector<torch::Tensor> quantize_op(torch::Tensor x, int levels, const std::s
 
 std::string isa_name(const std::string& isa) { return pick_isa(isa)->name; }
 
+void register_ngram_trie(pybind11::module_& m);  // ngram_trie.cpp
+
 }  // namespace specserve
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -959,4 +961,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa_name", &isa_name, py::arg("isa") = "");
   m.def("to_half", &to_half_op, py::arg("x"), py::arg("scalar") = false);
   m.def("quantize", &quantize_op, py::arg("x"), py::arg("levels"), py::arg("isa") = "");
+  register_ngram_trie(m);
 }
