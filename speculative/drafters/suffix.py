@@ -296,9 +296,10 @@ class SuffixDrafter(Drafter):
         at this batch size. Exact: every node's probability is at most 1 (products of count
         fractions, the global tree's scaled by a trust <= 1, merged by max), and the cut's
         rate only falls as a probability does, so when a tree of certain drafts is cut to
-        its root, every tree is, and drafting it is skipped. On the CPU engine at c = 64
-        (compute-bound) no draft pays, and drafting all 64 requests' trees only to cut them
-        took ~1.6 ms a step (docs/benchmarks.md, "Seventeenth session")."""
+        its root, every tree is, and drafting it is skipped. On a CPU-engine curve measured
+        at start-up no draft pays in a batch of ~48 or more, where drafting each request's
+        trees costs ~45 us (py-spy at batch ~35: ~1.6 ms a step; docs/benchmarks.md,
+        "Seventeenth session")."""
         if self.verify_cost is None or self.cfg.disable_adaptive:
             return True
         key = (batch_size, budget, id(self.verify_cost))
