@@ -187,7 +187,8 @@ class _ReqState:
 
 
 class _CacheCommon:
-    """What both implementations share: corpus loading and `draft` on top of `draft_lists`."""
+    """What both implementations share: corpus loading (through their `insert`) and `draft`
+    on top of their `draft_lists`."""
 
     cfg: NgramConfig
 
@@ -211,14 +212,6 @@ class _CacheCommon:
         tokens, parents = self.draft_lists(context_tail, num_draft_tokens, key=key,
                                            backed_off=backed_off)
         return DraftTree.from_parents(tokens, parents)
-
-    def draft_lists(self, context_tail: Sequence[int], num_draft_tokens: int | None = None, *,
-                    key: Hashable | None = None,
-                    backed_off: bool = False) -> tuple[list[int], list[int]]:
-        raise NotImplementedError
-
-    def insert(self, tokens: Sequence[int]) -> None:
-        raise NotImplementedError
 
     def load_corpus(
         self, path: str | Path, tokenize: Callable[[str], Sequence[int]] | None = None

@@ -209,7 +209,8 @@ class SuffixDrafter(Drafter):
         # per request, its last draft until the step's tokens are observed: tokens, parents,
         # each node's source and its estimate before calibration
         self._pending: dict[str, tuple[list[int], list[int], list[str], list[float]]] = {}
-        self._payable: dict[tuple[int, int, int], bool] = {}  # can_pay's answers
+        self._payable: dict[tuple[int, int], bool] = {}  # can_pay's answers for one curve
+        self._payable_for = None  # ... this one
 
     def describe(self) -> str:
         c = self.cfg
@@ -302,12 +303,12 @@ class SuffixDrafter(Drafter):
         "Seventeenth session")."""
         if self.verify_cost is None or self.cfg.disable_adaptive:
             return True
-        key = (batch_size, budget, id(self.verify_cost))
-        ok = self._payable.get(key)
+        if self._payable_for is not self.verify_cost or len(self._payable) > 4096:
+            self._payable, self._payable_for = {}, self.verify_cost
+        ok = self._payable.get((batch_size, budget))
         if ok is None:
-            if len(self._payable) > 4096:
-                self._payable.clear()
-            ok = self._payable[key] = self.worth_drafting([1.0] * budget, batch_size) > 1
+            ok = self.worth_drafting([1.0] * budget, batch_size) > 1
+            self._payable[batch_size, budget] = ok
         return ok
 
     def worth_drafting(self, probs: list[float], batch_size: int = 1) -> int:

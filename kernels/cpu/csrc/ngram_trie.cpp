@@ -835,7 +835,6 @@ void register_ngram_trie(py::module_& m) {
       .def("remove", &NgramTrie::remove)
       .def("draft_scored", &NgramTrie::draft_scored)
       .def("draft_lists", &NgramTrie::draft_lists)
-      .def_static("tree_size_for_match", &NgramTrie::tree_size_for_match)
       .def("dump", &NgramTrie::dump)
       .def("check_integrity", &NgramTrie::check_integrity);
 }
