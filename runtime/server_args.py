@@ -82,6 +82,11 @@ class BaseServerArgs:
                                          "the model dir name)")
     num_threads: int | None = _arg(None, "torch threads in the model-runner process (default: "
                                    "all cores)")
+    heap_trim_interval: float = _arg(
+        30.0, "seconds between the model runner's returns of freed heap memory to the OS "
+        "(glibc malloc_trim), which it also does once whenever it goes idle. The buffers a "
+        "step frees otherwise stay resident (~0.5 GB at 64 streams) after the load is gone; "
+        "0 turns it off")
     speculative_algorithm: str | None = field(default=None, metadata={
         "help": "speculative decoding algorithm (none when unset); each algorithm's own options "
         "are listed in its group below", "choices": None, "group": "speculative"})
@@ -111,6 +116,8 @@ class BaseServerArgs:
         for name in ("max_running_requests", "chunked_prefill_size", "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if not self.heap_trim_interval >= 0:
+            raise ValueError("--heap-trim-interval must be >= 0 (0 turns it off)")
         args = self
         if self.speculative_config is not None:
             args = args._apply_speculative_config()

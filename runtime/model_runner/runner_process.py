@@ -29,7 +29,7 @@ from runtime.messages import (
 )
 from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
-from runtime.proc_utils import die_with_parent, parent_alive, setup_logging
+from runtime.proc_utils import HeapTrimmer, die_with_parent, parent_alive, setup_logging
 from runtime.sampling.sampler import SamplingBatchInfo, sample
 from runtime.sampling.sampling_params import SamplingParams
 from speculative.base import TargetRows
@@ -216,7 +216,7 @@ def single_torch_thread(runner) -> None:
 
 
 def run_model_runner_process(server_args, ipc_dir: str, parent_pid: int) -> None:
-    die_with_parent()
+    die_with_parent("specserve-run")
     setup_logging(server_args.log_level, "runner")
     torch.set_num_threads(server_args.num_threads)
     logger.info("model runner: %d torch threads (pid %d)", torch.get_num_threads(), os.getpid())
@@ -237,6 +237,7 @@ def run_model_runner_process(server_args, ipc_dir: str, parent_pid: int) -> None
         send.send(RunnerError(message=f"model runner failed to start: {exc}"))
         raise
     worker = RunnerWorker(runner, spec)
+    trimmer = HeapTrimmer(server_args.heap_trim_interval)
     mc = runner.model_config
     send.send(RunnerReady(info={
         "kv_capacity": runner.kv_capacity, "context_length": runner.context_length,
@@ -253,6 +254,7 @@ def run_model_runner_process(server_args, ipc_dir: str, parent_pid: int) -> None
         if msg is None:
             if not parent_alive(parent_pid):
                 return
+            trimmer.idle()
             continue
         if isinstance(msg, ShutdownReq):
             return
@@ -261,3 +263,4 @@ def run_model_runner_process(server_args, ipc_dir: str, parent_pid: int) -> None
         except Exception:  # noqa: BLE001 - a failed step must reach the scheduler, not vanish
             send.send(RunnerError(message=traceback.format_exc()))
             raise
+        trimmer.after_step()

@@ -34,7 +34,7 @@ class RunnerDiedError(RuntimeError):
 
 
 def run_scheduler_process(server_args, ipc_dir: str, parent_pid: int) -> None:
-    die_with_parent()
+    die_with_parent("specserve-sched")
     setup_logging(server_args.log_level, "scheduler")
     torch.set_num_threads(1)  # the model runner gets the cores
     ctx = zmq.Context()
