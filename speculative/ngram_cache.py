@@ -40,6 +40,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import json
+import logging
 import os
 from array import array
 from collections import OrderedDict, deque
@@ -48,6 +49,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from speculative.tree import DraftTree
+
+logger = logging.getLogger(__name__)
 
 MATCH_TYPES = ("BFS", "PROB")
 _ROOT = 0
@@ -887,7 +890,11 @@ class NativeNgramCache(_CacheCommon):
     tests/unit/test_ngram_native.py replays random operations on both), at native cost. At
     c = 64 SUFFIX's global tree counted and drafted for ~2 ms of every step in Python
     (docs/benchmarks.md, "Seventeenth session"). Request keys that are not strings are keyed
-    by their repr."""
+    by their repr.
+
+    Its node arrays and child table are allocated and written for `cfg.capacity` nodes when it
+    is built (`reserved_bytes`, ~90 bytes a node): its memory is its ceiling from the start
+    instead of creeping up as the trie fills (docs/benchmarks.md, "Eighteenth session")."""
 
     def __init__(self, cfg: NgramConfig) -> None:
         from kernels import cpu
@@ -906,6 +913,11 @@ class NativeNgramCache(_CacheCommon):
     def num_nodes(self) -> int:
         """Trie nodes excluding the root; always <= cfg.capacity."""
         return self._t.num_nodes
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes allocated for the nodes and the child table (all of it at construction)."""
+        return self._t.reserved_bytes
 
     @property
     def last_match_len(self) -> int:
@@ -962,4 +974,9 @@ def native_available() -> bool:
 def new_ngram_cache(cfg: NgramConfig) -> NgramCache | NativeNgramCache:
     """The C++ trie when the CPU extension loads (it is built at set-up), else the Python one;
     SPECSERVE_NGRAM_NATIVE=0 forces Python. Both give the same drafts."""
-    return NativeNgramCache(cfg) if native_available() else NgramCache(cfg)
+    if not native_available():
+        return NgramCache(cfg)
+    cache = NativeNgramCache(cfg)
+    logger.info("n-gram trie (C++): up to %s nodes, %.0f MB reserved", f"{cfg.capacity:,}",
+                cache.reserved_bytes / 2**20)
+    return cache

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class NgramOptions(SpecOptions):
     ngram_capacity: int = option(1_000_000, "NGRAM: most trie nodes kept (least recently used "
-                                 "evicted)")
+                                 "evicted); the C++ trie reserves ~90 bytes a node at start")
     ngram_max_trie_depth: int = option(18, "NGRAM: longest n-gram stored and suffix matched",
                                        vllm="prompt_lookup_max")
     ngram_min_match_window: int = option(1, "NGRAM: shortest context suffix that counts as a "
@@ -162,7 +162,8 @@ class NgramDrafter(Drafter):
         self._contexts.pop(rid, None)
 
     def reset(self) -> None:
-        self.cache = new_ngram_cache(self.cache.cfg)
+        cfg, self.cache = self.cache.cfg, None  # the old trie's memory goes first
+        self.cache = new_ngram_cache(cfg)
         self._contexts.clear()
         self._counted.clear()
         self._history.clear()

@@ -127,8 +127,8 @@ class SuffixOptions(SpecOptions):
         "beyond it; 0 turns the global tree off)",
         vllm="suffix_decoding_max_cached_requests")
     suffix_cache_capacity: int = option(
-        2_000_000, "SUFFIX: most nodes of the global tree, ~100 bytes each (least recently "
-        "used leaves evicted beyond)")
+        2_000_000, "SUFFIX: most nodes of the global tree, ~90 bytes each, reserved at start "
+        "by the C++ trie (least recently used leaves evicted beyond)")
     suffix_max_spec_factor: float = option(
         1.0, "SUFFIX: drafts per step at most this times the matched suffix length (+ offset)",
         vllm="suffix_decoding_max_spec_factor")
@@ -370,6 +370,7 @@ class SuffixDrafter(Drafter):
         self.global_tree.release(rid)  # its output stays counted until it is the oldest
 
     def reset(self) -> None:
+        self.global_tree = None  # the old tree's memory goes first
         self.global_tree = new_ngram_cache(self._global_cfg)
         self.calibration = SourceCalibration()
         self._pending.clear()

@@ -128,3 +128,22 @@ def test_native_integrity_check_reports_through_assertion_error() -> None:
     assert cc.count([1, 2]) == 2 and cc.count([2, 3, 1, 2]) == 1 and cc.count([9]) == 0
     with pytest.raises(ValueError, match="context token"):
         cc.draft_lists([], 4)
+
+
+def test_memory_is_reserved_up_front_and_never_grows():
+    """The whole trie's storage is allocated at construction (its RSS is its ceiling from the
+    start): filling it past capacity, evicting all the while, reallocates nothing."""
+    cfg = NgramConfig(capacity=5000, max_trie_depth=6, match_type="BFS")
+    cc = NativeNgramCache(cfg)
+    reserved = cc.reserved_bytes
+    # 64 bytes of per-node arrays a node, a child table of >= 2 slots a node (12 bytes each)
+    assert reserved >= cfg.capacity * (64 + 24)
+    rng = random.Random(5)
+    corpus: list[list[int]] = []
+    for _ in range(60):
+        toks = _text(rng, 500, 200, corpus)
+        corpus.append(toks)
+        cc.insert(toks)
+        assert cc.reserved_bytes == reserved
+    assert cc.num_nodes == cfg.capacity  # full, so it evicted
+    cc.check_integrity()

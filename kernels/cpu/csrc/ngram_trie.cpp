@@ -38,6 +38,13 @@ class ChildTable {
  public:
   ChildTable() { resize(1024); }
 
+  // room for `links` entries at load <= 1/2, allocated (and written) now: never grows after
+  void reserve(size_t links) {
+    size_t n = 1024;
+    while (n < 2 * (links + 1)) n *= 2;
+    if (n > keys_.size()) resize(n);
+  }
+
   int find(int parent, int64_t token) const {
     const uint64_t k = key(parent, token);
     for (size_t i = slot(k);; i = (i + 1) & mask_) {
@@ -77,6 +84,7 @@ class ChildTable {
   }
 
   size_t size() const { return used_; }
+  size_t bytes() const { return keys_.capacity() * sizeof(uint64_t) + vals_.capacity() * sizeof(int); }
 
  private:
   static constexpr uint64_t kEmpty = ~uint64_t{0};
@@ -132,8 +140,23 @@ class NgramTrie {
         max_states_(max_tracked_requests) {
     if (depth_ < 2 || capacity_ < int64_t(depth_) * depth_ || int(breadth_.size()) != depth_)
       throw std::invalid_argument("ngram trie: bad configuration");
+    // Every node's storage is allocated and written here, once, for `capacity` nodes: the
+    // trie's memory is its ceiling from the start (RSS does not creep up as it fills, and no
+    // step ever pays for a vector doubling its 2M entries)
+    const size_t n = size_t(capacity_) + 1;
+    for (auto* v : {&tok_, &cnt_, &tot_, &ver_}) v->assign(n, 0);
+    for (auto* v : {&par_, &prv_, &nxt_, &fk_, &lk_, &sp_, &sn_}) v->assign(n, -1);
+    nk_.assign(n, 0);
+    free_.reserve(n);
+    table_.reserve(n);
     new_node(-1, -1);  // the root: its own LRU sentinel
     prv_[kRoot] = nxt_[kRoot] = kRoot;
+  }
+
+  // bytes of the per-node arrays and the child table (allocated up front)
+  int64_t reserved_bytes() const {
+    return int64_t(tok_.capacity()) * (4 * sizeof(int64_t) + 8 * sizeof(int)) +
+           int64_t(free_.capacity()) * sizeof(int) + table_.bytes();
   }
 
   int64_t num_nodes() const { return num_nodes_; }
@@ -334,7 +357,7 @@ class NgramTrie {
       need(!reach[f] && !freed[f], "a free id is live or freed twice");
       freed[f] = 1;
     }
-    need(int64_t(free_.size()) + num_nodes_ + 1 == int64_t(tok_.size()),
+    need(int64_t(free_.size()) + num_nodes_ + 1 == allocated_,
          "an id is neither live nor free");
     for (int n : lru) need(reach[n], "dead node in the LRU");
     for (const auto& kv : tops_) need(kv.first == kRoot || reach[kv.first], "top-k of a dead node");
@@ -470,20 +493,9 @@ class NgramTrie {
     if (!free_.empty()) {
       n = free_.back();
       free_.pop_back();
-    } else {
-      n = int(tok_.size());
-      tok_.push_back(0);
-      par_.push_back(-1);
-      cnt_.push_back(0);
-      tot_.push_back(0);
-      ver_.push_back(0);
-      prv_.push_back(-1);
-      nxt_.push_back(-1);
-      fk_.push_back(-1);
-      lk_.push_back(-1);
-      sp_.push_back(-1);
-      sn_.push_back(-1);
-      nk_.push_back(0);
+    } else {  // a never-used id: its fields still hold the constructor's values
+      if (allocated_ >= int64_t(tok_.size())) throw std::logic_error("ngram trie: out of ids");
+      n = int(allocated_++);
     }
     tok_[n] = t;
     par_[n] = parent;
@@ -812,6 +824,7 @@ class NgramTrie {
   ChildTable table_;
   std::unordered_map<int, std::vector<int>> tops_;
   int64_t num_nodes_ = 0;
+  int64_t allocated_ = 0;  // ids ever handed out: the next never-used one
   int last_match_ = 0;
   std::unordered_map<std::string, ReqState> states_;
   std::list<std::string> order_;  // request states, least recently extended first
@@ -827,6 +840,7 @@ void register_ngram_trie(py::module_& m) {
            py::arg("num_draft_tokens"), py::arg("size_by_match"),
            py::arg("max_tracked_requests"))
       .def_property_readonly("num_nodes", &NgramTrie::num_nodes)
+      .def_property_readonly("reserved_bytes", &NgramTrie::reserved_bytes)
       .def_property_readonly("last_match_len", &NgramTrie::last_match_len)
       .def("count", &NgramTrie::count)
       .def("insert", &NgramTrie::insert)
