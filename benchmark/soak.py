@@ -10,7 +10,12 @@ prompt's single-request run, memory must stay flat and the KV must come back.
    output compared token for token), sampled (T = 0.8, half seeded), aborted (streamed, then
    /abort_request after its first chunk) or disconnected (streamed, connection dropped).
 3. RSS of the server's process tree after the warm-up minute and at the end (growth < 5%),
-   then /flush_cache and `kv_free == kv_capacity` from /server_info.
+   per process as well, each taken idle: the clients pause until nothing is in flight and
+   `--idle-wait` s pass, so the model runner has handed its freed heap back (HeapTrimmer) and
+   RSS is the memory in use. Under load the runner's RSS also holds the allocator's freed
+   buffers (~0.5 GB, refilled within seconds of a trim: docs/benchmarks.md); those in-load
+   figures and a time series every `--rss-every` s are in the JSON too. Then /flush_cache
+   and `kv_free == kv_capacity` from /server_info.
 Prints the summary last and writes JSON; exit 0 only when every check holds.
 """
 
@@ -37,15 +42,17 @@ KINDS = ("greedy", "sampled", "abort", "disconnect")
 WEIGHTS = (0.55, 0.25, 0.1, 0.1)
 
 
-def tree_rss_kb(url_port: int) -> int:
-    """RSS (KiB) of the process listening on the port and all its descendants."""
+def tree_rss_kb(url_port: int) -> dict[str, int]:
+    """RSS (KiB) of the process listening on the port and of each descendant, by process name
+    (the server names its children specserve-run / specserve-sched); "total" is their sum."""
     pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-    parent, rss, root = {}, {}, 0
+    parent, rss, names, root = {}, {}, {}, 0
     for pid in pids:
         try:
             stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             status = Path(f"/proc/{pid}/status").read_text()
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            names[pid] = Path(f"/proc/{pid}/comm").read_text().strip()
         except OSError:
             continue
         parent[pid] = int(stat[1])
@@ -61,7 +68,12 @@ def tree_rss_kb(url_port: int) -> int:
             if pp == p and c not in tree:
                 tree.add(c)
                 frontier.append(c)
-    return sum(rss.get(p, 0) for p in tree)
+    out: dict[str, int] = {}
+    for p in tree:
+        name = "front end" if p == root else names.get(p, str(p))
+        out[name] = out.get(name, 0) + rss.get(p, 0)
+    out["total"] = sum(rss.get(p, 0) for p in tree)
+    return out
 
 
 async def generate(client: httpx.AsyncClient, ids: list[int], params: dict) -> dict:
@@ -97,14 +109,33 @@ async def soak(url: str, args: argparse.Namespace, prompts: list[list[int]]) -> 
         counts = {k: 0 for k in KINDS}
         failures: list[str] = []
         mismatches: list[int] = []
-        rss: dict[str, int] = {}
+        rss: dict[str, dict[str, int]] = {}
+        series: list[dict[str, Any]] = []  # (seconds, RSS by process): a leak climbs, a cache
+        # filling to its bound flattens
         port = int(url.rsplit(":", 1)[1])
         t0 = time.monotonic()
         end = t0 + args.duration
+        go = asyncio.Event()  # cleared while the idle RSS is taken
+        go.set()
+
+        async def drained() -> None:
+            for _ in range(240):  # aborted/disconnected requests drain
+                info = (await client.get("/server_info")).json()
+                if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0:
+                    return
+                await asyncio.sleep(0.5)
+
+        async def idle_rss() -> dict[str, int]:
+            """RSS with nothing in flight, `--idle-wait` s after the last request: the live
+            memory (the model runner hands its freed heap back once idle; HeapTrimmer)."""
+            await drained()
+            await asyncio.sleep(args.idle_wait)
+            return tree_rss_kb(port)
 
         async def client_loop(worker: int) -> None:
             rng = random.Random(args.seed * 1000 + worker)
             while time.monotonic() < end:
+                await go.wait()
                 i = rng.randrange(len(prompts))
                 kind = rng.choices(KINDS, WEIGHTS)[0]
                 try:
@@ -125,24 +156,39 @@ async def soak(url: str, args: argparse.Namespace, prompts: list[list[int]]) -> 
 
         async def sampler() -> None:
             await asyncio.sleep(min(args.warmup, args.duration / 2))
-            rss["warm_kb"] = tree_rss_kb(port)
+            rss["warm_load"] = tree_rss_kb(port)
+            go.clear()  # clients finish what they run, start nothing new
+            rss["warm_idle"] = await idle_rss()
+            go.set()
+            while time.monotonic() < end:
+                series.append({"t_s": round(time.monotonic() - t0, 1),
+                               "rss_mb": {k: round(v / 1024, 1)
+                                          for k, v in tree_rss_kb(port).items()}})
+                await asyncio.sleep(min(args.rss_every, max(0.0, end - time.monotonic())))
 
         await asyncio.gather(sampler(), *(client_loop(w) for w in range(args.streams)))
-        rss["end_kb"] = tree_rss_kb(port)
+        rss["end_load"] = tree_rss_kb(port)
         elapsed = time.monotonic() - t0
-        for _ in range(120):  # aborted/disconnected requests drain
-            info = (await client.get("/server_info")).json()
-            if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0:
-                break
-            await asyncio.sleep(0.5)
+        rss["end_idle"] = await idle_rss()
         flushed = (await client.post("/flush_cache")).json()
         info = (await client.get("/server_info")).json()
-    growth = rss["end_kb"] / rss["warm_kb"] - 1.0
+
+    def mb(kb: dict[str, int]) -> dict[str, float]:
+        return {k: round(v / 1024, 1) for k, v in kb.items()}
+
+    growth = rss["end_idle"]["total"] / rss["warm_idle"]["total"] - 1.0
     return {
         "elapsed_s": elapsed, "requests": counts, "failures": failures[:20],
         "num_failures": len(failures), "greedy_mismatches": len(mismatches),
-        "rss_warm_mb": rss["warm_kb"] / 1024, "rss_end_mb": rss["end_kb"] / 1024,
-        "rss_growth": growth, "flush": flushed,
+        # the check: idle (live) RSS after the warm-up against at the end
+        "rss_warm_mb": rss["warm_idle"]["total"] / 1024,
+        "rss_end_mb": rss["end_idle"]["total"] / 1024,
+        "rss_growth": growth,
+        "rss_idle_by_process_mb": {"warm": mb(rss["warm_idle"]), "end": mb(rss["end_idle"])},
+        # under load, for the record: live memory plus whatever the allocators hold freed
+        "rss_load_growth": rss["end_load"]["total"] / rss["warm_load"]["total"] - 1.0,
+        "rss_load_by_process_mb": {"warm": mb(rss["warm_load"]), "end": mb(rss["end_load"])},
+        "rss_series": series, "flush": flushed,
         "kv_free": info["kv_free"], "kv_capacity": info["kv_capacity"],
         "ok": not failures and not mismatches and growth < 0.05
         and info["kv_free"] == info["kv_capacity"],
@@ -153,6 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--duration", type=float, default=600)
     p.add_argument("--warmup", type=float, default=60, help="seconds before the first RSS")
+    p.add_argument("--idle-wait", type=float, default=3.0,
+                   help="seconds with nothing in flight before an idle RSS (the model runner "
+                   "trims its heap after 1 s idle)")
+    p.add_argument("--rss-every", type=float, default=30,
+                   help="seconds between the RSS samples of the time series in the JSON")
     p.add_argument("--streams", type=int, default=64)
     p.add_argument("--num-prompts", type=int, default=48)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -169,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
             as url:
         result = asyncio.run(soak(url, args, prompts))
     write_json(args.output, {"config": vars(args), "machine": machine_info(), **result})
-    print(json.dumps({k: v for k, v in result.items() if k != "failures"}, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("failures", "rss_series")},
+                     indent=1))
     for f in result["failures"]:
         print("failure:", f)
     return 0 if result["ok"] else 1
