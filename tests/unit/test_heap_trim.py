@@ -78,12 +78,7 @@ def test_glibc_trim_returns_freed_heap_pages():
         libc = ctypes.CDLL("libc.so.6")
         libc.malloc.restype = ctypes.c_void_p
         libc.free.argtypes = [ctypes.c_void_p]
-        from runtime.proc_utils import HeapTrimmer
-
-        def rss_mb():
-            for line in open("/proc/self/status"):
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
+        from runtime.proc_utils import HeapTrimmer, rss_mb
 
         libc.free(libc.malloc(16 << 20))
         blocks = []

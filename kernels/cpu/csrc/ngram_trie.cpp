@@ -155,8 +155,11 @@ class NgramTrie {
 
   // bytes of the per-node arrays and the child table (allocated up front)
   int64_t reserved_bytes() const {
-    return int64_t(tok_.capacity()) * (4 * sizeof(int64_t) + 8 * sizeof(int)) +
-           int64_t(free_.capacity()) * sizeof(int) + table_.bytes();
+    size_t b = table_.bytes();
+    for (const auto* v : {&tok_, &cnt_, &tot_, &ver_}) b += v->capacity() * sizeof(int64_t);
+    for (const auto* v : {&par_, &prv_, &nxt_, &fk_, &lk_, &sp_, &sn_, &nk_, &free_})
+      b += v->capacity() * sizeof(int);
+    return int64_t(b);
   }
 
   int64_t num_nodes() const { return num_nodes_; }
