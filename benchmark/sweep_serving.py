@@ -19,7 +19,9 @@ machine's speed drifts by 10-20% over the minutes a sequential sweep takes, whic
 after another turns into its ratios; taking turns puts the drift into every configuration alike.
 The table then also gives each configuration's paired ratio: the median over rounds of its
 tok/s over the baseline's in the same round (the runs of a round are a minute apart, the rounds
-several), which is less exposed to the drift between rounds than the ratio of the medians.
+several), which is less exposed to the drift between rounds than the ratio of the medians,
+and the range of those per-round ratios ("round ratios", lowest-highest): a cell whose range
+straddles a bar (0.95x, say) is not resolved by the run, however its median falls.
 
 `--report JSON` prints the table of an earlier run's JSON again (no servers).
 """
@@ -185,6 +187,15 @@ def paired_ratio(rounds: list[float], base_rounds: list[float]) -> float | None:
     return statistics.median(a / b for a, b in zip(rounds, base_rounds))
 
 
+def paired_range(rounds: list[float], base_rounds: list[float]) -> tuple[float, float] | None:
+    """(lowest, highest) per-round tok/s over the baseline's in the same round (None unless
+    both ran the same rounds)."""
+    if not rounds or len(rounds) != len(base_rounds) or not all(base_rounds):
+        return None
+    ratios = [a / b for a, b in zip(rounds, base_rounds)]
+    return min(ratios), max(ratios)
+
+
 def report(results: dict[str, Any]) -> str:
     labels = list(results)
     base = labels[0]
@@ -201,9 +212,11 @@ def report(results: dict[str, Any]) -> str:
             ttft, itl = m["ttft_ms"], m["itl_ms"]
             row = [label, c, f"{m['output_throughput']:.1f}", f"{ratio:.2f}x"]
             if interleaved:
-                pr = paired_ratio(lvl.get("rounds_output_throughput", []),
-                                  ref_lvl.get("rounds_output_throughput", []))
+                mine = lvl.get("rounds_output_throughput", [])
+                theirs = ref_lvl.get("rounds_output_throughput", [])
+                pr, rng = paired_ratio(mine, theirs), paired_range(mine, theirs)
                 row.append("-" if pr is None else f"{pr:.2f}x")
+                row.append("-" if rng is None else f"{rng[0]:.2f}-{rng[1]:.2f}")
             tpot = (m.get("tpot_ms") or {}).get("median")
             rows.append(row + [f"{ttft['median']:.0f}", f"{ttft['p99']:.0f}",
                                "-" if tpot is None else f"{tpot:.1f}",
@@ -212,7 +225,7 @@ def report(results: dict[str, Any]) -> str:
                                "" if acc is None else f"{acc:.2f}"])
     head = ["config", "conc", "out tok/s", f"vs {base}"]
     if interleaved:
-        head.append("paired")
+        head += ["paired", "round ratios"]
     return format_table(head + ["TTFT med ms", "TTFT p99 ms", "TPOT med ms", "ITL med ms",
                                 "ITL p99 ms", "ok",
                                 "accept len"], rows)

@@ -116,6 +116,11 @@ def test_paired_ratio_pairs_rounds_and_the_report_prints_it(tmp_path, capsys):
     assert "paired" not in sw.report(seq)
     path = tmp_path / "s.json"
     path.write_text(__import__("json").dumps({"results": results}))
+    # the per-round ratios' range: here every round is 0.9x; a drifting candidate spreads it
+    assert sw.paired_range(cand, base) == (0.9, 0.9)
+    assert sw.paired_range([110.0, 160.0, 330.0], base) == (0.8, 1.1)
+    assert sw.paired_range(cand, base[:2]) is None
+    assert "0.90-0.90" in x_row and "round ratios" in table.splitlines()[0]
     assert sw.main(["--report", str(path)]) == 0
     assert "0.90x" in capsys.readouterr().out
 
