@@ -179,21 +179,24 @@ def run_interleaved(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
-def paired_ratio(rounds: list[float], base_rounds: list[float]) -> float | None:
-    """Median over rounds of tok/s over the baseline's tok/s in the same round (None unless
-    both ran the same rounds)."""
+def round_ratios(rounds: list[float], base_rounds: list[float]) -> list[float] | None:
+    """Each round's tok/s over the baseline's in the same round (None unless both ran the
+    same rounds)."""
     if not rounds or len(rounds) != len(base_rounds) or not all(base_rounds):
         return None
-    return statistics.median(a / b for a, b in zip(rounds, base_rounds))
+    return [a / b for a, b in zip(rounds, base_rounds)]
+
+
+def paired_ratio(rounds: list[float], base_rounds: list[float]) -> float | None:
+    """Median of the per-round ratios (`round_ratios`)."""
+    ratios = round_ratios(rounds, base_rounds)
+    return None if ratios is None else statistics.median(ratios)
 
 
 def paired_range(rounds: list[float], base_rounds: list[float]) -> tuple[float, float] | None:
-    """(lowest, highest) per-round tok/s over the baseline's in the same round (None unless
-    both ran the same rounds)."""
-    if not rounds or len(rounds) != len(base_rounds) or not all(base_rounds):
-        return None
-    ratios = [a / b for a, b in zip(rounds, base_rounds)]
-    return min(ratios), max(ratios)
+    """(lowest, highest) of the per-round ratios (`round_ratios`)."""
+    ratios = round_ratios(rounds, base_rounds)
+    return None if ratios is None else (min(ratios), max(ratios))
 
 
 def report(results: dict[str, Any]) -> str:
