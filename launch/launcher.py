@@ -59,7 +59,7 @@ def serve(args: ServerArgs) -> int:
         except StartupError as exc:
             logger.error("start-up failed: %s", exc)
             return 1
-        tm = TokenizerManager(args, backend.ipc_dir, info)
+        tm = TokenizerManager(args, backend.ipc_dir, info, backend.tokenizer)
         app = create_app(tm, args)
         config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop",
                                 log_level=args.log_level, access_log=args.log_level == "debug",

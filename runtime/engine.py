@@ -47,7 +47,8 @@ class Engine:
         try:
             info = self.backend.start()
             self._thread.start()
-            self.tm = TokenizerManager(self.server_args, self.backend.ipc_dir, info)
+            self.tm = TokenizerManager(self.server_args, self.backend.ipc_dir, info,
+                                       self.backend.tokenizer)
             self._run(self.tm.start())
         except BaseException:
             self.backend.shutdown()

@@ -15,9 +15,11 @@ import time
 
 import zmq
 
+from runtime.errors import ModelLoadError
 from runtime.ipc import Receiver, ipc_addr, make_ipc_dir
 from runtime.messages import TO_TOKENIZER, ReadyOut
-from runtime.model_runner.runner_process import run_model_runner_process
+from runtime.model_loader.tokenizer import load_tokenizer
+from runtime.model_runner.runner_process import StartupQuiet, run_model_runner_process
 from runtime.scheduler.scheduler_process import run_scheduler_process
 from runtime.server_args import ServerArgs
 
@@ -36,22 +38,38 @@ class Backend:
         self.ipc_dir = make_ipc_dir()
         ctx = mp.get_context("spawn")
         parent = os.getpid()
+        # set by this process and the scheduler once their tokenizers are loaded: the runner
+        # waits for both before it times its verify-cost curve (StartupQuiet)
+        # (held here: Process.start drops its args, and a collected event's semaphore is gone
+        # before a spawned child unpickles it)
+        self.front_loaded, self.sched_loaded = ctx.Event(), ctx.Event()
+        sched_loaded = self.sched_loaded
+        quiet = StartupQuiet((self.front_loaded, sched_loaded))
         self.procs = {
             "model_runner": ctx.Process(
-                target=run_model_runner_process, args=(args, self.ipc_dir, parent),
+                target=run_model_runner_process, args=(args, self.ipc_dir, parent, quiet),
                 name="specserve-model-runner", daemon=True,
             ),
             "scheduler": ctx.Process(
-                target=run_scheduler_process, args=(args, self.ipc_dir, parent),
+                target=run_scheduler_process, args=(args, self.ipc_dir, parent, sched_loaded),
                 name="specserve-scheduler", daemon=True,
             ),
         }
         self.ready_info: dict = {}
+        self.tokenizer = None  # the front end's, loaded during start()
 
     def start(self, timeout_s: float = 900.0) -> dict:
-        """Start the children and block until the scheduler reports ready (with model facts)."""
+        """Start the children and block until the scheduler reports ready (with model facts).
+        The front end's tokenizer loads here meanwhile (`self.tokenizer`), while the children
+        import and the runner loads the model, instead of after them."""
         for proc in self.procs.values():
             proc.start()
+        try:
+            self.tokenizer = load_tokenizer(self.args.model_path)
+        except ModelLoadError:
+            self.tokenizer = None  # the TokenizerManager loads it again and says why
+        finally:
+            self.front_loaded.set()
         ctx = zmq.Context.instance()
         recv = Receiver(ctx, ipc_addr(self.ipc_dir, "tokenizer_in"), bind=True,
                         msg_type=TO_TOKENIZER)

@@ -112,10 +112,12 @@ class SpeculativeWorker:
         self.plain_t1: float | None = verify_cost.t1_s
 
     @classmethod
-    def create(cls, cfg: SpecConfig, runner) -> SpeculativeWorker:
+    def create(cls, cfg: SpecConfig, runner, before_measure=None) -> SpeculativeWorker:
         """The worker of a server (or benchmark): its drafter, and the verify-cost curve
         measured on this machine now unless `--speculative-verify-cost table`. Call it before
-        any request holds KV slots (the measurement writes scratch KV)."""
+        any request holds KV slots (the measurement writes scratch KV). `before_measure` is
+        called just before the timing (the runner process waits there for its neighbours'
+        start-up work to finish)."""
         from speculative.base import create_drafter
 
         drafter = create_drafter(cfg, runner)
@@ -126,6 +128,8 @@ class SpeculativeWorker:
             logger.info("verify cost: the stored table (the attention kernel runs under "
                         "TRITON_INTERPRET)")
             measure = False
+        if measure and before_measure is not None:
+            before_measure()
         cost = measure_verify_cost(runner) if measure else None
         return cls(cfg, drafter, runner, cost)
 

@@ -192,11 +192,34 @@ class RunnerWorker:
         )
 
 
-def _create_spec(server_args, runner: ModelRunner) -> SpeculativeWorker | None:
+class StartupQuiet:
+    """Events the other processes set when their start-up work (loading a tokenizer: ~1-2 s of
+    one core) is done. The runner times its verify-cost curve only after them: on a 2-core
+    machine a busy neighbour would stretch some of the timed forwards and skew the curve."""
+
+    TIMEOUT_S = 120.0
+
+    def __init__(self, events=()) -> None:
+        self.events = tuple(events)
+
+    def wait(self, parent_pid: int | None = None) -> None:
+        deadline = time.monotonic() + self.TIMEOUT_S
+        for ev in self.events:
+            while not ev.wait(0.5):
+                if parent_pid is not None and not parent_alive(parent_pid):
+                    raise SystemExit(0)
+                if time.monotonic() > deadline:
+                    logger.warning("start-up: the other processes are still loading after %.0fs;"
+                                   " timing the verify-cost curve anyway", self.TIMEOUT_S)
+                    return
+
+
+def _create_spec(server_args, runner: ModelRunner,
+                 before_measure=None) -> SpeculativeWorker | None:
     spec_cfg = server_args.spec_config()
     if spec_cfg is None:
         return None
-    worker = SpeculativeWorker.create(spec_cfg, runner)
+    worker = SpeculativeWorker.create(spec_cfg, runner, before_measure)
     logger.info("speculative decoding: %s, %s", spec_cfg.algorithm, worker.drafter.describe())
     cost = worker.verify_cost
     logger.info("verify cost T(n)/T(1) (%s): %s", cost.source, ", ".join(
@@ -215,7 +238,8 @@ def single_torch_thread(runner) -> None:
         torch.set_num_threads(1)
 
 
-def run_model_runner_process(server_args, ipc_dir: str, parent_pid: int) -> None:
+def run_model_runner_process(server_args, ipc_dir: str, parent_pid: int,
+                             quiet: StartupQuiet | None = None) -> None:
     die_with_parent("specserve-run")
     setup_logging(server_args.log_level, "runner")
     torch.set_num_threads(server_args.num_threads)
@@ -231,7 +255,9 @@ def run_model_runner_process(server_args, ipc_dir: str, parent_pid: int) -> None
             activation_digits=server_args.activation_digits,
             num_threads=server_args.num_threads, kv_cache_dtype=server_args.kv_cache_dtype,
         ))
-        spec = _create_spec(server_args, runner)  # a draft head that does not fit fails here
+        # a draft head that does not fit fails here
+        spec = _create_spec(server_args, runner,
+                            lambda: quiet.wait(parent_pid) if quiet is not None else None)
         single_torch_thread(runner)
     except Exception as exc:  # noqa: BLE001 - reported to the scheduler, then we exit
         send.send(RunnerError(message=f"model runner failed to start: {exc}"))

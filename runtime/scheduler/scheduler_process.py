@@ -33,10 +33,17 @@ class RunnerDiedError(RuntimeError):
     pass
 
 
-def run_scheduler_process(server_args, ipc_dir: str, parent_pid: int) -> None:
+def run_scheduler_process(server_args, ipc_dir: str, parent_pid: int, loaded=None) -> None:
+    """`loaded`: an event set once the tokenizer is loaded (the runner times its verify-cost
+    curve after it, so this start-up work overlaps the runner's model load, not its timing)."""
     die_with_parent("specserve-sched")
     setup_logging(server_args.log_level, "scheduler")
     torch.set_num_threads(1)  # the model runner gets the cores
+    try:
+        tokenizer = load_tokenizer(server_args.model_path)
+    finally:
+        if loaded is not None:
+            loaded.set()
     ctx = zmq.Context()
     recv = Receiver(ctx, ipc_addr(ipc_dir, "scheduler_in"), bind=True, msg_type=TO_SCHEDULER)
     to_tokenizer = Sender(ctx, ipc_addr(ipc_dir, "tokenizer_in"), bind=False)
@@ -56,7 +63,6 @@ def run_scheduler_process(server_args, ipc_dir: str, parent_pid: int) -> None:
     ready = wait_runner()
     assert isinstance(ready, RunnerReady), f"expected RunnerReady, got {type(ready).__name__}"
     info = ready.info
-    tokenizer = load_tokenizer(server_args.model_path)
     eos = list(info["eos_token_ids"])
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
         eos.append(tokenizer.eos_token_id)

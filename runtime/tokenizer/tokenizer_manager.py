@@ -68,10 +68,12 @@ class _ReqState:
 
 
 class TokenizerManager:
-    def __init__(self, server_args, ipc_dir: str, ready_info: dict) -> None:
+    def __init__(self, server_args, ipc_dir: str, ready_info: dict, tokenizer=None) -> None:
+        """`tokenizer`: the model's, if already loaded (`Backend.start` loads it)."""
         self.server_args = server_args
         self.model_name = server_args.served_model_name
-        self.tokenizer = load_tokenizer(server_args.model_path)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(
+            server_args.model_path)
         self.chat_template = _read_template(server_args.chat_template)
         self.context_length = int(ready_info["context_length"])
         self.vocab_size = int(ready_info["vocab_size"])

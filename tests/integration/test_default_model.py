@@ -7,6 +7,8 @@ Uses the real cache (`$SPECSERVE_CACHE_DIR`, default ~/.cache/specserve): the fi
 
 from __future__ import annotations
 
+import json
+import shutil
 import time
 from pathlib import Path
 
@@ -77,6 +79,39 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(model_dir: Path, referenc
     ids = ours.encode(text)
     assert ids == reference_tokenizer.encode(text)
     assert ours.decode(ids) == text
+
+
+def test_generic_tokenizer_class_loads_as_autotokenizer_would(model_dir: Path, tmp_path,
+                                                               monkeypatch) -> None:
+    """load_tokenizer skips AutoTokenizer (and the model config it imports first) when
+    tokenizer_config.json names the generic fast class: the same tokenizer, same behaviour; a
+    directory naming any other class still goes through AutoTokenizer."""
+    import transformers
+
+    ours = load_tokenizer(model_dir)
+    auto = transformers.AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    assert type(ours) is type(auto) and len(ours) == len(auto)
+    for text in TEXTS.values():
+        assert ours.encode(text) == auto.encode(text)
+        assert ours.decode(ours.encode(text)) == auto.decode(auto.encode(text))
+    assert apply_chat_template(ours, MESSAGES) == apply_chat_template(auto, MESSAGES)
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id",
+                 "all_special_ids", "model_max_length", "chat_template"):
+        assert getattr(ours, attr) == getattr(auto, attr), attr
+
+    other = tmp_path / "other"
+    shutil.copytree(model_dir, other, ignore=shutil.ignore_patterns("*.safetensors", "*.gguf"))
+    cfg = json.loads((other / "tokenizer_config.json").read_text())
+    cfg["tokenizer_class"] = "GPT2TokenizerFast"
+    (other / "tokenizer_config.json").write_text(json.dumps(cfg))
+    calls = []
+    real = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda *a, **k: calls.append(a) or real(*a, **k))
+    load_tokenizer(model_dir)
+    assert calls == []
+    load_tokenizer(other)
+    assert len(calls) == 1
 
 
 def test_chat_template_matches_transformers(model_dir: Path, reference_tokenizer) -> None:

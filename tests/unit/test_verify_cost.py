@@ -3,10 +3,16 @@ measures, and that a server plans with it."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import threading
+import time
+
 import torch
 
 from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
+from runtime.model_runner.runner_process import StartupQuiet
 from runtime.verify_cost import VERIFY_COST, VerifyCost, measure_verify_cost, measure_verify_times
+from speculative import worker as worker_mod
 from speculative.base import SpecConfig
 from speculative.worker import SpeculativeWorker
 from tests.helpers.tiny_models import write_tiny_model
@@ -36,10 +42,32 @@ def test_measurement_fits_a_short_context_and_leaves_slot_zero_alone(tmp_path):
     assert torch.equal(runner.kv_pool.k[0][0], before[0])
 
 
-def test_a_server_worker_measures_unless_told_to_use_the_table(tmp_path):
+def test_a_server_worker_measures_unless_told_to_use_the_table(tmp_path, monkeypatch):
     runner = tiny_runner(tmp_path)
-    measured = SpeculativeWorker.create(SpecConfig("NGRAM", 4), runner)
+    events = []
+    real = worker_mod.measure_verify_cost
+    monkeypatch.setattr(worker_mod, "measure_verify_cost",
+                        lambda r: events.append("measure") or real(r))
+    measured = SpeculativeWorker.create(SpecConfig("NGRAM", 4), runner,
+                                        before_measure=lambda: events.append("quiet"))
     assert "measured" in measured.verify_cost.source
     assert measured.drafter.verify_cost is measured.verify_cost
-    table = SpeculativeWorker.create(SpecConfig("NGRAM", 4, verify_cost="table"), runner)
+    assert events == ["quiet", "measure"]  # the runner process waits for its neighbours first
+    table = SpeculativeWorker.create(SpecConfig("NGRAM", 4, verify_cost="table"), runner,
+                                     before_measure=lambda: events.append("quiet"))
     assert table.verify_cost is VERIFY_COST[runner.engine]
+    assert events == ["quiet", "measure"]  # nothing timed: nothing to wait for
+
+
+def test_startup_quiet_waits_for_every_event_and_gives_up_after_its_timeout(monkeypatch):
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Event(), ctx.Event()
+    threading.Timer(0.2, a.set).start()
+    threading.Timer(0.4, b.set).start()
+    t0 = time.monotonic()
+    StartupQuiet((a, b)).wait()
+    assert a.is_set() and b.is_set() and time.monotonic() - t0 >= 0.35
+    monkeypatch.setattr(StartupQuiet, "TIMEOUT_S", 0.6)
+    t0 = time.monotonic()
+    StartupQuiet((ctx.Event(),)).wait()  # never set: measured anyway, with a warning
+    assert 0.5 <= time.monotonic() - t0 < 3.0
