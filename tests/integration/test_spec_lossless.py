@@ -1,6 +1,7 @@
-"""Greedy NGRAM speculation equals plain greedy decoding, token for token (near-ties excepted),
-on 50+ prompts: the tiny model in-process, and NGRAM and EAGLE-3 (the shipped head) on the
-default model through `Engine`, at batch 1 and under concurrency 8."""
+"""Greedy speculation equals plain greedy decoding, token for token (near-ties excepted only on
+the torch engine, tests/helpers/near_tie.py): the tiny model in-process with NGRAM on 50
+prompts, and every algorithm on the default model through `Engine` (the shipped heads, draft
+model and adapter), on 52 held-out prompts under concurrency 8 and 26 of them one at a time."""
 
 from __future__ import annotations
 
@@ -103,7 +104,10 @@ def test_default_model_greedy_spec_equals_plain_batch1_and_concurrency8(algo, pl
     # at concurrency 8 on the CPU engine, leaving the batched verify path untested here)
     with Engine(log_level="warning", speculative_algorithm=algo,
                 speculative_disable_adaptive=True) as spec:
-        batch1 = [spec.generate(input_ids=p, sampling_params=params) for p in prompts]
+        # one at a time: every other prompt (13 rewrites, 13 ShareGPT: the suite's time is
+        # mostly these passes); eight at a time: all 52
+        single = list(range(0, len(prompts), 2))
+        batch1 = [spec.generate(input_ids=prompts[i], sampling_params=params) for i in single]
         conc8 = asyncio.run(_concurrently(spec, prompts, params))
         info = spec.server_info()
     server_floor, request_floor = ACCEPT_FLOORS[algo]
@@ -112,9 +116,10 @@ def test_default_model_greedy_spec_equals_plain_batch1_and_concurrency8(algo, pl
     assert info["avg_spec_accept_length"] > server_floor
     assert any(o["meta_info"]["spec_accept_length"] > request_floor for o in batch1)
     judge = NearTieJudge()
-    for p, r, a, b in zip(prompts, ref, batch1, conc8):
-        for out in (a, b):
-            ok, why = judge.check(p, r, out["output_ids"])
-            assert ok, why
+    runs = [(i, out) for i, out in zip(single, batch1)] + list(enumerate(conc8))
+    assert len(runs) == 78
+    for i, out in runs:
+        ok, why = judge.check(prompts[i], ref[i], out["output_ids"])
+        assert ok, why
     print(judge.report())
     assert len(judge.excused) <= len(prompts) // 10, judge.report()

@@ -1,0 +1,71 @@
+"""How long a server takes to start: `runtime.Engine(...)` from the call to ready (the model
+runner loaded, the verify-cost curve timed for a speculative configuration, both tokenizers
+loaded), then the first one-token request, for each configuration, rounds interleaved.
+
+    python -m benchmark.bench_startup --algorithms none SUFFIX EAGLE3 --rounds 3
+
+The model is the default one unless `--model-path`; the CPU extension is built beforehand (its
+first build takes a minute and is not start-up). Prints the median of the rounds per
+configuration, the table last, and writes JSON (`--output`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from tqdm import tqdm
+
+from benchmark.common import format_table, machine_info, write_json
+
+
+def start_once(algorithm: str | None, model_path: str | None) -> dict[str, float]:
+    from runtime import Engine
+
+    kw = {"speculative_algorithm": algorithm} if algorithm else {}
+    if model_path:
+        kw["model_path"] = model_path
+    t0 = time.perf_counter()
+    with Engine(log_level="warning", **kw) as eng:
+        ready = time.perf_counter() - t0
+        eng.generate("Hello", sampling_params={"max_new_tokens": 1, "temperature": 0})
+        first = time.perf_counter() - t0
+    return {"ready_s": ready, "first_token_s": first, "stop_s": time.perf_counter() - t0 - first}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--algorithms", nargs="+", default=["none", "SUFFIX"],
+                   help="speculative algorithms ('none': plain decoding)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--model-path", default=None)
+    p.add_argument("--output", default="results/bench_startup.json")
+    args = p.parse_args(argv)
+    from kernels import cpu
+
+    cpu.available()  # build (or find) the extension before anything is timed
+    algos = [None if a.lower() == "none" else a for a in args.algorithms]
+    runs: dict[str, list[dict[str, float]]] = {a or "none": [] for a in algos}
+    with tqdm(total=args.rounds * len(algos), desc="start-ups", unit="start") as bar:
+        for _ in range(args.rounds):
+            for a in algos:
+                runs[a or "none"].append(start_once(a, args.model_path))
+                bar.update()
+    rows, summary = [], {}
+    for label, rs in runs.items():
+        med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        summary[label] = {"median": med, "rounds": rs}
+        rows.append([label, med["ready_s"], med["first_token_s"], med["stop_s"],
+                     " / ".join(f"{r['ready_s']:.1f}" for r in rs)])
+    path = write_json(args.output, {"machine": machine_info(), "config": vars(args),
+                                    "results": summary})
+    print(f"\nJSON: {path}\n")
+    print(f"seconds, median of {args.rounds} rounds")
+    print(format_table(["config", "ready s", "first token s", "stop s", "ready by round"], rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
