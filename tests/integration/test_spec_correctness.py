@@ -125,13 +125,16 @@ def test_seeded_sampling_is_identical_with_and_without_speculation(
         engines, seeded_prompts, seeded_reference, algo):
     prompts, params = seeded_prompts
     engine = engines(algo)
-    batch1 = [engine.generate(input_ids=p, sampling_params=sp) for p, sp in zip(prompts, params)]
+    # one at a time: every other prompt (as the greedy lossless test); eight at a time: all 50
+    single = list(range(0, len(prompts), 2))
+    batch1 = [engine.generate(input_ids=prompts[i], sampling_params=params[i]) for i in single]
     conc8 = run_concurrent(engine, prompts, params, 8)
     judge = NearTieJudge()
-    for p, sp, ref, a, b in zip(prompts, params, seeded_reference, batch1, conc8):
-        for out in (a, b):
-            ok, why = judge.check(p, ref, out["output_ids"], sp)
-            assert ok, why
+    runs = [(i, out) for i, out in zip(single, batch1)] + list(enumerate(conc8))
+    assert len(runs) == 75
+    for i, out in runs:
+        ok, why = judge.check(prompts[i], seeded_reference[i], out["output_ids"], params[i])
+        assert ok, why
     print(judge.report())
     assert len(judge.excused) <= len(prompts) // 10, judge.report()
     accepted = sum(o["meta_info"]["spec_num_correct_drafts"] for o in batch1)
