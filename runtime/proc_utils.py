@@ -32,6 +32,19 @@ def die_with_parent(name: str | None = None) -> None:
             pass
 
 
+def thread_locks_for_progress_bars() -> None:
+    """tqdm's first bar in a process creates a multiprocessing lock (a named semaphore) for
+    bars shared across processes. A child is stopped by SIGTERM before that lock's finalizer
+    runs, so the resource tracker warned "1 leaked semaphore objects" when every Engine or
+    server exited (the runner's "packing weights" bar). The children's bars are their own:
+    a thread lock does."""
+    import threading
+
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
+
+
 def parent_alive(parent_pid: int) -> bool:
     return os.getppid() == parent_pid
 

@@ -29,7 +29,13 @@ from runtime.messages import (
 )
 from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
-from runtime.proc_utils import HeapTrimmer, die_with_parent, parent_alive, setup_logging
+from runtime.proc_utils import (
+    HeapTrimmer,
+    die_with_parent,
+    parent_alive,
+    setup_logging,
+    thread_locks_for_progress_bars,
+)
 from runtime.sampling.sampler import SamplingBatchInfo, sample
 from runtime.sampling.sampling_params import SamplingParams
 from speculative.base import TargetRows
@@ -241,6 +247,7 @@ def single_torch_thread(runner) -> None:
 def run_model_runner_process(server_args, ipc_dir: str, parent_pid: int,
                              quiet: StartupQuiet | None = None) -> None:
     die_with_parent("specserve-run")
+    thread_locks_for_progress_bars()
     setup_logging(server_args.log_level, "runner")
     torch.set_num_threads(server_args.num_threads)
     logger.info("model runner: %d torch threads (pid %d)", torch.get_num_threads(), os.getpid())

@@ -21,7 +21,12 @@ from runtime.messages import (
     RunnerReady,
 )
 from runtime.model_loader.tokenizer import load_tokenizer
-from runtime.proc_utils import die_with_parent, parent_alive, setup_logging
+from runtime.proc_utils import (
+    die_with_parent,
+    parent_alive,
+    setup_logging,
+    thread_locks_for_progress_bars,
+)
 from runtime.scheduler.scheduler import Scheduler, SchedulerConfig
 from runtime.scheduler.stop import StopChecker
 from runtime.verify_cost import VerifyCost
@@ -37,6 +42,7 @@ def run_scheduler_process(server_args, ipc_dir: str, parent_pid: int, loaded=Non
     """`loaded`: an event set once the tokenizer is loaded (the runner times its verify-cost
     curve after it, so this start-up work overlaps the runner's model load, not its timing)."""
     die_with_parent("specserve-sched")
+    thread_locks_for_progress_bars()
     setup_logging(server_args.log_level, "scheduler")
     torch.set_num_threads(1)  # the model runner gets the cores
     try:

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -42,3 +47,23 @@ def test_engine_generate_batch_stream_async_and_shutdown():
         assert info["kv_free"] == info["kv_capacity"]
         procs = list(engine.backend.procs.values())
     assert not any(p.is_alive() for p in procs)
+
+
+def test_an_engine_script_exits_cleanly_without_leaked_semaphore_warnings(tmp_path):
+    """A script that starts and stops an Engine ends with nothing on stderr about leaked
+    semaphores (the runner's progress bar used to create a process-shared lock that its SIGTERM
+    left behind; runtime/proc_utils.py: thread_locks_for_progress_bars)."""
+    script = tmp_path / "use_engine.py"
+    script.write_text(textwrap.dedent("""
+        from runtime import Engine
+
+        if __name__ == "__main__":
+            with Engine(log_level="warning") as engine:
+                engine.generate("Hi", {"max_new_tokens": 2, "temperature": 0})
+    """))
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": root}
+    r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "leaked semaphore" not in r.stderr, r.stderr
