@@ -37,9 +37,11 @@ def engines():
     def get(name: str):
         if name not in started:
             # fixed draft sizes: every step drafts and verifies (the backoff would stop drafting
-            # on this prompt, and these tests are about verifying penalised/seeded drafts)
+            # on this prompt, and these tests are about verifying penalised/seeded drafts); the
+            # stored verify-cost table: the same trees on every machine, and no ~5 s of timing
             spec = {} if name == "plain" else {"speculative_algorithm": name,
-                                                "speculative_disable_adaptive": True}
+                                                "speculative_disable_adaptive": True,
+                                                "speculative_verify_cost": "table"}
             started[name] = Engine(log_level="warning", **spec)
         return started[name]
 

@@ -67,6 +67,9 @@ def test_a_toy_algorithm_is_served_through_its_own_generated_flag(tmp_path, monk
     with Engine(**dataclasses.asdict(args)) as spec:
         outs = [o["output_ids"] for o in spec.generate(input_ids=ps, sampling_params=params)]
         info = spec.server_info()
+        # the runner timed its curve once the scheduler and the front end had loaded
+        # (runner_process.StartupQuiet)
+        assert "measured at start-up" in spec.tm.ready_info["verify_cost"]["source"]
     with Engine(model_path=str(model), log_level="warning") as plain:
         ref = [o["output_ids"] for o in plain.generate(input_ids=ps, sampling_params=params)]
     assert outs == ref
