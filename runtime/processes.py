@@ -39,19 +39,18 @@ class Backend:
         ctx = mp.get_context("spawn")
         parent = os.getpid()
         # set by this process and the scheduler once their tokenizers are loaded: the runner
-        # waits for both before it times its verify-cost curve (StartupQuiet)
-        # (held here: Process.start drops its args, and a collected event's semaphore is gone
-        # before a spawned child unpickles it)
+        # waits for both before it times its verify-cost curve (StartupQuiet). Held here, not
+        # only in the Process args: Process.start drops its args, and a collected event's
+        # semaphore is gone before a spawned child unpickles it.
         self.front_loaded, self.sched_loaded = ctx.Event(), ctx.Event()
-        sched_loaded = self.sched_loaded
-        quiet = StartupQuiet((self.front_loaded, sched_loaded))
+        quiet = StartupQuiet((self.front_loaded, self.sched_loaded))
         self.procs = {
             "model_runner": ctx.Process(
                 target=run_model_runner_process, args=(args, self.ipc_dir, parent, quiet),
                 name="specserve-model-runner", daemon=True,
             ),
             "scheduler": ctx.Process(
-                target=run_scheduler_process, args=(args, self.ipc_dir, parent, sched_loaded),
+                target=run_scheduler_process, args=(args, self.ipc_dir, parent, self.sched_loaded),
                 name="specserve-scheduler", daemon=True,
             ),
         }

@@ -76,7 +76,7 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerFast:
     try:
         if (path / "tokenizer.json").is_file() and _named_class(path) in GENERIC_FAST_CLASSES:
             # the class AutoTokenizer would pick, without the model config it reads first
-            # (importing the architecture's config module: ~1.4 s of every process's start)
+            # (importing the architecture's config module: ~1.2 s of every process's start)
             tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
         else:
             tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
