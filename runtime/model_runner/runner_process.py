@@ -8,6 +8,7 @@ KV *tensors* live here; which slot means what is the scheduler's.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -264,7 +265,7 @@ def run_model_runner_process(server_args, ipc_dir: str, parent_pid: int,
         ))
         # a draft head that does not fit fails here
         spec = _create_spec(server_args, runner,
-                            lambda: quiet.wait(parent_pid) if quiet is not None else None)
+                            None if quiet is None else functools.partial(quiet.wait, parent_pid))
         single_torch_thread(runner)
     except Exception as exc:  # noqa: BLE001 - reported to the scheduler, then we exit
         send.send(RunnerError(message=f"model runner failed to start: {exc}"))

@@ -15,6 +15,7 @@ import pytest
 from corpora.datasets import sample_requests
 from runtime.model_loader.default_model import resolve_model_path
 from runtime.model_loader.tokenizer import load_tokenizer
+from tests.helpers.engine_runs import alone_then_eight, run_concurrent
 from tests.helpers.near_tie import NearTieJudge
 
 pytestmark = pytest.mark.slow
@@ -55,20 +56,6 @@ def judge():
     j = NearTieJudge()
     yield j
     print(j.report())
-
-
-def run_concurrent(engine, prompts: list[list[int]], params: list[dict], concurrency: int
-                   ) -> list[dict]:
-    async def main():
-        sem = asyncio.Semaphore(concurrency)
-
-        async def one(p, sp):
-            async with sem:
-                return await engine.async_generate(input_ids=p, sampling_params=sp)
-
-        return await asyncio.gather(*(one(p, sp) for p, sp in zip(prompts, params)))
-
-    return asyncio.run(main())
 
 
 _plain_cache: dict[tuple, dict] = {}
@@ -127,19 +114,16 @@ def test_seeded_sampling_is_identical_with_and_without_speculation(
         engines, seeded_prompts, seeded_reference, algo):
     prompts, params = seeded_prompts
     engine = engines(algo)
-    # one at a time: every other prompt (as the greedy lossless test); eight at a time: all 50
-    single = list(range(0, len(prompts), 2))
-    batch1 = [engine.generate(input_ids=prompts[i], sampling_params=params[i]) for i in single]
-    conc8 = run_concurrent(engine, prompts, params, 8)
+    alone, conc8 = alone_then_eight(engine, prompts, params)  # 25 prompts alone, all 50 by 8
     judge = NearTieJudge()
-    runs = [(i, out) for i, out in zip(single, batch1)] + list(enumerate(conc8))
+    runs = alone + list(enumerate(conc8))
     assert len(runs) == 75
     for i, out in runs:
         ok, why = judge.check(prompts[i], seeded_reference[i], out["output_ids"], params[i])
         assert ok, why
     print(judge.report())
     assert len(judge.excused) <= len(prompts) // 10, judge.report()
-    accepted = sum(o["meta_info"]["spec_num_correct_drafts"] for o in batch1)
+    accepted = sum(o["meta_info"]["spec_num_correct_drafts"] for _, o in alone)
     assert accepted > 0, "seeded sampled drafts are accepted"
 
 

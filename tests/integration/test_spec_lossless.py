@@ -5,7 +5,6 @@ model and adapter), on 52 held-out prompts under concurrency 8 and 26 of them on
 
 from __future__ import annotations
 
-import asyncio
 import random
 
 import pytest
@@ -16,6 +15,7 @@ from runtime.model_loader.tokenizer import load_tokenizer
 from runtime.model_runner.runner_process import RunnerWorker
 from speculative.base import SpecConfig, create_drafter
 from speculative.worker import SpeculativeWorker
+from tests.helpers.engine_runs import alone_then_eight, run_concurrent
 from tests.helpers.near_tie import NearTieJudge
 from tests.unit.test_scheduler import Harness, reference, tiny  # noqa: F401
 
@@ -77,18 +77,9 @@ def plain_reference():
         # eight at a time (half the time of one by one): the CPU engine is batch-invariant, so
         # each output is the one-by-one output (tests/integration/test_server.py checks 32
         # streams against sequential runs); on the torch engine the judge allows near-ties
-        ref = [o["output_ids"] for o in asyncio.run(_concurrently(plain, prompts, GREEDY))]
+        ref = [o["output_ids"]
+               for o in run_concurrent(plain, prompts, [GREEDY] * len(prompts), 8)]
     return prompts, ref
-
-
-async def _concurrently(engine, prompts, params, limit: int = 8) -> list[dict]:
-    sem = asyncio.Semaphore(limit)
-
-    async def one(p):
-        async with sem:
-            return await engine.async_generate(input_ids=p, sampling_params=params)
-
-    return await asyncio.gather(*(one(p) for p in prompts))
 
 
 @pytest.mark.slow
@@ -106,19 +97,17 @@ def test_default_model_greedy_spec_equals_plain_batch1_and_concurrency8(algo, pl
     # skips ~5 s of timing; test_verify_cost.py and the server tests time the curve)
     with Engine(log_level="warning", speculative_algorithm=algo,
                 speculative_disable_adaptive=True, speculative_verify_cost="table") as spec:
-        # one at a time: every other prompt (13 rewrites, 13 ShareGPT: the suite's time is
-        # mostly these passes); eight at a time: all 52
-        single = list(range(0, len(prompts), 2))
-        batch1 = [spec.generate(input_ids=prompts[i], sampling_params=params) for i in single]
-        conc8 = asyncio.run(_concurrently(spec, prompts, params))
+        # 26 prompts alone (13 rewrites, 13 ShareGPT), all 52 eight at a time
+        alone, conc8 = alone_then_eight(spec, prompts, [params] * len(prompts))
         info = spec.server_info()
+    batch1 = [o for _, o in alone]
     server_floor, request_floor = ACCEPT_FLOORS[algo]
     print(algo, "server accept length", info["avg_spec_accept_length"], "best request",
           max(o["meta_info"]["spec_accept_length"] for o in batch1))
     assert info["avg_spec_accept_length"] > server_floor
     assert any(o["meta_info"]["spec_accept_length"] > request_floor for o in batch1)
     judge = NearTieJudge()
-    runs = [(i, out) for i, out in zip(single, batch1)] + list(enumerate(conc8))
+    runs = alone + list(enumerate(conc8))
     assert len(runs) == 78
     for i, out in runs:
         ok, why = judge.check(prompts[i], ref[i], out["output_ids"])
