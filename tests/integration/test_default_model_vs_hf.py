@@ -57,29 +57,27 @@ def test_default_model_logits_match_hf_within_1e_3(runner, hf_model, chat_ids):
     assert (ours - ref).abs().max().item() < 1e-3
 
 
-def first_divergence_is_a_near_tie(ours: list[int], ref: list[int], step_logits) -> bool:
-    """True when the outputs agree, or differ first where the top-two logits are within 1e-4."""
-    for i, (a, b) in enumerate(zip(ours, ref)):
-        if a != b:
-            top2 = step_logits[i].topk(2).values
-            return float(top2[0] - top2[1]) <= 1e-4
-    return len(ours) == len(ref)
-
-
 def test_greedy_generation_equals_hf_for_5_chat_prompts_x_64_tokens(runner, hf_model, chat_ids):
+    """Our 64 greedy tokens are HF's greedy choices: HF scores prompt + our answer in one forward
+    and each of our tokens must be its argmax there, or within 1e-4 of it (a near-tie, where
+    the two engines' summation orders may pick differently). By induction that is HF's own
+    greedy generation up to near-ties, and it checks every position, also past a near-tie,
+    at the cost of one forward instead of 64 decode steps per prompt."""
     gen = LocalGenerator(runner)
-    # both run 64 tokens straight past EOS (HF's min_new_tokens would mask EOS instead)
+    # 64 tokens straight past EOS, as HF's generate would with eos_token_id = None
     params = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
-    hf_model.generation_config.eos_token_id = None
     ours = gen.generate(chat_ids, params, keep_logits=True)
+    ties = 0
     for req, ids in zip(ours, chat_ids):
+        assert len(req.output_ids) == 64
+        seq = ids + req.output_ids
         with torch.no_grad():
-            ref = hf_model.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=64, do_sample=False, pad_token_id=0,
-            )[0, len(ids):].tolist()
-        assert len(ref) == 64
-        assert first_divergence_is_a_near_tie(req.output_ids, ref, req.logits), (
-            f"diverged from HF: ours {req.output_ids[:20]} ref {ref[:20]}"
-        )
+            logits = hf_model(torch.tensor([seq])).logits[0, len(ids) - 1 : len(seq) - 1]
+        chosen = logits[torch.arange(64), torch.tensor(req.output_ids)]
+        gap = logits.max(-1).values - chosen  # 0 where our token is HF's argmax
+        assert float(gap.max()) <= 1e-4, (
+            f"token {int(gap.argmax())} of {req.output_ids[:20]}... is not HF's greedy choice: "
+            f"{float(gap.max()):.2e} below HF's top logit")
+        ties += int((gap > 0).sum())
+    assert ties <= 2, f"{ties} near-ties in 320 tokens: the engines disagree more than rounding"
     assert gen.allocator.num_free == gen.allocator.capacity
