@@ -28,7 +28,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,13 @@ import httpx
 
 from benchmark.bench_one_batch import bench_decode
 from benchmark.bench_serving import BenchConfig, run_benchmark
-from benchmark.common import format_table, machine_info, stop_children_on_sigterm, write_json
+from benchmark.common import (
+    format_table,
+    machine_info,
+    stop_children_on_sigterm,
+    wait_healthy,
+    write_json,
+)
 from corpora.datasets import DATASETS, load_bench_tokenizer, sample_requests
 from runtime.model_loader.default_model import embedded_gguf_path, resolve_model_path
 
@@ -79,20 +84,6 @@ def ours_decode(model_dir: str, engine: str, threads: int, n: int, reps: int) ->
     return {"tokens_per_s": res["decode_tokens_per_s"], "step_ms": res["decode_step_s"] * 1e3}
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
-    t0 = time.time()
-    while time.time() - t0 < timeout_s:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with code {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"server at {url} not healthy after {timeout_s}s")
-
-
 def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
@@ -109,7 +100,7 @@ def serve_and_measure(cmd: list[str], port: int, requests, tokenizer, log_path: 
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             url = f"http://127.0.0.1:{port}"
-            _wait_healthy(url, proc)
+            wait_healthy(url, proc)
             cfg = BenchConfig(base_url=url, backend="openai", endpoint="chat", max_concurrency=1,
                               temperature=0.0, warmup_requests=1, disable_tqdm=True)
             res = asyncio.run(run_benchmark(requests, cfg, tokenizer))

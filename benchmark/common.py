@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import signal
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 
 
@@ -59,6 +62,28 @@ def write_json(path: str | Path, data: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2))
     return path
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300,
+                 interval_s: float = 0.5) -> float:
+    """Poll `url`/health until it answers 200 while `proc` (the server) runs; the seconds it
+    took. RuntimeError if the server exits or `timeout_s` passes first.
+
+    One `httpx.Client` for every poll: a bare `httpx.get` builds a client and its SSL context
+    per call, ~35 ms of CPU on the 2-core machines here, so polling every 0.5 s took ~7% of a
+    core (every 50 ms: ~70%) from the server being waited for, whose model runner is timing
+    its verify-cost curve at that moment (docs/benchmarks.md, twenty-first session)."""
+    t0 = time.monotonic()
+    with httpx.Client(timeout=1) as client:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited during start-up (exit code {proc.returncode})")
+            with contextlib.suppress(httpx.HTTPError):
+                if client.get(f"{url}/health").status_code == 200:
+                    return time.monotonic() - t0
+            if time.monotonic() - t0 > timeout_s:
+                raise RuntimeError(f"server at {url} not healthy after {timeout_s:.0f}s")
+            time.sleep(interval_s)
 
 
 def stop_children_on_sigterm() -> None:

@@ -47,7 +47,13 @@ from typing import Any
 import httpx
 
 from benchmark.bench_serving import BenchConfig, run_benchmark
-from benchmark.common import format_table, machine_info, stop_children_on_sigterm, write_json
+from benchmark.common import (
+    format_table,
+    machine_info,
+    stop_children_on_sigterm,
+    wait_healthy,
+    write_json,
+)
 from corpora.datasets import load_bench_tokenizer, sample_requests
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,16 +74,10 @@ def server(args: list[str], log_path: Path, timeout_s: float = 300) -> Iterator[
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited during start-up; log: {log_path}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server not healthy after {timeout_s}s; log: {log_path}")
-            time.sleep(0.5)
+        try:
+            wait_healthy(url, proc, timeout_s)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}; log: {log_path}") from None
         yield url
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import httpx
 
+from benchmark.common import wait_healthy
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -56,18 +58,11 @@ class ServerProcess:
         self.log_path = Path(f"/tmp/specserve-test-{self.port}.log")
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited during start-up:\n{self.read_log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"server not healthy after {timeout_s}s:\n{self.read_log()}")
+        try:
+            wait_healthy(self.url, self.proc, timeout_s)
+        except RuntimeError as exc:
+            self.stop()
+            raise RuntimeError(f"{exc}:\n{self.read_log()}") from None
 
     @property
     def headers(self) -> dict[str, str]:
