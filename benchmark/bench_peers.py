@@ -39,6 +39,7 @@ from benchmark.common import (
     format_table,
     machine_info,
     stop_children_on_sigterm,
+    stop_server,
     wait_healthy,
     write_json,
 )
@@ -84,16 +85,6 @@ def ours_decode(model_dir: str, engine: str, threads: int, n: int, reps: int) ->
     return {"tokens_per_s": res["decode_tokens_per_s"], "step_ms": res["decode_step_s"] * 1e3}
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def serve_and_measure(cmd: list[str], port: int, requests, tokenizer, log_path: Path,
                       env: dict[str, str] | None = None) -> dict:
     with open(log_path, "w") as log:
@@ -105,7 +96,7 @@ def serve_and_measure(cmd: list[str], port: int, requests, tokenizer, log_path: 
                               temperature=0.0, warmup_requests=1, disable_tqdm=True)
             res = asyncio.run(run_benchmark(requests, cfg, tokenizer))
         finally:
-            _stop(proc)
+            stop_server(proc, signal.SIGINT)
     m = res["metrics"]
     return {"output_tokens_per_s": m["output_throughput"], "completed": m["completed"],
             "output_tokens": sum(r.output_len for r in res["records"] if r.success),

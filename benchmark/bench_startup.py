@@ -16,7 +16,6 @@ configuration, the table last, and writes JSON (`--output`).
 from __future__ import annotations
 
 import argparse
-import signal
 import statistics
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
-from benchmark.common import format_table, machine_info, wait_healthy, write_json
+from benchmark.common import format_table, machine_info, stop_server, wait_healthy, write_json
 
 
 def start_once(algorithm: str | None, model_path: str | None) -> dict[str, float]:
@@ -67,12 +66,7 @@ def launch_once(algorithm: str | None, model_path: str | None, log_path: Path,
             first = time.perf_counter() - t0
         finally:
             t_stop = time.perf_counter()
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_server(proc)
     return {"ready_s": ready, "first_token_s": first, "stop_s": time.perf_counter() - t_stop}
 
 

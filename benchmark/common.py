@@ -86,6 +86,17 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300,
             time.sleep(interval_s)
 
 
+def stop_server(proc: subprocess.Popen, sig: int = signal.SIGTERM, wait_s: float = 30) -> None:
+    """Stop a server child with `sig`, SIGKILL if it has not exited after `wait_s` seconds."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def stop_children_on_sigterm() -> None:
     """Make SIGTERM raise SystemExit, so a benchmark that is stopped (`kill`, a CI timeout)
     still runs its `finally` blocks and stops the servers it started: Python's default

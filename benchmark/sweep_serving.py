@@ -34,7 +34,6 @@ import contextlib
 import json
 import os
 import shlex
-import signal
 import socket
 import statistics
 import subprocess
@@ -51,6 +50,7 @@ from benchmark.common import (
     format_table,
     machine_info,
     stop_children_on_sigterm,
+    stop_server,
     wait_healthy,
     write_json,
 )
@@ -80,12 +80,7 @@ def server(args: list[str], log_path: Path, timeout_s: float = 300) -> Iterator[
             raise RuntimeError(f"{exc}; log: {log_path}") from None
         yield url
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
         log.close()
 
 
