@@ -66,7 +66,7 @@ def test_greedy_generation_equals_hf_for_5_chat_prompts_x_64_tokens(runner, hf_m
     gen = LocalGenerator(runner)
     # 64 tokens straight past EOS, as HF's generate would with eos_token_id = None
     params = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
-    ours = gen.generate(chat_ids, params, keep_logits=True)
+    ours = gen.generate(chat_ids, params)
     ties = 0
     for req, ids in zip(ours, chat_ids):
         assert len(req.output_ids) == 64

@@ -9,9 +9,10 @@ import pytest
 
 pytest.importorskip("triton")
 
-# one prompt of 27 tokens: its prefill spans two query blocks (BLOCK_M = 16), and its answer
-# repeats the prompt's own words, so NGRAM drafts from it. Six tokens: a prefill and five decode
-# or verify steps through every layer's kernel call. Under the interpreter a forward costs
+# one prompt of 27 tokens: its prefill spans two query blocks (BLOCK_M = 16), and NGRAM finds
+# the answer's first tokens (a newline, "#") in it to draft from (the test checks that it
+# drafts). Six tokens: a prefill and five decode or verify steps through every layer's kernel
+# call. Under the interpreter a forward costs
 # ~4 s, so each prompt costs ~25 s per server: these tests were 3 of the suite's 20 minutes.
 PROMPTS = ["def fibonacci(n):\n    # return the n-th Fibonacci number\n    if n < 2:\n"
            "        return n\n"]
