@@ -25,7 +25,14 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
-from benchmark.common import format_table, machine_info, stop_server, wait_healthy, write_json
+from benchmark.common import (
+    format_table,
+    free_port,
+    machine_info,
+    stop_server,
+    wait_healthy,
+    write_json,
+)
 
 
 def start_once(algorithm: str | None, model_path: str | None) -> dict[str, float]:
@@ -44,9 +51,9 @@ def start_once(algorithm: str | None, model_path: str | None) -> dict[str, float
 
 def launch_once(algorithm: str | None, model_path: str | None, log_path: Path,
                 timeout_s: float = 300) -> dict[str, float]:
-    from benchmark.sweep_serving import ROOT, _free_port
+    from benchmark.sweep_serving import ROOT
 
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "launch_server", "--port", str(port), "--log-level", "warning"]
     cmd += ["--speculative-algorithm", algorithm] if algorithm else []
     cmd += ["--model-path", model_path] if model_path else []
@@ -55,10 +62,7 @@ def launch_once(algorithm: str | None, model_path: str | None, log_path: Path,
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         try:
-            try:
-                wait_healthy(url, proc, timeout_s, interval_s=0.05)
-            except RuntimeError as exc:
-                raise RuntimeError(f"{exc}; log: {log_path}") from None
+            wait_healthy(url, proc, timeout_s, interval_s=0.05, log=log_path)
             ready = time.perf_counter() - t0
             r = httpx.post(f"{url}/generate", timeout=60, json={
                 "text": "Hello", "sampling_params": {"max_new_tokens": 1, "temperature": 0}})

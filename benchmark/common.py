@@ -6,6 +6,7 @@ import contextlib
 import json
 import platform
 import signal
+import socket
 import statistics
 import subprocess
 import time
@@ -64,25 +65,35 @@ def write_json(path: str | Path, data: dict[str, Any]) -> Path:
     return path
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300,
-                 interval_s: float = 0.5) -> float:
+                 interval_s: float = 0.5, log: str | Path | None = None) -> float:
     """Poll `url`/health until it answers 200 while `proc` (the server) runs; the seconds it
-    took. RuntimeError if the server exits or `timeout_s` passes first.
+    took. RuntimeError if the server exits or `timeout_s` passes first (naming `log`, the
+    server's log file, when given).
 
     One `httpx.Client` for every poll: a bare `httpx.get` builds a client and its SSL context
     per call, ~35 ms of CPU on the 2-core machines here, so polling every 0.5 s took ~7% of a
     core (every 50 ms: ~70%) from the server being waited for, whose model runner is timing
     its verify-cost curve at that moment (docs/benchmarks.md, twenty-first session)."""
     t0 = time.monotonic()
+    where = f"; log: {log}" if log else ""
     with httpx.Client(timeout=1) as client:
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"server exited during start-up (exit code {proc.returncode})")
+                raise RuntimeError(f"server exited during start-up (exit code "
+                                   f"{proc.returncode}){where}")
             with contextlib.suppress(httpx.HTTPError):
                 if client.get(f"{url}/health").status_code == 200:
                     return time.monotonic() - t0
             if time.monotonic() - t0 > timeout_s:
-                raise RuntimeError(f"server at {url} not healthy after {timeout_s:.0f}s")
+                raise RuntimeError(f"server at {url} not healthy after {timeout_s:.0f}s{where}")
             time.sleep(interval_s)
 
 

@@ -34,7 +34,6 @@ import contextlib
 import json
 import os
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,6 +47,7 @@ import httpx
 from benchmark.bench_serving import BenchConfig, run_benchmark
 from benchmark.common import (
     format_table,
+    free_port,
     machine_info,
     stop_children_on_sigterm,
     stop_server,
@@ -59,25 +59,16 @@ from corpora.datasets import load_bench_tokenizer, sample_requests
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def server(args: list[str], log_path: Path, timeout_s: float = 300) -> Iterator[str]:
     """A `launch_server` child on a free port; SIGTERM (then SIGKILL) on exit, whatever happens."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "launch_server", "--port", str(port), *args]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        try:
-            wait_healthy(url, proc, timeout_s)
-        except RuntimeError as exc:
-            raise RuntimeError(f"{exc}; log: {log_path}") from None
+        wait_healthy(url, proc, timeout_s, log=log_path)
         yield url
     finally:
         stop_server(proc)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,15 +11,9 @@ from pathlib import Path
 
 import httpx
 
-from benchmark.common import wait_healthy
+from benchmark.common import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def children_of(pid: int) -> list[int]:

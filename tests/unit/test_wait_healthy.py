@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from benchmark.common import wait_healthy
+from benchmark.common import free_port, wait_healthy
 
 # answers /health with 503 twice, then 200 (a server still starting, then ready)
 SERVER = textwrap.dedent("""
@@ -27,14 +26,8 @@ SERVER = textwrap.dedent("""
 """)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_waits_through_refusals_and_503s_until_200():
-    port = _port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port)])
     try:
         took = wait_healthy(f"http://127.0.0.1:{port}", proc, timeout_s=30, interval_s=0.05)
@@ -47,12 +40,13 @@ def test_waits_through_refusals_and_503s_until_200():
 
 def test_a_server_that_exits_or_never_answers_is_an_error():
     proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
-    with pytest.raises(RuntimeError, match="exit code 3"):
-        wait_healthy(f"http://127.0.0.1:{_port()}", proc, timeout_s=30, interval_s=0.05)
+    with pytest.raises(RuntimeError, match=r"exit code 3\); log: srv\.log"):
+        wait_healthy(f"http://127.0.0.1:{free_port()}", proc, timeout_s=30, interval_s=0.05,
+                     log="srv.log")
     idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         with pytest.raises(RuntimeError, match="not healthy after"):
-            wait_healthy(f"http://127.0.0.1:{_port()}", idle, timeout_s=0.3, interval_s=0.05)
+            wait_healthy(f"http://127.0.0.1:{free_port()}", idle, timeout_s=0.3, interval_s=0.05)
     finally:
         idle.kill()
         idle.wait()
