@@ -62,6 +62,8 @@ class BenchConfig:
     seed: int = 0
     disable_tqdm: bool = False
     request_timeout_s: float = 600.0
+    # ask for each output token's logprob and this many alternatives (None: no logprobs)
+    logprobs: int | None = None
 
 
 @dataclass(slots=True)
@@ -82,7 +84,10 @@ def build_call(req: BenchRequest, cfg: BenchConfig, tokenizer: Tokenizer, model:
             prompt = {"input_ids": req.input_ids}
         params = {"max_new_tokens": req.max_new_tokens, "temperature": cfg.temperature,
                   "ignore_eos": cfg.ignore_eos}
-        return _Call(req, "/generate", {**prompt, "sampling_params": params, "stream": True})
+        extra = {} if cfg.logprobs is None else {"return_logprob": True,
+                                                 "top_logprobs_num": cfg.logprobs}
+        return _Call(req, "/generate", {**prompt, "sampling_params": params, "stream": True,
+                                        **extra})
     body: dict[str, Any] = {
         "model": model, "max_tokens": req.max_new_tokens, "temperature": cfg.temperature,
         "stream": True, "stream_options": {"include_usage": True},
@@ -93,7 +98,11 @@ def build_call(req: BenchRequest, cfg: BenchConfig, tokenizer: Tokenizer, model:
         messages = req.messages or [
             {"role": "user", "content": req.prompt or tokenizer.decode(req.input_ids or [])}
         ]
+        if cfg.logprobs is not None:
+            body.update(logprobs=True, top_logprobs=cfg.logprobs)
         return _Call(req, "/v1/chat/completions", {**body, "messages": messages})
+    if cfg.logprobs is not None:
+        body["logprobs"] = cfg.logprobs
     if req.messages is not None:
         text = tokenizer.apply_chat_template(req.messages, tokenize=False,
                                              add_generation_prompt=True)
@@ -318,6 +327,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=d.request_timeout_s)
     p.add_argument("--output", default="results/bench_serving.json")
     p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="ask for every output token's logprob and N alternatives")
     return p.parse_args(argv)
 
 
@@ -330,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         max_concurrency=args.max_concurrency, temperature=args.temperature,
         ignore_eos=args.ignore_eos, warmup_requests=args.warmup_requests, seed=args.seed,
         disable_tqdm=args.disable_tqdm, request_timeout_s=args.request_timeout,
+        logprobs=args.logprobs,
     )
     tokenizer = load_bench_tokenizer(args.tokenizer)
     requests = sample_requests(

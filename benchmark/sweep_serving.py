@@ -89,9 +89,17 @@ def _level_requests(args: argparse.Namespace, tokenizer, c: int) -> list:
                            split=args.split)
 
 
-def _bench(url: str, c: int, reqs: list, tokenizer, seed: int) -> dict[str, Any]:
+def parse_logprobs(text: str) -> tuple[str, int]:
+    label, _, n = text.partition("=")
+    if not label or not n.isdigit():
+        raise argparse.ArgumentTypeError(f"--logprobs wants LABEL=N, got {text!r}")
+    return label, int(n)
+
+
+def _bench(url: str, c: int, reqs: list, tokenizer, seed: int,
+           logprobs: int | None = None) -> dict[str, Any]:
     cfg = BenchConfig(base_url=url, max_concurrency=c, seed=seed, disable_tqdm=True,
-                      warmup_requests=min(c, 4))
+                      warmup_requests=min(c, 4), logprobs=logprobs)
     return asyncio.run(run_benchmark(reqs, cfg, tokenizer))
 
 
@@ -105,7 +113,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
             for c in args.concurrency:
                 reqs = _level_requests(args, tokenizer, c)
                 n = len(reqs)
-                out = _bench(url, c, reqs, tokenizer, args.seed)
+                out = _bench(url, c, reqs, tokenizer, args.seed, args.logprobs.get(label))
                 m = out["metrics"]
                 results[label]["levels"][str(c)] = {"metrics": m,
                                                    "server_info": out["server_info"]}
@@ -149,7 +157,8 @@ def run_interleaved(args: argparse.Namespace) -> dict[str, Any]:
                 first = (li + r) % len(labels)
                 for label in labels[first:] + labels[:first]:
                     _flush(urls[label])
-                    runs[label].append(_bench(urls[label], c, reqs, tokenizer, args.seed))
+                    runs[label].append(_bench(urls[label], c, reqs, tokenizer, args.seed,
+                                              args.logprobs.get(label)))
                     bar.set_postfix_str(f"c={c} round {r + 1} {label}")
                     bar.update()
             for label in labels:
@@ -250,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", type=parse_config, action="append", required=True,
                    help="LABEL=SERVER ARGS (repeat; the first is the baseline of the ratios)")
     p.add_argument("--common-args", default="", help="server args for every configuration")
+    p.add_argument("--logprobs", type=parse_logprobs, action="append", default=[],
+                   metavar="LABEL=N", help="that configuration's requests ask for logprobs "
+                   "with N alternatives per token (the cost of logprobs: two configurations "
+                   "with the same server args, one of them with this)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
     p.add_argument("--dataset", default="sharegpt")
     p.add_argument("--split", default="all")
@@ -276,6 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.rounds < 0:
         p.error("--rounds must be >= 0")
+    args.logprobs = dict(args.logprobs)
+    unknown = set(args.logprobs) - {label for label, _ in args.config}
+    if unknown:
+        p.error(f"--logprobs names no --config: {sorted(unknown)}")
     os.makedirs(Path(args.output).parent, exist_ok=True)
     results = run_interleaved(args) if args.rounds else run_sweep(args)
     path = write_json(args.output, {"config": {**vars(args), "config": args.config},

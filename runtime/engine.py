@@ -17,7 +17,9 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+from runtime.entrypoints.logprob_format import sglang_meta
 from runtime.processes import Backend
+from runtime.sampling.logprobs import LogprobOptions
 from runtime.sampling.sampling_params import SamplingParams
 from runtime.server_args import server_args_class
 from runtime.tokenizer.tokenizer_manager import GenerateChunk, TokenizerManager
@@ -25,8 +27,21 @@ from runtime.tokenizer.tokenizer_manager import GenerateChunk, TokenizerManager
 logger = logging.getLogger(__name__)
 
 
-def chunk_to_dict(chunk: GenerateChunk) -> dict[str, Any]:
-    return {"text": chunk.text, "output_ids": chunk.output_ids, "meta_info": chunk.meta_info}
+def chunk_to_dict(chunk: GenerateChunk, lp: _Logprobs | None = None) -> dict[str, Any]:
+    meta = chunk.meta_info
+    if lp is not None and chunk.logprobs is not None:
+        meta = {**meta, **sglang_meta(chunk.logprobs, lp.prompt_ids, chunk.output_ids,
+                                      lp.options.input_from, lp.options.top, lp.text_of)}
+    return {"text": chunk.text, "output_ids": chunk.output_ids, "meta_info": meta}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Logprobs:
+    """A prompt's logprob request, as SGLang's Engine.generate takes it."""
+
+    options: LogprobOptions
+    prompt_ids: list[int]
+    text_of: Any = None  # TokenTexts when return_text_in_logprobs
 
 
 class Engine:
@@ -82,58 +97,87 @@ class Engine:
         params = [SamplingParams.from_dict(p or {}, self.tm.vocab_size) for p in sp]
         return ids, params, single
 
+    def _logprobs(self, ids: list[list[int]], return_logprob: bool,
+                  logprob_start_len: int | None, top_logprobs_num: int | None,
+                  return_text_in_logprobs: bool) -> list[_Logprobs | None]:
+        """SGLang's logprob arguments per prompt (`logprob_start_len` -1: output only)."""
+        if not return_logprob:
+            return [None] * len(ids)
+        start = None if logprob_start_len in (None, -1) else logprob_start_len
+        text_of = self.tm.token_texts if return_text_in_logprobs else None
+        return [_Logprobs(LogprobOptions(top_logprobs_num or 0, start).validate(len(i)), i,
+                          text_of) for i in ids]
+
     # ---- generation -------------------------------------------------------------------
-    async def _collect(self, ids, params) -> dict:
+    async def _collect(self, ids, params, lp: _Logprobs | None = None) -> dict:
         last = None
-        async for chunk in self.tm.generate(ids, params, stream=False):
+        async for chunk in self.tm.generate(ids, params, stream=False,
+                                            logprobs=None if lp is None else lp.options):
             last = chunk
-        return chunk_to_dict(last)
+        return chunk_to_dict(last, lp)
 
     def generate(
         self, prompt: str | list[str] | None = None, sampling_params: dict | list | None = None,
         input_ids: list[int] | list[list[int]] | None = None, stream: bool = False,
+        return_logprob: bool = False, logprob_start_len: int | None = None,
+        top_logprobs_num: int | None = None, return_text_in_logprobs: bool = False,
     ) -> dict | list[dict] | Iterator[dict]:
         """Generate for one prompt (dict) or several (list of dicts, run concurrently).
 
-        With `stream=True` (one prompt), returns an iterator of cumulative chunks.
+        With `stream=True` (one prompt), returns an iterator of cumulative chunks. The logprob
+        arguments are SGLang's: meta_info then holds `output_token_logprobs` (and
+        `input_token_logprobs` from `logprob_start_len` on, the `*_top_logprobs` lists with
+        `top_logprobs_num`); docs/architecture.md, "Logprobs".
         """
         ids, params, single = self._inputs(prompt, input_ids, sampling_params)
+        lps = self._logprobs(ids, return_logprob, logprob_start_len, top_logprobs_num,
+                             return_text_in_logprobs)
         if stream:
             if not single:
                 raise ValueError("stream=True takes a single prompt")
-            return self._stream_sync(ids[0], params[0])
+            return self._stream_sync(ids[0], params[0], lps[0])
 
         async def run_all():
-            return await asyncio.gather(*(self._collect(i, p) for i, p in zip(ids, params)))
+            return await asyncio.gather(*(self._collect(i, p, lp)
+                                          for i, p, lp in zip(ids, params, lps)))
 
         outs = self._run(run_all())
         return outs[0] if single else outs
 
-    def _stream_sync(self, ids, params) -> Iterator[dict]:
-        agen = self.tm.generate(ids, params, stream=True)
+    def _stream_sync(self, ids, params, lp: _Logprobs | None = None) -> Iterator[dict]:
+        agen = self.tm.generate(ids, params, stream=True,
+                                logprobs=None if lp is None else lp.options)
         try:
             while True:
                 try:
                     chunk = self._run(agen.__anext__())
                 except StopAsyncIteration:
                     return
-                yield chunk_to_dict(chunk)
+                yield chunk_to_dict(chunk, lp)
         finally:
             self._run(agen.aclose())
 
     async def async_generate(
         self, prompt: str | None = None, sampling_params: dict | None = None,
         input_ids: list[int] | None = None, stream: bool = False,
+        return_logprob: bool = False, logprob_start_len: int | None = None,
+        top_logprobs_num: int | None = None, return_text_in_logprobs: bool = False,
     ) -> dict | AsyncIterator[dict]:
-        """Awaitable from any event loop; `stream=True` gives an async iterator of chunks."""
+        """Awaitable from any event loop; `stream=True` gives an async iterator of chunks.
+        The logprob arguments are `generate`'s."""
         ids, params, _ = self._inputs(prompt, input_ids, sampling_params)
+        lp = self._logprobs(ids[:1], return_logprob, logprob_start_len, top_logprobs_num,
+                            return_text_in_logprobs)[0]
         if not stream:
-            fut = asyncio.run_coroutine_threadsafe(self._collect(ids[0], params[0]), self._loop)
+            fut = asyncio.run_coroutine_threadsafe(self._collect(ids[0], params[0], lp),
+                                                   self._loop)
             return await asyncio.wrap_future(fut)
-        return self._stream_async(ids[0], params[0])
+        return self._stream_async(ids[0], params[0], lp)
 
-    async def _stream_async(self, ids, params) -> AsyncIterator[dict]:
-        agen = self.tm.generate(ids, params, stream=True)
+    async def _stream_async(self, ids, params, lp: _Logprobs | None = None
+                            ) -> AsyncIterator[dict]:
+        agen = self.tm.generate(ids, params, stream=True,
+                                logprobs=None if lp is None else lp.options)
         try:
             while True:
                 fut = asyncio.run_coroutine_threadsafe(agen.__anext__(), self._loop)
@@ -141,7 +185,7 @@ class Engine:
                     chunk = await asyncio.wrap_future(fut)
                 except StopAsyncIteration:
                     return
-                yield chunk_to_dict(chunk)
+                yield chunk_to_dict(chunk, lp)
         finally:
             await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(agen.aclose(), self._loop))
 

@@ -36,6 +36,7 @@ class GenerateReq(Msg):
     input_ids: list[int]
     sampling_params: dict  # validated SamplingParams.to_dict()
     stream: bool = False
+    logprobs: dict | None = None  # LogprobOptions.to_dict() when the client wants logprobs
 
 
 class AbortReq(Msg):
@@ -58,6 +59,8 @@ class TokenOut(Msg):
     new_token_ids: list[list[int]]
     finish_reasons: list[dict | None]
     meta_infos: list[dict]
+    # per request, for those that asked: the new tokens' logprobs (runtime/sampling/logprobs.py)
+    logprobs: list[dict | None] | None = None
 
 
 class InfoOut(Msg):
@@ -84,6 +87,7 @@ class ReqBatchEntry(Msg):
     # (token history for penalties and drafters; chunks and cache hits send only new tokens)
     sampling_params: dict | None = None
     prompt_ids: list[int] | None = None
+    logprobs: dict | None = None  # LogprobOptions.to_dict(), also sent once
     # False for a prefill chunk that does not end the prompt: nothing is sampled
     needs_token: bool = True
 
@@ -108,6 +112,9 @@ class BatchResult(Msg):
     # per request, speculative only: slots of the committed tokens / slots to free
     spec_info: list[dict] | None = None
     forward_s: float = 0.0
+    # per request, for those that asked: logprobs of its new tokens (and of the prompt tokens
+    # this step computed), runtime/sampling/logprobs.py
+    logprobs: list[dict | None] | None = None
 
 
 class RunnerReady(Msg):

@@ -30,6 +30,7 @@ import torch
 
 from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.sampling.argmax import argmax_rows
+from runtime.sampling.logprobs import logprob_rows
 from runtime.sampling.penalties import RowHistory, apply_penalties
 from runtime.sampling.sampler import SamplingBatchInfo, expand, process_logits
 from runtime.sampling.seeded import seed_to_int64, seeded_sample
@@ -304,7 +305,10 @@ class SpeculativeWorker:
                                                             out.argmax)]
         self.drafter.skipped([e.rid for e in entries])
         self._measure(len(entries), 0, time.perf_counter() - t_step)
-        return tokens, [{"drafted": 0, "accepted": 0, "draft_s": 0.0} for _ in entries]
+        infos = [{"drafted": 0, "accepted": 0, "draft_s": 0.0} for _ in entries]
+        self._logprobs(entries, [[0]] * len(entries), tokens, out.logits,
+                       list(range(len(entries))), infos)
+        return tokens, infos
 
     def step(self, entries: list[SpecEntry]) -> tuple[list[list[int]], list[dict]]:
         t_step = time.perf_counter()
@@ -374,7 +378,25 @@ class SpeculativeWorker:
             self.drafter.draft_extend(rows, out)
         self._measure(len(trees), sum(1 for t in trees if t.num_nodes > 1),
                       time.perf_counter() - t_step)
+        starts = [0]
+        for t in trees:
+            starts.append(starts[-1] + t.num_nodes)
+        self._logprobs(entries, [r.accepted_nodes for r in results], out_tokens, out.logits,
+                       starts, infos)
         return out_tokens, infos
+
+    @staticmethod
+    def _logprobs(entries: list[SpecEntry], nodes: list[list[int]], tokens: list[list[int]],
+                  logits: torch.Tensor, starts: list[int], infos: list[dict]) -> None:
+        """infos[b]["logprobs"] for each request that asked: output token i came from the
+        target's logits at accepted node nodes[b][i] (row starts[b] + node), the very row a
+        plain decode step would have computed for it."""
+        for b, e in enumerate(entries):
+            opts = getattr(e.state, "logprobs", None)
+            if opts is None:
+                continue
+            rows = torch.tensor([starts[b] + u for u in nodes[b][: len(tokens[b])]])
+            infos[b]["logprobs"] = logprob_rows(logits[rows], tokens[b], opts.top)
 
     def _measure(self, batch_size: int, drafted: int, step_s: float) -> None:
         """Update the plain-step and draft-cost EMAs from one step's time (see `break_even`):

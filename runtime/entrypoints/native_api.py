@@ -8,13 +8,13 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from runtime.entrypoints.logprob_format import TokenTexts, sglang_meta
 from runtime.entrypoints.protocol import (
     GenerateRequest,
     is_int_list,
     is_str_list,
     parse_model,
     read_json,
-    unsupported,
 )
 from runtime.entrypoints.streaming import (
     SSEResponse,
@@ -26,18 +26,25 @@ from runtime.entrypoints.streaming import (
     until_disconnect,
 )
 from runtime.errors import InvalidRequestError
+from runtime.sampling.logprobs import LogprobOptions
 from runtime.sampling.sampling_params import SamplingParams
 
 
 class _Item:
-    __slots__ = ("input_ids", "params", "rid")
+    __slots__ = ("input_ids", "logprobs", "params", "rid")
 
-    def __init__(self, input_ids: list[int], params: SamplingParams, rid: str | None) -> None:
+    def __init__(self, input_ids: list[int], params: SamplingParams, rid: str | None,
+                 logprobs: LogprobOptions | None = None) -> None:
         self.input_ids, self.params, self.rid = input_ids, params, rid
+        self.logprobs = logprobs
 
 
-def chunk_json(chunk: Any, index: int | None) -> dict:
+def chunk_json(chunk: Any, index: int | None, item: _Item | None = None,
+               text_of: TokenTexts | None = None) -> dict:
     meta = {"finish_reason": None, **chunk.meta_info}
+    if item is not None and item.logprobs is not None and chunk.logprobs is not None:
+        meta.update(sglang_meta(chunk.logprobs, item.input_ids, chunk.output_ids,
+                                item.logprobs.input_from, item.logprobs.top, text_of))
     out = {"text": chunk.text, "output_ids": chunk.output_ids, "meta_info": meta}
     if index is not None:  # batched streams interleave; SGLang tags each chunk
         out["index"] = index
@@ -48,8 +55,6 @@ def parse_generate(body: GenerateRequest, tm: Any) -> tuple[bool, list[_Item]]:
     """(is_batch, items) with every prompt and sampling dict validated."""
     if (body.text is None) == (body.input_ids is None):
         raise InvalidRequestError("text", "give exactly one of 'text' and 'input_ids'")
-    if body.return_logprob:
-        unsupported("return_logprob")
     if body.text is not None:
         field = "text"
         if isinstance(body.text, str):
@@ -83,8 +88,25 @@ def parse_generate(body: GenerateRequest, tm: Any) -> tuple[bool, list[_Item]]:
             name = field if exc.field in ("prompt", "input_ids") else \
                 f"sampling_params.{exc.field}" if exc.field == "max_new_tokens" else exc.field
             raise InvalidRequestError(name, where + exc.message) from None
-        items.append(_Item(ids, p, rid))
+        items.append(_Item(ids, p, rid, _logprob_options(body, len(ids), where)))
     return batch, items
+
+
+def _logprob_options(body: GenerateRequest, prompt_len: int,
+                     where: str) -> LogprobOptions | None:
+    """SGLang's logprob fields: `logprob_start_len` -1 (the default) means output tokens
+    only; `top_logprobs_num` alternatives per position."""
+    if not body.return_logprob:
+        return None
+    start = body.logprob_start_len
+    if start is not None and start < -1:
+        raise InvalidRequestError("logprob_start_len", "must be -1 or a prompt position >= 0")
+    opts = LogprobOptions(body.top_logprobs_num or 0,
+                          None if start is None or start == -1 else start)
+    try:
+        return opts.validate(prompt_len)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(exc.field, where + exc.message) from None
 
 
 def _per_item(value: Any, field: str, batch: bool, count: int, kind: type,
@@ -107,19 +129,22 @@ def _per_item(value: Any, field: str, batch: bool, count: int, kind: type,
 async def generate(request: Request, tm: Any) -> Response:
     body = parse_model(GenerateRequest, await read_json(request))
     batch, items = parse_generate(body, tm)
+    text_of = tm.token_texts if body.return_text_in_logprobs else None
     if body.stream:
         gens = await first_chunks(request, [
-            tm.generate(it.input_ids, it.params, True, it.rid) for it in items])
-        return SSEResponse(sse_events(_events(merge(gens), batch)))
+            tm.generate(it.input_ids, it.params, True, it.rid, it.logprobs) for it in items])
+        return SSEResponse(sse_events(_events(merge(gens), batch, items, text_of)))
     finals = await until_disconnect(request, gather_all([
-        last_chunk(tm.generate(it.input_ids, it.params, False, it.rid)) for it in items]))
-    out = [chunk_json(chunk, None) for chunk in finals]
+        last_chunk(tm.generate(it.input_ids, it.params, False, it.rid, it.logprobs))
+        for it in items]))
+    out = [chunk_json(chunk, None, it, text_of) for chunk, it in zip(finals, items)]
     return JSONResponse(out if batch else out[0])
 
 
-async def _events(chunks: AsyncIterator, batch: bool) -> AsyncIterator[dict]:
+async def _events(chunks: AsyncIterator, batch: bool, items: list[_Item],
+                  text_of: TokenTexts | None) -> AsyncIterator[dict]:
     try:
         async for i, chunk in chunks:
-            yield chunk_json(chunk, i if batch else None)
+            yield chunk_json(chunk, i if batch else None, items[i], text_of)
     finally:
         await chunks.aclose()

@@ -17,6 +17,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from runtime.entrypoints.logprob_format import CompletionLogprobs, chat_content, merge_pieces
 from runtime.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -35,6 +36,7 @@ from runtime.entrypoints.streaming import (
     until_disconnect,
 )
 from runtime.errors import InvalidRequestError, ModelLoadError, ModelNotFoundError
+from runtime.sampling.logprobs import LogprobOptions
 from runtime.sampling.sampling_params import SamplingParams
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -47,6 +49,16 @@ class _Choice:
     input_ids: list[int]
     params: SamplingParams
     rid: str
+    logprobs: LogprobOptions | None = None
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What a response's choices carry besides text: `top` alternatives per token when
+    logprobs were asked for (None: no logprobs), and the prompt in front (completions' echo)."""
+
+    top: int | None = None
+    echo: bool = False
 
 
 @contextmanager
@@ -86,11 +98,12 @@ class OpenAIServing:
         prompts = prompt_batch(body.prompt, self.tm.tokenize)
         sampling = body.base_sampling()
         sampling["max_new_tokens"] = 16 if body.max_tokens is None else body.max_tokens
+        shape = _Shape(body.top_logprobs(), bool(body.echo))
         choices = self._choices("cmpl", prompts, sampling, body.num_choices(),
                                 {"max_new_tokens": "max_tokens", "input_ids": "prompt"},
-                                max_tokens_given=body.max_tokens is not None)
+                                max_tokens_given=body.max_tokens is not None, shape=shape)
         return await self._serve(request, "text_completion", prompts, choices, body.stream,
-                                 body.include_usage())
+                                 body.include_usage(), shape)
 
     async def chat(self, request: Request) -> Response:
         body = parse_model(ChatCompletionRequest, await read_json(request))
@@ -107,11 +120,13 @@ class OpenAIServing:
         # OpenAI's default is "until the context is full"; the scheduler caps it there anyway.
         sampling["max_new_tokens"] = limit if limit is not None \
             else max(1, self.tm.context_length - len(ids))
+        shape = _Shape(body.logprob_top())
         choices = self._choices("chatcmpl", [ids], sampling, body.num_choices(),
                                 {"max_new_tokens": body.max_tokens_field(), "prompt": "messages",
-                                 "input_ids": "messages"}, max_tokens_given=limit is not None)
+                                 "input_ids": "messages"}, max_tokens_given=limit is not None,
+                                shape=shape)
         return await self._serve(request, "chat.completion", [ids], choices, body.stream,
-                                 body.include_usage())
+                                 body.include_usage(), shape)
 
     def check_model(self, model: str | None) -> None:
         """404 for a model this server does not serve (OpenAI and vLLM do the same), rather
@@ -121,10 +136,13 @@ class OpenAIServing:
 
     def _choices(self, prefix: str, prompts: list[list[int]], sampling: dict, n: int,
                  renames: dict[str, str],
-                 max_tokens_given: bool = False) -> tuple[str, list[_Choice]]:
+                 max_tokens_given: bool = False,
+                 shape: _Shape = _Shape()) -> tuple[str, list[_Choice]]:
         """Validate every choice before any starts, so a bad request never half-runs."""
         req_id = f"{prefix}-{uuid.uuid4().hex}"
         choices = []
+        logprobs = None if shape.top is None else LogprobOptions(
+            shape.top, 0 if shape.echo else None)  # echo scores the prompt's tokens too
         for p, ids in enumerate(prompts):
             for j in range(n):
                 d = dict(sampling)
@@ -134,64 +152,69 @@ class OpenAIServing:
                     params = SamplingParams.from_dict(d, self.tm.vocab_size)
                     self.tm.check_prompt(ids, params, max_tokens_given)
                 index = len(choices)
-                choices.append(_Choice(index, p, ids, params, f"{req_id}-{index}"))
+                choices.append(_Choice(index, p, ids, params, f"{req_id}-{index}", logprobs))
         return req_id, choices
 
     async def _serve(self, request: Request, kind: str, prompts: list[list[int]],
                      job: tuple[str, list[_Choice]], stream: bool | None,
-                     include_usage: bool) -> Response:
+                     include_usage: bool, shape: _Shape = _Shape()) -> Response:
         req_id, choices = job
         created = int(time.time())
         head = {"id": req_id, "object": kind, "created": created, "model": self.tm.model_name}
         prompt_tokens = sum(len(ids) for ids in prompts)
         if stream:
             gens = await first_chunks(request, [
-                self.tm.generate(c.input_ids, c.params, True, c.rid) for c in choices])
-            events = self._stream(head, merge(gens), len(choices), prompt_tokens, include_usage)
+                self.tm.generate(c.input_ids, c.params, True, c.rid, c.logprobs)
+                for c in choices])
+            events = self._stream(head, merge(gens), choices, prompt_tokens, include_usage,
+                                  shape)
             return SSEResponse(sse_events(events))
         finals = await until_disconnect(request, gather_all([
-            last_chunk(self.tm.generate(c.input_ids, c.params, False, c.rid)) for c in choices]))
+            last_chunk(self.tm.generate(c.input_ids, c.params, False, c.rid, c.logprobs))
+            for c in choices]))
+        chat = kind == "chat.completion"
         out = []
         for c, chunk in zip(choices, finals):
             item: dict[str, Any] = {"index": c.index}
-            if kind == "chat.completion":
-                item["message"] = {"role": "assistant", "content": chunk.text}
+            view = _ChoiceView(self.tm, c, chat, shape)
+            text, logprobs = view.piece(chunk)
+            if chat:
+                item["message"] = {"role": "assistant", "content": text}
             else:
-                item["text"] = chunk.text
-            item.update(logprobs=None, finish_reason=finish_reason(chunk.finish_reason))
+                item["text"] = text
+            item.update(logprobs=logprobs, finish_reason=finish_reason(chunk.finish_reason))
             out.append(item)
         completion_tokens = sum(_completion_tokens(chunk) for chunk in finals)
         return JSONResponse({**head, "choices": out,
                              "usage": _usage(prompt_tokens, completion_tokens)})
 
-    async def _stream(self, head: dict, chunks: AsyncIterator, num_choices: int,
-                      prompt_tokens: int, include_usage: bool) -> AsyncIterator[dict]:
-        """OpenAI stream events: per choice, deltas of its cumulative text."""
+    async def _stream(self, head: dict, chunks: AsyncIterator, choices: list[_Choice],
+                      prompt_tokens: int, include_usage: bool,
+                      shape: _Shape = _Shape()) -> AsyncIterator[dict]:
+        """OpenAI stream events: per choice, deltas of its cumulative text (and the logprobs
+        of the tokens that arrived since its last event)."""
         chat = head["object"] == "chat.completion"
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         extra = {"usage": None} if include_usage else {}
-        sent = [""] * num_choices
+        views = [_ChoiceView(self.tm, c, chat, shape) for c in choices]
         completion_tokens = 0
         try:
             if chat:  # the first delta of each choice carries the role
-                for i in range(num_choices):
+                for i in range(len(choices)):
                     delta = {"role": "assistant", "content": ""}
                     yield {**head, "choices": [_delta(i, delta, None)], **extra}
             async for i, chunk in chunks:
-                text = chunk.text
-                # cumulative texts only grow (the tm holds back partial characters/stops)
-                new = ""
-                if text.startswith(sent[i]):
-                    new, sent[i] = text[len(sent[i]):], text
-                if not new and not chunk.finished:
+                new, logprobs = views[i].piece(chunk)
+                if not new and not chunk.finished and not _names_tokens(logprobs):
                     continue
                 reason = finish_reason(chunk.finish_reason) if chunk.finished else None
                 if chunk.finished:
                     completion_tokens += _completion_tokens(chunk)
                 if chat:
-                    choice = _delta(i, {"content": new} if new else {}, reason)
+                    choice = _delta(i, {"content": new} if new else {}, reason, logprobs)
                 else:
-                    choice = {"index": i, "text": new, "logprobs": None, "finish_reason": reason}
+                    choice = {"index": i, "text": new, "logprobs": logprobs,
+                              "finish_reason": reason}
                 yield {**head, "choices": [choice], **extra}
             if include_usage:
                 yield {**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)}
@@ -199,8 +222,49 @@ class OpenAIServing:
             await chunks.aclose()
 
 
-def _delta(index: int, delta: dict, reason: str | None) -> dict:
-    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+class _ChoiceView:
+    """What one choice has sent so far: `piece(chunk)` gives the text and logprobs that are
+    new since the last piece (the whole of them for a final, non-streamed chunk)."""
+
+    def __init__(self, tm: Any, choice: _Choice, chat: bool, shape: _Shape) -> None:
+        self.tm, self.choice, self.chat, self.shape = tm, choice, chat, shape
+        self.sent_text = ""
+        self.sent_tokens = 0
+        self.started = False
+        self.completion = None if shape.top is None or chat else CompletionLogprobs(
+            tm.token_texts, shape.top)
+
+    def piece(self, chunk: Any) -> tuple[str, dict | None]:
+        text = chunk.text
+        # cumulative texts only grow (the tm holds back partial characters/stops)
+        new = ""
+        if text.startswith(self.sent_text):
+            new, self.sent_text = text[len(self.sent_text):], text
+        lp = None
+        echo = self.shape.echo and not self.started
+        if echo:
+            new = self.tm.tokenizer.decode(self.choice.input_ids) + new
+        self.started = True
+        if self.shape.top is not None and chunk.logprobs is not None:
+            ids, start = chunk.output_ids, self.sent_tokens
+            if self.chat:
+                lp = {"content": chat_content(chunk.logprobs, ids, start, self.shape.top,
+                                              self.tm.token_texts), "refusal": None}
+            else:
+                lp = self.completion.prompt(chunk.logprobs, self.choice.input_ids) \
+                    if echo else None
+                lp = merge_pieces(lp, self.completion.output(chunk.logprobs, ids, start))
+            self.sent_tokens = len(ids)
+        return new, lp
+
+
+def _names_tokens(logprobs: dict | None) -> bool:
+    """Whether a piece's logprobs cover any token (so its event must go out, text or not)."""
+    return bool(logprobs and (logprobs.get("content") or logprobs.get("tokens")))
+
+
+def _delta(index: int, delta: dict, reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
 
 
 def _completion_tokens(chunk: Any) -> int:

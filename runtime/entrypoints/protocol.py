@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, WithJsonSchema
 from starlette.requests import Request
 
 from runtime.errors import InvalidRequestError, ModelNotFoundError
+from runtime.sampling.logprobs import MAX_TOP_LOGPROBS
 from runtime.tokenizer.tokenizer_manager import BackendDeadError
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -135,6 +136,9 @@ SamplingDict = Annotated[Any, WithJsonSchema(
                {"type": "null"}]})]
 Prompt = Annotated[Any, WithJsonSchema(
     {"anyOf": [_STR, {"type": "array", "items": _STR}, _IDS, {"type": "array", "items": _IDS}]})]
+TopLogprobs = Annotated[Any, WithJsonSchema(
+    {"anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS},
+               {"type": "null"}]})]
 Messages = Annotated[Any, WithJsonSchema({"type": "array", "minItems": 1, "items": {
     "type": "object", "required": ["role", "content"],
     "properties": {"role": {"enum": ["system", "developer", "user", "assistant"]},
@@ -142,7 +146,7 @@ Messages = Annotated[Any, WithJsonSchema({"type": "array", "minItems": 1, "items
 
 
 class GenerateRequest(_Body):
-    """SGLang's /generate body. Logprob fields are accepted at their defaults only."""
+    """SGLang's /generate body."""
 
     text: Text = None  # str | list[str]
     input_ids: TokenIds = None  # list[int] | list[list[int]]
@@ -209,21 +213,30 @@ class _OpenAISampling(_Body):
 class CompletionRequest(_OpenAISampling):
     prompt: Prompt = None  # str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
-    logprobs: Any = None
+    logprobs: TopLogprobs = None  # int in [0, MAX_TOP_LOGPROBS]; checked by top_logprobs()
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
 
     def check_supported(self) -> None:
         self.check_common()
-        if self.logprobs not in (None, 0, False):
-            unsupported("logprobs")
-        if self.echo:
-            unsupported("echo")
+        self.top_logprobs()
         if self.best_of is not None and self.best_of != self.num_choices():
             unsupported("best_of", "only best_of == n is supported")
         if self.suffix:
             unsupported("suffix")
+
+
+    def top_logprobs(self) -> int | None:
+        """Alternatives per position when logprobs are wanted (0: only the chosen token's),
+        None when not: OpenAI's integer `logprobs`."""
+        lp = self.logprobs
+        if lp is None or lp is False:
+            return None
+        if type(lp) is not int or not 0 <= lp <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError("logprobs", f"must be an integer in [0, "
+                                      f"{MAX_TOP_LOGPROBS}]")
+        return lp
 
 
 class ChatCompletionRequest(_OpenAISampling):
@@ -253,10 +266,7 @@ class ChatCompletionRequest(_OpenAISampling):
     def check_supported(self) -> None:
         """400 for every parameter that would change the output and that we cannot honour."""
         self.check_common()
-        if self.logprobs:
-            unsupported("logprobs")
-        if self.top_logprobs:
-            unsupported("top_logprobs")
+        self.logprob_top()
         for name in ("tools", "functions", "function_call", "audio", "reasoning_effort",
                      "verbosity", "web_search_options"):
             if getattr(self, name) not in (None, [], {}):
@@ -268,6 +278,18 @@ class ChatCompletionRequest(_OpenAISampling):
             unsupported("response_format", 'only {"type": "text"} is supported')
         if self.modalities not in (None, ["text"]):
             unsupported("modalities", 'only ["text"] is supported')
+
+    def logprob_top(self) -> int | None:
+        """Alternatives per token when `logprobs` is true (`top_logprobs`, default 0), else
+        None; `top_logprobs` without `logprobs` is an error, as OpenAI has it."""
+        top = self.top_logprobs
+        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
+        if not self.logprobs:
+            if top:
+                raise InvalidRequestError("top_logprobs", "needs 'logprobs': true")
+            return None
+        return top or 0
 
     def max_tokens_field(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"

@@ -37,6 +37,7 @@ from runtime.proc_utils import (
     setup_logging,
     thread_locks_for_progress_bars,
 )
+from runtime.sampling.logprobs import LogprobOptions, logprob_rows
 from runtime.sampling.sampler import SamplingBatchInfo, sample
 from runtime.sampling.sampling_params import SamplingParams
 from speculative.base import TargetRows
@@ -56,9 +57,21 @@ class RunnerReqState:
     # 500-token prompts (each of its int objects touched with the caches the forward just
     # filled with weights). Drafters may keep it; it only ever grows.
     history: list[int] = field(init=False, repr=False)
+    logprobs: LogprobOptions | None = None  # the client wants logprobs back
+    input_logprobs_done: bool = False  # the prompt's logprobs went out (not again on re-prefill)
 
     def __post_init__(self) -> None:
         self.history = self.prompt_ids + self.output_ids
+
+    def input_logprob_rows(self, prefix_len: int, n: int) -> list[int]:
+        """Which of a prefill chunk's rows (offsets in [0, n)) give prompt-token logprobs: row
+        at position q scores prompt token q + 1, for q + 1 >= the asked start."""
+        lp = self.logprobs
+        if lp is None or lp.input_from is None or self.input_logprobs_done:
+            return []
+        first = max(lp.input_from - 1, 0, prefix_len)
+        last = min(prefix_len + n, len(self.prompt_ids) - 1)  # exclusive
+        return list(range(first - prefix_len, last - prefix_len))
 
 
 class RunnerWorker:
@@ -90,6 +103,7 @@ class RunnerWorker:
             assert entry.sampling_params is not None, f"{entry.rid}: first batch lacks params"
             params = SamplingParams(**entry.sampling_params)
             st = RunnerReqState(params, list(entry.prompt_ids or []))
+            st.logprobs = LogprobOptions.from_dict(entry.logprobs)
             self.states[entry.rid] = st
             if self.spec is not None and st.prompt_ids:
                 self.spec.drafter.observe(entry.rid, st.history, len(st.history))
@@ -125,8 +139,10 @@ class RunnerWorker:
         out, infos = self.spec.step(entries)
         for e, st, toks in zip(msg.reqs, states, out):
             self._append(e.rid, st, toks)
+        lps = [info.pop("logprobs", None) for info in infos]
         return BatchResult(batch_id=msg.batch_id, next_token_ids=out, spec_info=infos,
-                           forward_s=time.perf_counter() - t0)
+                           forward_s=time.perf_counter() - t0,
+                           logprobs=lps if any(p is not None for p in lps) else None)
 
     @staticmethod
     def _prefill_rows(msg: RunBatch, states: list[RunnerReqState],
@@ -169,8 +185,13 @@ class RunnerWorker:
             [e.prefix_len for e in msg.reqs],
             capture_layers=drafter.capture_layers if reads_hidden else (),
         )
+        input_rows = [st.input_logprob_rows(e.prefix_len, len(e.new_token_ids))
+                      for e, st in zip(msg.reqs, states)]
+        last = None
+        if any(input_rows):  # prompt logprobs: logits for those rows too, each request's last
+            batch.logits_indices, last = _logits_rows(msg, input_rows)
         fwd = self.runner.forward(batch, reads_hidden and drafter.needs_final_hidden)
-        logits = fwd.logits  # [B, vocab]
+        logits = fwd.logits if last is None else fwd.logits[last]  # [B, vocab]
         rows = [i for i, e in enumerate(msg.reqs) if e.needs_token]
         out: list[list[int]] = [[] for _ in msg.reqs]
         if rows:
@@ -179,7 +200,7 @@ class RunnerWorker:
                 # what `sample` gives such rows, without its per-row parameter tensors or a
                 # copy of the selected logits (~0.3 ms of a 6 ms decode step at batch 1); the
                 # CPU engine found each row's argmax while the logits were in its cache
-                am = fwd.row_argmax()
+                am = fwd.row_argmax() if last is None else fwd.row_argmax()[last]
                 tokens = (am if len(rows) == len(msg.reqs) else am[rows]).tolist()
             else:
                 info = SamplingBatchInfo.from_params([s.params for s in sel], logits.shape[-1],
@@ -194,9 +215,55 @@ class RunnerWorker:
                 out[i] = [tok]
         if wants_rows:
             drafter.draft_extend(self._prefill_rows(msg, states, slots), fwd)
+        lps = None
+        if any(st.logprobs is not None for st in states):
+            lps = self._logprobs(msg, states, out, logits, fwd.logits, input_rows, last)
         return BatchResult(
-            batch_id=msg.batch_id, next_token_ids=out, forward_s=time.perf_counter() - t0
+            batch_id=msg.batch_id, next_token_ids=out, forward_s=time.perf_counter() - t0,
+            logprobs=lps,
         )
+
+    @staticmethod
+    def _logprobs(msg: RunBatch, states: list[RunnerReqState], out: list[list[int]],
+                  logits: torch.Tensor, all_logits: torch.Tensor,
+                  input_rows: list[list[int]], last: list[int] | None) -> list[dict | None]:
+        """Per request that asked: its sampled token's logprob (row b of `logits`), and the
+        prompt tokens' of this chunk's `input_rows` (rows of `all_logits` from where
+        `_logits_rows` put them: just before the request's last row)."""
+        res: list[dict | None] = []
+        for b, (e, st) in enumerate(zip(msg.reqs, states)):
+            opts = st.logprobs
+            if opts is None:
+                res.append(None)
+                continue
+            payload = logprob_rows(logits[b : b + 1], out[b], opts.top) if out[b] else {}
+            rows = input_rows[b]
+            if rows:
+                k = len(rows)
+                end = last[b] + (1 if rows[-1] == len(e.new_token_ids) - 1 else 0)
+                q0 = e.prefix_len + rows[0]
+                score = logprob_rows(all_logits[end - k : end],
+                                     st.prompt_ids[q0 + 1 : q0 + 1 + k], opts.top)
+                payload.update({"in_pos": q0 + 1, **{f"in_{k2}": v for k2, v in score.items()}})
+                if e.prefix_len + len(e.new_token_ids) >= len(st.prompt_ids):
+                    st.input_logprobs_done = True
+            res.append(payload)
+        return res
+
+
+def _logits_rows(msg: RunBatch, input_rows: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
+    """logits_indices [num_logits] for a batch where some requests want their prompt rows
+    scored: per request its `input_rows` (offsets in its chunk) and its last row, once; and
+    where each request's last row sits among them."""
+    idx, last, off = [], [], 0
+    for e, rows in zip(msg.reqs, input_rows):
+        n = len(e.new_token_ids)
+        idx.extend(off + r for r in rows)
+        if not rows or rows[-1] != n - 1:
+            idx.append(off + n - 1)
+        last.append(len(idx) - 1)
+        off += n
+    return torch.tensor(idx, dtype=torch.int64), last
 
 
 class StartupQuiet:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from runtime.sampling.logprobs import LogprobOptions
 from runtime.sampling.sampling_params import SamplingParams
 from runtime.scheduler.spec_budget import Acceptance
 
@@ -36,6 +37,10 @@ class Req:
     spec_acceptance: Acceptance = field(default_factory=Acceptance)  # for the draft budget
     # the first `runner_kv_len` of `kv_slots` are in the model runner's own table
     runner_kv_len: int = 0
+    logprobs: LogprobOptions | None = None  # the client wants logprobs back
+    # prompt logprobs computed by prefill chunks that sampled nothing yet: sent with the next
+    # tokens (runtime/sampling/logprobs.py payload)
+    pending_logprobs: dict | None = None
 
     @property
     def fill_ids(self) -> list[int]:

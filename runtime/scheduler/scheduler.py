@@ -40,6 +40,8 @@ from runtime.messages import (
     pack_ints,
 )
 from runtime.model_runner.forward_batch import ForwardMode
+from runtime.sampling import logprobs as lp_payload
+from runtime.sampling.logprobs import LogprobOptions
 from runtime.sampling.sampling_params import SamplingParams
 from runtime.scheduler.req import Req
 from runtime.scheduler.spec_budget import plan_drafts, with_probes
@@ -151,7 +153,7 @@ class Scheduler:
     def handle(self, msg) -> None:
         if isinstance(msg, GenerateReq):
             req = Req(msg.rid, list(msg.input_ids), SamplingParams(**msg.sampling_params),
-                      msg.stream)
+                      msg.stream, logprobs=LogprobOptions.from_dict(msg.logprobs))
             if len(req.prompt_ids) >= self.stop.context_length or not req.prompt_ids:
                 self._finish_now(req, {"type": "abort", "message": "prompt length invalid"})
                 return
@@ -264,6 +266,8 @@ class Scheduler:
         if not req.runner_knows:
             entry.sampling_params = req.params.to_dict()
             entry.prompt_ids = req.prompt_ids
+            if req.logprobs is not None:
+                entry.logprobs = req.logprobs.to_dict()
             req.runner_knows = True
         return req, entry, new_slots
 
@@ -298,7 +302,8 @@ class Scheduler:
         while admit and self.waiting and budget > 0 and \
                 len(self.running) < self.cfg.max_running_requests:
             req = self.waiting[0]
-            m = self.cache.match_prefix(req.fill_ids[:-1])  # keep >= 1 token to compute
+            # keep >= 1 token to compute; prompt logprobs need their rows computed, not cached
+            m = self.cache.match_prefix(req.fill_ids[: self._cacheable(req)])
             pending = len(req.fill_ids) - m.slots.numel()
             chunk = min(pending, budget)
             headroom = self.allocator.num_free + self.cache.evictable_size - self._reserved()
@@ -320,6 +325,17 @@ class Scheduler:
             entries.append(self._entry(req, chunk, slots))
             budget -= chunk
         return entries
+
+    @staticmethod
+    def _cacheable(req: Req) -> int:
+        """How many leading tokens of `fill_ids` may come from the radix cache: all but the
+        last, and none from where the prompt's logprobs are wanted (the row at position q
+        scores token q + 1) unless a retraction re-admits a request that had them already."""
+        n = len(req.fill_ids) - 1
+        lp = req.logprobs
+        if lp is not None and lp.input_from is not None and req.num_retractions == 0:
+            n = min(n, max(lp.input_from - 1, 0))
+        return n
 
     def _decode_batch(self, speculate: bool) -> list[tuple]:
         decoding = [r for r in self.running if r.num_pending == 1]
@@ -375,8 +391,9 @@ class Scheduler:
         got: dict[str, int] = {}
         out_reqs = []
         spec_info = result.spec_info or [None] * len(entries)
-        for (req, entry, new_slots), tokens, spec in zip(entries, result.next_token_ids,
-                                                         spec_info):
+        lps = result.logprobs or [None] * len(entries)
+        for (req, entry, new_slots), tokens, spec, lp in zip(entries, result.next_token_ids,
+                                                             spec_info, lps):
             # a prefill chunk keeps all its slots; a (speculative) decode step keeps one per
             # token gained (root + accepted drafts) and frees the rest of its tree's slots
             num_new = new_slots.numel()
@@ -388,6 +405,9 @@ class Scheduler:
                 req.kv_slots = torch.cat([req.kv_slots, new_slots[:keep_slots]])
                 self.allocator.free(new_slots[keep_slots:])
             req.runner_kv_len = req.kv_len  # the runner's table: these, then the freed ones
+            if lp:
+                req.pending_logprobs = lp if req.pending_logprobs is None else \
+                    lp_payload.concat([req.pending_logprobs, lp])
             if not tokens:
                 continue
             req.output_ids.extend(tokens)
@@ -472,12 +492,20 @@ class Scheduler:
                         spec_accept_histogram=r.spec_accept_hist,
                     )
             metas.append(meta)
+        logprobs = None
+        if any(r.logprobs is not None for r in reqs):
+            logprobs = []
+            for r in reqs:  # the step's payload, its output part cut where a stop cut tokens
+                pending, r.pending_logprobs = r.pending_logprobs, None
+                logprobs.append(None if pending is None else
+                                lp_payload.head(pending, got[r.rid]))
         return TokenOut(
             rids=[r.rid for r in reqs],
             new_token_ids=[r.output_ids[len(r.output_ids) - got[r.rid]:] if got[r.rid] else []
                            for r in reqs],
             finish_reasons=[r.finish_reason for r in reqs],
             meta_infos=metas,
+            logprobs=logprobs,
         )
 
     def check_no_leak(self) -> None:

@@ -19,6 +19,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from runtime.entrypoints.logprob_format import TokenTexts
 from runtime.errors import InvalidRequestError, SpecserveError
 from runtime.ipc import ipc_addr
 from runtime.messages import (
@@ -31,6 +32,8 @@ from runtime.messages import (
     TokenOut,
 )
 from runtime.model_loader.tokenizer import apply_chat_template, load_tokenizer
+from runtime.sampling import logprobs as lp_payload
+from runtime.sampling.logprobs import LogprobOptions
 from runtime.sampling.sampling_params import SamplingParams
 from runtime.tokenizer.detokenizer import IncrementalText
 from runtime.tokenizer.metrics import ServingMetrics
@@ -50,6 +53,9 @@ class GenerateChunk:
     finished: bool
     finish_reason: dict | None
     meta_info: dict
+    # when asked for: the logprobs so far, cumulative like the ids (runtime/sampling/logprobs.py
+    # payload: "lp"/"top_ids"/"top_lp" per output token, "in_"-prefixed for the prompt)
+    logprobs: dict | None = None
 
 
 @dataclass
@@ -65,6 +71,7 @@ class _ReqState:
     first_token_at: float | None = None
     last_token_at: float | None = None
     error: str | None = None
+    logprobs: dict | None = None  # cumulative, when the request asked for them
 
 
 class TokenizerManager:
@@ -74,6 +81,7 @@ class TokenizerManager:
         self.model_name = server_args.served_model_name
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(
             server_args.model_path)
+        self.token_texts = TokenTexts(self.tokenizer)  # each id's text, for logprob responses
         self.chat_template = _read_template(server_args.chat_template)
         self.context_length = int(ready_info["context_length"])
         self.vocab_size = int(ready_info["vocab_size"])
@@ -130,12 +138,15 @@ class TokenizerManager:
 
     def _on_tokens(self, msg: TokenOut) -> None:
         now = time.perf_counter()
-        for rid, ids, reason, meta in zip(
-            msg.rids, msg.new_token_ids, msg.finish_reasons, msg.meta_infos
+        lps = msg.logprobs or [None] * len(msg.rids)
+        for rid, ids, reason, meta, lp in zip(
+            msg.rids, msg.new_token_ids, msg.finish_reasons, msg.meta_infos, lps
         ):
             st = self._states.get(rid)
             if st is None:
                 continue  # aborted by us already
+            if lp is not None and st.logprobs is not None:
+                lp_payload.extend(st.logprobs, lp)
             if ids:
                 st.detok.extend(ids)
                 if st.first_token_at is None:
@@ -204,9 +215,10 @@ class TokenizerManager:
     # ---- requests ----------------------------------------------------------------------
     async def generate(
         self, input_ids: list[int], params: SamplingParams, stream: bool = False,
-        rid: str | None = None,
+        rid: str | None = None, logprobs: LogprobOptions | None = None,
     ) -> AsyncIterator[GenerateChunk]:
-        """Yield chunks (each new step when `stream`, else only the final one).
+        """Yield chunks (each new step when `stream`, else only the final one); with
+        `logprobs`, each chunk carries the logprobs so far.
 
         If the consumer stops early (client disconnect → cancellation), the request is aborted
         on the scheduler and its KV freed.
@@ -217,10 +229,15 @@ class TokenizerManager:
         if rid in self._states:
             raise InvalidRequestError("rid", f"request id {rid!r} is already running")
         self.check_prompt(input_ids, params)
+        if logprobs is not None:
+            logprobs.validate(len(input_ids))
         st = _ReqState(rid, IncrementalText(self.tokenizer, params.stop), len(input_ids))
+        if logprobs is not None:
+            st.logprobs = {}
         self._states[rid] = st
         self._send.send(self._enc.encode(GenerateReq(
             rid=rid, input_ids=list(input_ids), sampling_params=params.to_dict(), stream=stream,
+            logprobs=None if logprobs is None else logprobs.to_dict(),
         )))
         try:
             while True:
@@ -245,7 +262,8 @@ class TokenizerManager:
         if final:
             meta["finish_reason"] = st.finish_reason
             meta["e2e_latency"] = time.perf_counter() - st.created
-        return GenerateChunk(st.rid, text, list(st.detok.ids), final, st.finish_reason, meta)
+        return GenerateChunk(st.rid, text, list(st.detok.ids), final, st.finish_reason, meta,
+                             None if st.logprobs is None else lp_payload.concat([st.logprobs]))
 
     def abort(self, rid: str) -> None:
         if self.healthy:

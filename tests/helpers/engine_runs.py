@@ -5,25 +5,31 @@ from __future__ import annotations
 import asyncio
 
 
-def run_concurrent(engine, prompts: list[list[int]], params: list[dict], concurrency: int
-                   ) -> list[dict]:
-    """Every prompt (with its own sampling params), at most `concurrency` in flight."""
+def run_concurrent(engine, prompts: list[list[int]], params: list[dict], concurrency: int,
+                   extra: list[dict] | None = None) -> list[dict]:
+    """Every prompt (with its own sampling params, and `extra[i]` keyword arguments such as
+    the logprob ones), at most `concurrency` in flight."""
+    extra = extra or [{}] * len(prompts)
+
     async def main():
         sem = asyncio.Semaphore(concurrency)
 
-        async def one(p, sp):
+        async def one(p, sp, kw):
             async with sem:
-                return await engine.async_generate(input_ids=p, sampling_params=sp)
+                return await engine.async_generate(input_ids=p, sampling_params=sp, **kw)
 
-        return await asyncio.gather(*(one(p, sp) for p, sp in zip(prompts, params)))
+        return await asyncio.gather(*(one(p, sp, kw)
+                                      for p, sp, kw in zip(prompts, params, extra)))
 
     return asyncio.run(main())
 
 
-def alone_then_eight(engine, prompts: list[list[int]], params: list[dict]
+def alone_then_eight(engine, prompts: list[list[int]], params: list[dict],
+                     extra: list[dict] | None = None
                      ) -> tuple[list[tuple[int, dict]], list[dict]]:
     """Every other prompt one at a time, then all of them eight at a time (the suite's time is
     mostly these passes): ([(prompt index, output)] of the lone runs, the concurrent outputs)."""
-    alone = [(i, engine.generate(input_ids=prompts[i], sampling_params=params[i]))
+    extra = extra or [{}] * len(prompts)
+    alone = [(i, engine.generate(input_ids=prompts[i], sampling_params=params[i], **extra[i]))
              for i in range(0, len(prompts), 2)]
-    return alone, run_concurrent(engine, prompts, params, 8)
+    return alone, run_concurrent(engine, prompts, params, 8, extra)

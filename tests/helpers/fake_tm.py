@@ -99,7 +99,12 @@ class FakeScheduler:
                 reason = self._finish_reason(req, out)
             if reason is not None:
                 self._tasks.pop(req.rid, None)
-            self._emit(req.rid, new, reason)
+            lp = None
+            if req.logprobs is not None:
+                lp = fake_logprobs(new, req.logprobs["top"])
+                if len(out) == len(new):  # the first step also carries the prompt's
+                    lp.update(fake_input_logprobs(req.input_ids, req.logprobs))
+            self._emit(req.rid, new, reason, lp)
             if reason is not None:
                 return
             if self.die_after_tokens is not None and len(out) >= self.die_after_tokens:
@@ -123,14 +128,16 @@ class FakeScheduler:
             return {"type": "length", "length": len(out)}
         return None
 
-    def _emit(self, rid: str, new: list[int], reason: dict | None) -> None:
+    def _emit(self, rid: str, new: list[int], reason: dict | None,
+              logprobs: dict | None = None) -> None:
         meta = {}
         if reason is not None:
             req, out = self._outputs.pop(rid)
             meta = {"prompt_tokens": len(req.input_ids), "completion_tokens": len(out),
                     "cached_tokens": 0, **self.extra_meta}
         self._deliver(TokenOut(rids=[rid], new_token_ids=[new], finish_reasons=[reason],
-                               meta_infos=[meta]))
+                               meta_infos=[meta],
+                               logprobs=None if logprobs is None else [logprobs]))
 
     def _deliver(self, msg: TokenOut | InfoOut) -> None:
         """What the tm's receive loop does with a message, after a wire round trip."""
@@ -141,6 +148,31 @@ class FakeScheduler:
         fut = self.tm._info_waiters.pop(msg.req_id, None)
         if fut is not None and not fut.done():
             fut.set_result(msg.info)
+
+
+def fake_logprob(token: int) -> float:
+    """The fake model's logprob of a token it chose (its most likely one)."""
+    return -0.125 * (1 + token % 5)
+
+
+def fake_logprobs(tokens: list[int], top: int, prefix: str = "") -> dict:
+    """A runtime/sampling/logprobs.py payload: each token is its position's most likely,
+    followed by the next ids, each one nat less likely."""
+    out: dict = {prefix + "lp": [fake_logprob(t) for t in tokens]}
+    if top:
+        out[prefix + "top_ids"] = [[(t + j) % TINY_VOCAB_SIZE for j in range(top)]
+                                   for t in tokens]
+        out[prefix + "top_lp"] = [[fake_logprob(t) - j for j in range(top)] for t in tokens]
+    return out
+
+
+def fake_input_logprobs(prompt: list[int], options: dict) -> dict:
+    """The prompt part: tokens from position max(input_from, 1) on."""
+    start = options["input_from"]
+    if start is None:
+        return {}
+    pos = max(start, 1)
+    return {"in_pos": pos, **fake_logprobs(prompt[pos:], options["top"], "in_")}
 
 
 def make_fake_tm(model_dir: str | Path, token_delay: float = 0.0,

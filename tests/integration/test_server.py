@@ -129,7 +129,9 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ("/v1/chat/completions", {"messages": [], "max_tokens": 5}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "logprobs": True}, "logprobs"),
+                              "top_logprobs": 3}, "top_logprobs"),
+    ("/generate", {"text": "hi", "return_logprob": True, "logprob_start_len": 99},
+     "logprob_start_len"),
 ]
 
 

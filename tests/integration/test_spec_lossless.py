@@ -56,6 +56,20 @@ ACCEPT_FLOORS = {"NGRAM": (1.2, 2.0), "EAGLE3": (1.5, 2.0), "STANDALONE": (1.15,
                  "EARLY_EXIT": (1.15, 1.5), "SUFFIX": (1.6, 2.0), "LOOKAHEAD": (1.3, 1.5),
                  "MEDUSA": (1.2, 1.5)}
 GREEDY = {"max_new_tokens": 48, "temperature": 0}
+# every third prompt also asks for logprobs (with two alternatives per token): a request's
+# logprobs come from the verify forward's rows, which must be plain decoding's bit for bit
+LOGPROBS = {"return_logprob": True, "top_logprobs_num": 2}
+
+
+def logprob_args(n: int) -> list[dict]:
+    return [LOGPROBS if i % 3 == 0 else {} for i in range(n)]
+
+
+def logprobs_of(out: dict) -> tuple | None:
+    meta = out["meta_info"]
+    if "output_token_logprobs" not in meta:
+        return None
+    return meta["output_token_logprobs"], meta["output_top_logprobs"]
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +91,9 @@ def plain_reference():
         # eight at a time (half the time of one by one): the CPU engine is batch-invariant, so
         # each output is the one-by-one output (tests/integration/test_server.py checks 32
         # streams against sequential runs); on the torch engine the judge allows near-ties
-        ref = [o["output_ids"]
-               for o in run_concurrent(plain, prompts, [GREEDY] * len(prompts), 8)]
-    return prompts, ref
+        outs = run_concurrent(plain, prompts, [GREEDY] * len(prompts), 8,
+                              logprob_args(len(prompts)))
+    return prompts, [o["output_ids"] for o in outs], [logprobs_of(o) for o in outs]
 
 
 @pytest.mark.slow
@@ -89,7 +103,7 @@ def test_default_model_greedy_spec_equals_plain_batch1_and_concurrency8(algo, pl
     adapter shipped in assets/ for the default model."""
     from runtime import Engine
 
-    prompts, ref = plain_reference
+    prompts, ref, ref_logprobs = plain_reference
     params = GREEDY
     # fixed tree sizes: every step drafts and verifies (the load-aware budget would draft little
     # at concurrency 8 on the CPU engine, leaving the batched verify path untested here); the
@@ -98,7 +112,8 @@ def test_default_model_greedy_spec_equals_plain_batch1_and_concurrency8(algo, pl
     with Engine(log_level="warning", speculative_algorithm=algo,
                 speculative_disable_adaptive=True, speculative_verify_cost="table") as spec:
         # 26 prompts alone (13 rewrites, 13 ShareGPT), all 52 eight at a time
-        alone, conc8 = alone_then_eight(spec, prompts, [params] * len(prompts))
+        alone, conc8 = alone_then_eight(spec, prompts, [params] * len(prompts),
+                                        logprob_args(len(prompts)))
         info = spec.server_info()
     batch1 = [o for _, o in alone]
     server_floor, request_floor = ACCEPT_FLOORS[algo]
@@ -112,5 +127,8 @@ def test_default_model_greedy_spec_equals_plain_batch1_and_concurrency8(algo, pl
     for i, out in runs:
         ok, why = judge.check(prompts[i], ref[i], out["output_ids"])
         assert ok, why
+        if out["output_ids"] == ref[i]:  # the same tokens: the same logprobs, exactly
+            assert logprobs_of(out) == ref_logprobs[i], f"prompt {i}: logprobs differ"
+    assert sum(logprobs_of(out) is not None for _, out in runs) == 18 + 9
     print(judge.report())
     assert len(judge.excused) <= len(prompts) // 10, judge.report()

@@ -271,3 +271,18 @@ def test_cli_writes_json_and_prints_table_last(fake_server, tmp_path: Path, monk
     assert result["config"]["request_rate"] == "inf"
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-4].strip().startswith("TTFT") and lines[-1].strip().startswith("E2E")
+
+
+def test_logprobs_ask_each_api_in_its_own_words() -> None:
+    tok = WordTokenizer()
+    req = BenchRequest(id="r", prompt="one two", max_new_tokens=4, prompt_len=2)
+    native = bench_serving.build_call(req, BenchConfig(logprobs=3), tok, "m").payload
+    assert native["return_logprob"] is True and native["top_logprobs_num"] == 3
+    chat = bench_serving.build_call(req, BenchConfig(backend="openai", logprobs=2), tok,
+                                    "m").payload
+    assert chat["logprobs"] is True and chat["top_logprobs"] == 2
+    cmpl = bench_serving.build_call(
+        req, BenchConfig(backend="openai", endpoint="completions", logprobs=0), tok, "m").payload
+    assert cmpl["logprobs"] == 0
+    plain = bench_serving.build_call(req, BenchConfig(), tok, "m").payload
+    assert "return_logprob" not in plain

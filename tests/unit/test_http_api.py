@@ -13,7 +13,7 @@ import pytest
 
 from runtime.entrypoints.http_server import create_app
 from runtime.entrypoints.streaming import SSEResponse
-from tests.helpers.fake_tm import CONTEXT_LENGTH, MODEL_NAME, make_fake_tm
+from tests.helpers.fake_tm import CONTEXT_LENGTH, MODEL_NAME, fake_logprob, make_fake_tm
 from tests.helpers.live_server import live_server
 
 MAX_BODY = 64 * 1024
@@ -120,6 +120,45 @@ def test_generate_batch_returns_one_result_per_prompt_in_order(env):
     assert [finals[i]["meta_info"]["prompt_tokens"] for i in (0, 1)] == [2, 1]
 
 
+def test_generate_logprobs_in_sglang_shape(env):
+    client, tm, _ = env
+    prompt = [5, 6, 7, 8]
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 6},
+            "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 0,
+            "return_text_in_logprobs": True}
+    out = client.post("/generate", json=body).json()
+    meta, ids = out["meta_info"], out["output_ids"]
+    assert [e[1] for e in meta["output_token_logprobs"]] == ids
+    assert [e[0] for e in meta["output_token_logprobs"]] == [fake_logprob(t) for t in ids]
+    assert [e[2] for e in meta["output_token_logprobs"]] == [tm.tokenizer.decode([t])
+                                                             for t in ids]
+    assert [len(top) for top in meta["output_top_logprobs"]] == [2] * len(ids)
+    assert all(top[0][:2] == [fake_logprob(t), t] for top, t in
+               zip(meta["output_top_logprobs"], ids))
+    # the prompt from position 0: its first token has no logprob
+    assert [e[1] for e in meta["input_token_logprobs"]] == prompt
+    assert meta["input_token_logprobs"][0][0] is None
+    assert [e[0] for e in meta["input_token_logprobs"][1:]] == [fake_logprob(t)
+                                                                for t in prompt[1:]]
+    assert meta["input_top_logprobs"][0] is None and len(meta["input_top_logprobs"]) == 4
+    # from position 2, without text or alternatives
+    body.update(logprob_start_len=2, top_logprobs_num=0, return_text_in_logprobs=False)
+    meta = client.post("/generate", json=body).json()["meta_info"]
+    assert meta["input_token_logprobs"] == [[fake_logprob(t), t, None] for t in prompt[2:]]
+    assert "input_top_logprobs" not in meta and "output_top_logprobs" not in meta
+    # the default start (-1): output tokens only; streamed chunks carry them cumulatively
+    del body["logprob_start_len"]
+    body["stream"] = True
+    with client.stream("POST", "/generate", json=body) as r:
+        chunks = _sse(r.iter_lines())[:-1]
+    for c in chunks:
+        assert [e[1] for e in c["meta_info"]["output_token_logprobs"]] == c["output_ids"]
+        assert "input_token_logprobs" not in c["meta_info"]
+    # without return_logprob, no logprob fields
+    plain = client.post("/generate", json={"input_ids": prompt}).json()["meta_info"]
+    assert not any("logprobs" in k for k in plain)
+
+
 LONG_TEXT = "the quick brown fox " * 100
 
 
@@ -146,7 +185,10 @@ LONG_TEXT = "the quick brown fox " * 100
     ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
     ({"text": "a", "stream": "yes"}, "stream"),
     ({"text": "a", "rid": 5}, "rid"),
-    ({"text": "a", "return_logprob": True}, "return_logprob"),
+    ({"text": "a", "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
+    ({"text": "a", "return_logprob": True, "logprob_start_len": -2}, "logprob_start_len"),
+    ({"text": "a", "return_logprob": True, "logprob_start_len": 1}, "logprob_start_len"),
+    ({"text": "a", "return_logprob": True, "top_logprobs_num": "3"}, "top_logprobs_num"),
     ({"text": "a", "unknown_field": 1}, "unknown_field"),
 ])
 def test_generate_bad_input_is_400_naming_the_field(env, body, param):

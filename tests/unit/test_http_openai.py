@@ -108,6 +108,57 @@ def test_ignored_parameters_do_not_change_the_output(env):
     assert chat_same.choices[0].message.content == chat.choices[0].message.content
 
 
+def test_completion_logprobs_echo_and_stream(env):
+    oai, _, tm, _ = env
+    resp = oai.completions.create(model=MODEL_NAME, prompt="hello world", max_tokens=8,
+                                  logprobs=2)
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == 8 == resp.usage.completion_tokens
+    assert "".join(lp.tokens) == resp.choices[0].text  # this reply has no multi-byte tokens
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
+    assert all(len(top) <= 3 and top[tok] == v
+               for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs))
+    # echo: the prompt's text and tokens first, its first token without a logprob
+    echo = oai.completions.create(model=MODEL_NAME, prompt="hello world", max_tokens=8,
+                                  logprobs=0, echo=True)
+    prompt = tm.tokenize("hello world")
+    e = echo.choices[0]
+    assert e.text == "hello world" + resp.choices[0].text
+    assert len(e.logprobs.tokens) == len(prompt) + 8
+    assert e.logprobs.token_logprobs[0] is None and e.logprobs.top_logprobs[0] is None
+    assert e.logprobs.token_logprobs[len(prompt):] == lp.token_logprobs
+    assert all(len(top) == 1 for top in e.logprobs.top_logprobs[1:])  # the chosen token only
+    # streamed: the events' pieces add up to the whole
+    stream = oai.completions.create(model=MODEL_NAME, prompt="hello world", max_tokens=8,
+                                    logprobs=2, stream=True)
+    tokens, lps, offsets = [], [], []
+    for chunk in stream:
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+                lps += c.logprobs.token_logprobs
+                offsets += c.logprobs.text_offset
+    assert (tokens, lps, offsets) == (lp.tokens, lp.token_logprobs, lp.text_offset)
+
+
+def test_chat_logprobs_and_stream(env):
+    oai, _, tm, _ = env
+    resp = oai.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=200,
+                                       logprobs=True, top_logprobs=3)
+    content = resp.choices[0].logprobs.content
+    assert len(content) == resp.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob == c.logprob
+               and c.bytes == list(c.token.encode()) for c in content)
+    stream = oai.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=200,
+                                         logprobs=True, stream=True)
+    streamed = [item for chunk in stream for c in chunk.choices if c.logprobs
+                for item in c.logprobs.content]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    assert all(c.top_logprobs == [] for c in streamed)
+    plain = oai.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=4)
+    assert plain.choices[0].logprobs is None
+
+
 @pytest.mark.parametrize(("path", "body", "param"), [
     ("completions", {}, "prompt"),
     ("completions", {"prompt": ""}, "prompt"),
@@ -122,8 +173,10 @@ def test_ignored_parameters_do_not_change_the_output(env):
     ("completions", {"prompt": "a", "n": 0}, "n"),
     ("completions", {"prompt": "a", "stop": [""]}, "stop"),
     ("completions", {"prompt": "a", "logit_bias": {"5": 10}}, "logit_bias"),
-    ("completions", {"prompt": "a", "logprobs": 2}, "logprobs"),
-    ("completions", {"prompt": "a", "echo": True}, "echo"),
+    ("completions", {"prompt": "a", "logprobs": 21}, "logprobs"),
+    ("completions", {"prompt": "a", "logprobs": -1}, "logprobs"),
+    ("completions", {"prompt": "a", "logprobs": True}, "logprobs"),
+    ("completions", {"prompt": "a", "logprobs": "2"}, "logprobs"),
     ("completions", {"prompt": "a", "best_of": 3}, "best_of"),
     ("completions", {"prompt": "a", "suffix": "end"}, "suffix"),
     ("completions", {"prompt": "a", "max_tokenz": 5}, "max_tokenz"),
@@ -139,7 +192,9 @@ def test_ignored_parameters_do_not_change_the_output(env):
     ("chat/completions", {"tool_choice": "required"}, "tool_choice"),
     ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {}}},
      "response_format"),
-    ("chat/completions", {"logprobs": True}, "logprobs"),
+    ("chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat/completions", {"logprobs": "yes"}, "logprobs"),
     ("chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens"),
     ("chat/completions", {"max_tokens": 0}, "max_tokens"),
     ("chat/completions", {"temperature": "hot"}, "temperature"),

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 
+import pytest
+
 from benchmark import sweep_serving as sw
 
 
@@ -24,6 +26,7 @@ def test_interleaved_rounds_rotate_flush_and_keep_the_median(monkeypatch, tmp_pa
 
     async def fake_bench(reqs, cfg, tokenizer):
         events.append(("run", cfg.base_url, cfg.max_concurrency, len(reqs)))
+        assert cfg.logprobs == (5 if cfg.base_url == "http://b" else None)  # --logprobs B=5
         tps = throughput[cfg.base_url].pop(0)
         return {"metrics": {"output_throughput": tps, "completed": len(reqs)},
                 "server_info": {"url": cfg.base_url}}
@@ -37,7 +40,8 @@ def test_interleaved_rounds_rotate_flush_and_keep_the_median(monkeypatch, tmp_pa
     args = argparse.Namespace(
         config=[("A", ["a"]), ("B", ["b"])], common_args="", concurrency=[1, 4],
         dataset="sharegpt", split="heldout", num_prompts=2, prompts_per_slot=2,
-        max_new_tokens=8, seed=1, rounds=3, output=str(tmp_path / "s.json"))
+        max_new_tokens=8, seed=1, rounds=3, output=str(tmp_path / "s.json"),
+        logprobs={"B": 5})
     res = sw.run_interleaved(args)
     assert started == ["http://a", "http://b"]  # all servers first
     runs = [e for e in events if e[0] == "run"]
@@ -78,7 +82,7 @@ def test_sequential_sweep_serves_every_level_from_one_server_each(monkeypatch, t
     args = argparse.Namespace(
         config=[("A", ["a"]), ("B", ["b"])], common_args="", concurrency=[1, 8],
         dataset="sharegpt", split="heldout", num_prompts=4, prompts_per_slot=2,
-        max_new_tokens=8, seed=1, rounds=0, output=str(tmp_path / "s.json"))
+        max_new_tokens=8, seed=1, rounds=0, output=str(tmp_path / "s.json"), logprobs={})
     res = sw.run_sweep(args)
     assert events == [("start", "a"), ("run", "http://a", 1, 4), ("run", "http://a", 8, 16),
                       ("stop", "a"), ("start", "b"), ("run", "http://b", 1, 4),
@@ -163,3 +167,12 @@ def test_a_stopped_benchmark_still_stops_the_servers_it_started(tmp_path):
     except ProcessLookupError:
         return  # stopped (and reaped by the benchmark)
     raise AssertionError(f"the child {child} outlived the stopped benchmark")
+
+
+def test_logprobs_option_names_a_configuration():
+    assert sw.parse_logprobs("lp=5") == ("lp", 5)
+    for bad in ("lp", "=5", "lp=x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            sw.parse_logprobs(bad)
+    with pytest.raises(SystemExit):
+        sw.main(["--config", "none=", "--logprobs", "other=3"])
