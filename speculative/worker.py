@@ -30,7 +30,7 @@ import torch
 
 from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.sampling.argmax import argmax_rows
-from runtime.sampling.logprobs import logprob_rows
+from runtime.sampling.logprobs import logprob_rows, split_rows
 from runtime.sampling.penalties import RowHistory, apply_penalties
 from runtime.sampling.sampler import SamplingBatchInfo, expand, process_logits
 from runtime.sampling.seeded import seed_to_int64, seeded_sample
@@ -391,12 +391,18 @@ class SpeculativeWorker:
         """infos[b]["logprobs"] for each request that asked: output token i came from the
         target's logits at accepted node nodes[b][i] (row starts[b] + node), the very row a
         plain decode step would have computed for it."""
-        for b, e in enumerate(entries):
-            opts = getattr(e.state, "logprobs", None)
-            if opts is None:
-                continue
-            rows = torch.tensor([starts[b] + u for u in nodes[b][: len(tokens[b])]])
-            infos[b]["logprobs"] = logprob_rows(logits[rows], tokens[b], opts.top)
+        want = [(b, opts) for b, e in enumerate(entries)
+                if (opts := getattr(e.state, "logprobs", None)) is not None]
+        if not want:
+            return
+        rows = [starts[b] + u for b, _ in want for u in nodes[b][: len(tokens[b])]]
+        payload = logprob_rows(logits[torch.tensor(rows)], [t for b, _ in want
+                                                            for t in tokens[b]],
+                               max(opts.top for _, opts in want))
+        parts = split_rows(payload, [len(tokens[b]) for b, _ in want],
+                           [opts.top for _, opts in want])
+        for (b, _), part in zip(want, parts):
+            infos[b]["logprobs"] = part
 
     def _measure(self, batch_size: int, drafted: int, step_s: float) -> None:
         """Update the plain-step and draft-cost EMAs from one step's time (see `break_even`):

@@ -44,31 +44,58 @@ def _entries(payload: dict, prefix: str, start: int, stop: int | None) -> list[t
 
 
 # ---- SGLang /generate ------------------------------------------------------------------------
-def sglang_meta(payload: dict, prompt_ids: list[int], output_ids: list[int], input_from: int | None,
-                top: int, text_of: TokenTexts | None) -> dict[str, Any]:
-    """meta_info fields: `output_token_logprobs` [[logprob, id, text]], `input_token_logprobs`
-    from `logprob_start_len` on (the first prompt token has logprob None), and with
-    `top_logprobs_num` the `*_top_logprobs` lists of [logprob, id, text]. Text is None unless
-    `return_text_in_logprobs`."""
-    def tok(lp, tid):
-        return [lp, tid, None if text_of is None else text_of(tid)]
+class SglangLogprobs:
+    """One request's meta_info logprob fields: `output_token_logprobs` [[logprob, id, text]],
+    `input_token_logprobs` from `logprob_start_len` on (the first prompt token has logprob
+    None), and with `top_logprobs_num` the `*_top_logprobs` lists of [logprob, id, text]. Text
+    is None unless `return_text_in_logprobs`. Like SGLang's, a streamed chunk carries them
+    all so far; each call formats only the entries that are new since the last (a stream's
+    chunks would otherwise cost O(n) Python each)."""
 
-    out_entries = _entries(payload, "", 0, len(output_ids))
-    meta: dict[str, Any] = {
-        "output_token_logprobs": [tok(lp, t) for (lp, _), t in zip(out_entries, output_ids)]}
-    if top:
-        meta["output_top_logprobs"] = [[tok(v, i) for v, i in top_] for _, top_ in out_entries]
-    if input_from is not None:
-        pos = payload.get("in_pos", max(input_from, 1))
-        in_entries = _entries(payload, "in_", 0, None)
-        first = [[None, prompt_ids[0], None if text_of is None else text_of(prompt_ids[0])]] \
-            if input_from == 0 else []
-        meta["input_token_logprobs"] = first + [
-            tok(lp, prompt_ids[pos + k]) for k, (lp, _) in enumerate(in_entries)]
-        if top:
-            meta["input_top_logprobs"] = ([None] if input_from == 0 else []) + [
-                [tok(v, i) for v, i in top_] for _, top_ in in_entries]
-    return meta
+    def __init__(self, prompt_ids: list[int], input_from: int | None, top: int,
+                 text_of: TokenTexts | None) -> None:
+        self.prompt_ids, self.input_from, self.top, self.text_of = (prompt_ids, input_from,
+                                                                    top, text_of)
+        self.out: list[list] = []
+        self.out_top: list[list] = []
+        self.inp: list[list] | None = None
+        self.inp_top: list | None = None
+
+    def _tok(self, lp: float | None, tid: int) -> list:
+        return [lp, tid, None if self.text_of is None else self.text_of(tid)]
+
+    def meta(self, payload: dict, output_ids: list[int]) -> dict[str, Any]:
+        for (lp, top), tid in zip(_entries(payload, "", len(self.out), len(output_ids)),
+                                  output_ids[len(self.out):]):
+            self.out.append(self._tok(lp, tid))
+            if self.top:
+                self.out_top.append([self._tok(v, i) for v, i in top])
+        meta: dict[str, Any] = {"output_token_logprobs": self.out}
+        if self.top:
+            meta["output_top_logprobs"] = self.out_top
+        if self.input_from is not None:
+            if self.inp is None and "in_lp" in payload:
+                self._prompt(payload)
+            meta["input_token_logprobs"] = self.inp or []
+            if self.top:
+                meta["input_top_logprobs"] = self.inp_top or []
+        return meta
+
+    def _prompt(self, payload: dict) -> None:
+        pos = payload["in_pos"]
+        entries = _entries(payload, "in_", 0, None)
+        first = self.input_from == 0
+        self.inp = ([self._tok(None, self.prompt_ids[0])] if first else []) + [
+            self._tok(lp, self.prompt_ids[pos + k]) for k, (lp, _) in enumerate(entries)]
+        if self.top:
+            self.inp_top = ([None] if first else []) + [
+                [self._tok(v, i) for v, i in top] for _, top in entries]
+
+
+def sglang_meta(payload: dict, prompt_ids: list[int], output_ids: list[int],
+                input_from: int | None, top: int, text_of: TokenTexts | None) -> dict[str, Any]:
+    """The meta_info logprob fields of one finished response (`SglangLogprobs`)."""
+    return SglangLogprobs(prompt_ids, input_from, top, text_of).meta(payload, output_ids)
 
 
 # ---- OpenAI completions ----------------------------------------------------------------------

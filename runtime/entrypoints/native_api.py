@@ -8,7 +8,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from runtime.entrypoints.logprob_format import TokenTexts, sglang_meta
+from runtime.entrypoints.logprob_format import SglangLogprobs, TokenTexts
 from runtime.entrypoints.protocol import (
     GenerateRequest,
     is_int_list,
@@ -31,20 +31,23 @@ from runtime.sampling.sampling_params import SamplingParams
 
 
 class _Item:
-    __slots__ = ("input_ids", "logprobs", "params", "rid")
+    __slots__ = ("formatter", "input_ids", "logprobs", "params", "rid")
 
     def __init__(self, input_ids: list[int], params: SamplingParams, rid: str | None,
                  logprobs: LogprobOptions | None = None) -> None:
         self.input_ids, self.params, self.rid = input_ids, params, rid
         self.logprobs = logprobs
+        self.formatter: SglangLogprobs | None = None  # the response's, once it has one
 
 
 def chunk_json(chunk: Any, index: int | None, item: _Item | None = None,
                text_of: TokenTexts | None = None) -> dict:
     meta = {"finish_reason": None, **chunk.meta_info}
     if item is not None and item.logprobs is not None and chunk.logprobs is not None:
-        meta.update(sglang_meta(chunk.logprobs, item.input_ids, chunk.output_ids,
-                                item.logprobs.input_from, item.logprobs.top, text_of))
+        if item.formatter is None:
+            item.formatter = SglangLogprobs(item.input_ids, item.logprobs.input_from,
+                                            item.logprobs.top, text_of)
+        meta.update(item.formatter.meta(chunk.logprobs, chunk.output_ids))
     out = {"text": chunk.text, "output_ids": chunk.output_ids, "meta_info": meta}
     if index is not None:  # batched streams interleave; SGLang tags each chunk
         out["index"] = index

@@ -37,7 +37,7 @@ from runtime.proc_utils import (
     setup_logging,
     thread_locks_for_progress_bars,
 )
-from runtime.sampling.logprobs import LogprobOptions, logprob_rows
+from runtime.sampling.logprobs import LogprobOptions, logprob_rows, split_rows
 from runtime.sampling.sampler import SamplingBatchInfo, sample
 from runtime.sampling.sampling_params import SamplingParams
 from speculative.base import TargetRows
@@ -230,13 +230,19 @@ class RunnerWorker:
         """Per request that asked: its sampled token's logprob (row b of `logits`), and the
         prompt tokens' of this chunk's `input_rows` (rows of `all_logits` from where
         `_logits_rows` put them: just before the request's last row)."""
-        res: list[dict | None] = []
+        res: list[dict | None] = [None] * len(states)
+        sampled = [b for b, st in enumerate(states) if st.logprobs is not None and out[b]]
+        if sampled:  # the sampled tokens' rows in one call
+            payload = logprob_rows(logits[torch.tensor(sampled)], [out[b][0] for b in sampled],
+                                   max(states[b].logprobs.top for b in sampled))
+            for b, part in zip(sampled, split_rows(payload, [1] * len(sampled),
+                                                   [states[b].logprobs.top for b in sampled])):
+                res[b] = part
         for b, (e, st) in enumerate(zip(msg.reqs, states)):
             opts = st.logprobs
             if opts is None:
-                res.append(None)
                 continue
-            payload = logprob_rows(logits[b : b + 1], out[b], opts.top) if out[b] else {}
+            payload = res[b] if res[b] is not None else {}
             rows = input_rows[b]
             if rows:
                 k = len(rows)
@@ -247,7 +253,7 @@ class RunnerWorker:
                 payload.update({"in_pos": q0 + 1, **{f"in_{k2}": v for k2, v in score.items()}})
                 if e.prefix_len + len(e.new_token_ids) >= len(st.prompt_ids):
                     st.input_logprobs_done = True
-            res.append(payload)
+            res[b] = payload
         return res
 
 

@@ -6,9 +6,9 @@ too). So a token's logprob does not depend on how it was chosen: greedy, sampled
 from a speculative draft. Under speculation the verify forward already holds the target's logits
 at every accepted node, and the CPU engine computes a row bit for bit alike whatever else is in
 the batch, so a request's logprobs are the same numbers with and without speculation
-(tests/integration/test_logprobs.py).
+(tests/integration/test_spec_lossless.py, which asks for them on every third prompt).
 
-Wire shape (msgpack, no pickle): one `LogprobRows` per request per step, as a plain dict
+Wire shape (msgpack, no pickle): one payload per request per step, a plain dict
 `{"lp": [...], "top_ids": [[...]], "top_lp": [[...]]}`; `top_*` only when top > 0. Prompt
 logprobs travel the same way under "in_"-prefixed keys with "in_pos" (the prompt position of
 their first entry).
@@ -62,29 +62,52 @@ class LogprobOptions:
 
 def logprob_rows(logits: torch.Tensor, tokens: Sequence[int], top: int) -> dict:
     """logits [R, V] (raw), tokens [R]: each row's logprob of its token, and its `top` most
-    likely tokens with theirs (ties: lower id first), as lists for the wire."""
-    assert logits.shape[0] == len(tokens), f"{logits.shape[0]} rows for {len(tokens)} tokens"
-    # one row at a time: a row's numbers must not depend on which rows share the call
-    # (a verify pass and a decode step must agree bit for bit)
-    lps, top_ids, top_lps = [], [], []
-    for r, tok in enumerate(tokens):
-        lp = torch.log_softmax(logits[r].float(), dim=-1)  # [V]
-        lps.append(float(lp[tok]))
-        if top:
-            vals, idx = _top(lp, top)
-            top_ids.append(idx)
-            top_lps.append(vals)
-    out = {"lp": lps}
+    likely tokens with theirs (descending; ties: lower id first), as lists for the wire.
+
+    A row's numbers do not depend on the other rows of the call (log_softmax and topk work
+    row by row; tests/unit/test_logprobs.py): a verify pass and a decode step agree bit for
+    bit. One call for all rows: ~0.06 ms per row for the logprob, ~0.09 more for the top
+    (49k vocabulary, one thread), against ~0.4 ms per row one row at a time."""
+    R = logits.shape[0]
+    assert R == len(tokens), f"{R} rows for {len(tokens)} tokens"
+    if R == 0:
+        return {"lp": [], "top_ids": [], "top_lp": []} if top else {"lp": []}
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
+    chosen = lp.gather(1, torch.tensor(tokens, dtype=torch.int64)[:, None])
+    out: dict = {"lp": chosen.flatten().tolist()}
     if top:
-        out["top_ids"], out["top_lp"] = top_ids, top_lps
+        k = min(top + 1, lp.shape[1])  # one more: a tie across the cut shows
+        vals, idx = lp.topk(k, dim=-1)  # [R, k] descending
+        top_lp, top_ids = vals.tolist(), idx.tolist()
+        for r in range(R):
+            v = top_lp[r]
+            if any(v[j] == v[j + 1] for j in range(k - 1)):  # ties: order them by id
+                top_lp[r], top_ids[r] = _top(lp[r], top)
+            else:
+                top_lp[r], top_ids[r] = v[:top], top_ids[r][:top]
+        out["top_ids"], out["top_lp"] = top_ids, top_lp
     return out
 
 
 def _top(lp: torch.Tensor, k: int) -> tuple[list[float], list[int]]:
     """The k largest entries of lp [V], descending, ties by lower id."""
-    vals, idx = lp.topk(min(k + 8, lp.numel()))  # a margin: stable order among ties below
-    order = sorted(range(len(idx)), key=lambda i: (-float(vals[i]), int(idx[i])))[:k]
-    return [float(vals[i]) for i in order], [int(idx[i]) for i in order]
+    vals, idx = lp.topk(min(k + 8, lp.numel()))  # a margin for the ties across the cut
+    pairs = sorted(zip(vals.tolist(), idx.tolist()), key=lambda p: (-p[0], p[1]))[:k]
+    return [v for v, _ in pairs], [i for _, i in pairs]
+
+
+def split_rows(payload: dict, counts: Sequence[int], tops: Sequence[int]) -> list[dict]:
+    """One `logprob_rows` payload over several requests' rows (consecutive, `counts[i]` of
+    request i) as one payload per request, each with its own `tops[i]` alternatives."""
+    out, off = [], 0
+    for n, top in zip(counts, tops):
+        part = {"lp": payload["lp"][off : off + n]}
+        if top:
+            part["top_ids"] = [t[:top] for t in payload["top_ids"][off : off + n]]
+            part["top_lp"] = [t[:top] for t in payload["top_lp"][off : off + n]]
+        out.append(part)
+        off += n
+    return out
 
 
 def extend(into: dict, part: dict) -> dict:
@@ -111,4 +134,5 @@ def head(payload: dict, n: int) -> dict:
     return {k: (v if k.startswith("in_") else v[:n]) for k, v in payload.items()}
 
 
-__all__ = ["MAX_TOP_LOGPROBS", "LogprobOptions", "concat", "extend", "head", "logprob_rows"]
+__all__ = ["MAX_TOP_LOGPROBS", "LogprobOptions", "concat", "extend", "head", "logprob_rows",
+           "split_rows"]
