@@ -7,11 +7,11 @@ closing it is what aborts the request on the scheduler and frees its KV.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Coroutine
 from typing import Any, TypeVar
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -28,8 +28,15 @@ class ClientDisconnected(Exception):
     """The client went away before its (non-streaming) response was ready."""
 
 
+_JSON = msgspec.json.Encoder()
+
+
 def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    """One `data:` event. msgspec's encoder, not json.dumps: a /generate stream with logprobs
+    sends every logprob so far in each chunk (as SGLang does), and json.dumps took ~0.65 ms a
+    chunk at 128 tokens with 5 alternatives, ~1 ms of CPU per token beside a 2-thread engine;
+    msgspec ~18x less (docs/architecture.md, "Logprobs")."""
+    return f"data: {_JSON.encode(payload).decode()}\n\n"
 
 
 async def gather_all(coros: list[Coroutine[Any, Any, T]]) -> list[T]:
