@@ -12,6 +12,7 @@ median forward time per (mode, tree size), its ratio to a decode step of the ful
 in the same serving loop (the T(n)/T(1) that `benchmark.replay_ngram` models), the per-step time
 outside forwards (drafting, tree masks, verification, commit, scheduling) and the median time to
 first token. The first two prompts warm up (alone) and are not counted (`--warmup-prompts`).
+`--logprobs N` serves every configuration a second time with each request asking for logprobs.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ WARMUP_PROMPTS = 2
 
 
 def serve(label: str, server_args: dict, prompts: list[tuple[list[int], int]],
-          threads: int, concurrency: int = 1, warmup: int = WARMUP_PROMPTS) -> dict:
+          threads: int, concurrency: int = 1, warmup: int = WARMUP_PROMPTS,
+          logprobs: int | None = None) -> dict:
     from runtime.messages import GenerateReq
     from runtime.model_loader.tokenizer import load_tokenizer
     from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
@@ -104,7 +106,8 @@ def serve(label: str, server_args: dict, prompts: list[tuple[list[int], int]],
         if counting:
             submitted[f"p{i}"] = time.perf_counter()
         sched.handle(GenerateReq(rid=f"p{i}", input_ids=ids, sampling_params=SamplingParams(
-            temperature=0.0, max_new_tokens=max_new, ignore_eos=True).to_dict()))
+            temperature=0.0, max_new_tokens=max_new, ignore_eos=True).to_dict(),
+            logprobs=None if logprobs is None else {"top": logprobs, "input_from": None}))
 
     bar = tqdm(total=len(prompts), desc=label, unit="prompt")
     warm = min(warmup, len(prompts))
@@ -154,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="requests in flight (a new one arrives when one finishes; the warm-up "
                    "prompts run alone first)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="run every configuration again with each request asking for its "
+                   "tokens' logprobs and N alternatives (what logprobs cost a step)")
     p.add_argument("--output", default="results/profile_spec_step.json")
     args = p.parse_args(argv)
     try:
@@ -170,6 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     runs = [serve("baseline", {}, prompts, args.threads, args.concurrency, args.warmup_prompts)]
     runs += [serve(c.label, c.server_args, prompts, args.threads, args.concurrency,
                    args.warmup_prompts) for c in configs]
+    if args.logprobs is not None:  # each again, every request asking for logprobs
+        lp = f"+logprobs{args.logprobs}"
+        runs += [serve("baseline" + lp, {}, prompts, args.threads, args.concurrency,
+                       args.warmup_prompts, args.logprobs)]
+        runs += [serve(c.label + lp, c.server_args, prompts, args.threads, args.concurrency,
+                       args.warmup_prompts, args.logprobs) for c in configs]
     decode = runs[0]["forwards"].get(f"DECODE:{args.concurrency}", {}).get("median_ms")
     rows = []
     for r in runs:

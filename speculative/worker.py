@@ -30,7 +30,7 @@ import torch
 
 from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.sampling.argmax import argmax_rows
-from runtime.sampling.logprobs import logprob_rows, split_rows
+from runtime.sampling.logprobs import logprob_rows, select_rows, split_rows
 from runtime.sampling.penalties import RowHistory, apply_penalties
 from runtime.sampling.sampler import SamplingBatchInfo, expand, process_logits
 from runtime.sampling.seeded import seed_to_int64, seeded_sample
@@ -396,7 +396,7 @@ class SpeculativeWorker:
         if not want:
             return
         rows = [starts[b] + u for b, _ in want for u in nodes[b][: len(tokens[b])]]
-        payload = logprob_rows(logits[torch.tensor(rows)], [t for b, _ in want
+        payload = logprob_rows(select_rows(logits, rows), [t for b, _ in want
                                                             for t in tokens[b]],
                                max(opts.top for _, opts in want))
         parts = split_rows(payload, [len(tokens[b]) for b, _ in want],

@@ -37,7 +37,7 @@ from runtime.proc_utils import (
     setup_logging,
     thread_locks_for_progress_bars,
 )
-from runtime.sampling.logprobs import LogprobOptions, logprob_rows, split_rows
+from runtime.sampling.logprobs import LogprobOptions, logprob_rows, select_rows, split_rows
 from runtime.sampling.sampler import SamplingBatchInfo, sample
 from runtime.sampling.sampling_params import SamplingParams
 from speculative.base import TargetRows
@@ -233,7 +233,7 @@ class RunnerWorker:
         res: list[dict | None] = [None] * len(states)
         sampled = [b for b, st in enumerate(states) if st.logprobs is not None and out[b]]
         if sampled:  # the sampled tokens' rows in one call
-            payload = logprob_rows(logits[torch.tensor(sampled)], [out[b][0] for b in sampled],
+            payload = logprob_rows(select_rows(logits, sampled), [out[b][0] for b in sampled],
                                    max(states[b].logprobs.top for b in sampled))
             for b, part in zip(sampled, split_rows(payload, [1] * len(sampled),
                                                    [states[b].logprobs.top for b in sampled])):

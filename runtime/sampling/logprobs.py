@@ -96,6 +96,14 @@ def _top(lp: torch.Tensor, k: int) -> tuple[list[float], list[int]]:
     return [v for v, _ in pairs], [i for _, i in pairs]
 
 
+def select_rows(logits: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+    """logits[rows] [len(rows), V], without the copy when rows are all of them in order (a
+    decode step's: 6 MB for 32 rows of a 49k vocabulary, ~2.5 ms after a forward)."""
+    if len(rows) == logits.shape[0] and all(r == i for i, r in enumerate(rows)):
+        return logits
+    return logits[torch.tensor(rows, dtype=torch.int64)]
+
+
 def split_rows(payload: dict, counts: Sequence[int], tops: Sequence[int]) -> list[dict]:
     """One `logprob_rows` payload over several requests' rows (consecutive, `counts[i]` of
     request i) as one payload per request, each with its own `tops[i]` alternatives."""
@@ -135,4 +143,4 @@ def head(payload: dict, n: int) -> dict:
 
 
 __all__ = ["MAX_TOP_LOGPROBS", "LogprobOptions", "concat", "extend", "head", "logprob_rows",
-           "split_rows"]
+           "select_rows", "split_rows"]

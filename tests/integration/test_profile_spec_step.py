@@ -10,7 +10,8 @@ from benchmark.profile_spec_step import main
 def test_profile_times_decode_and_verify_forwards_and_serves_every_token(tmp_path, capsys):
     out = tmp_path / "profile.json"
     rc = main(["--dataset", "rewrite", "--split", "train", "--num-prompts", "2",
-               "--max-new-tokens", "24", "--configs", "NGRAM", "--output", str(out)])
+               "--max-new-tokens", "24", "--configs", "NGRAM", "--logprobs", "2",
+               "--output", str(out)])
     assert rc == 0
     runs = {r["label"]: r for r in json.loads(out.read_text())["runs"]}
     base, ngram = runs["baseline"], runs["NGRAM"]
@@ -20,6 +21,9 @@ def test_profile_times_decode_and_verify_forwards_and_serves_every_token(tmp_pat
     assert set(base["forwards"]) <= {"DECODE:1"} | {k for k in base["forwards"]
                                                    if k.startswith("EXTEND")}
     assert any(k.startswith("TARGET_VERIFY") for k in ngram["forwards"])
+    # --logprobs: every configuration again, the same tokens served
+    assert runs["baseline+logprobs2"]["tokens"] == runs["NGRAM+logprobs2"]["tokens"] \
+        == base["tokens"]
     table = capsys.readouterr().out
     assert "outside forwards" in table and "end to end" in table
 

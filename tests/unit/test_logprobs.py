@@ -161,3 +161,10 @@ def test_speculative_logprobs_equal_plain_and_stop_cuts_them(tiny):  # noqa: F81
     assert n == plain.outputs["r0"].index(stop_at) + 1
     assert _close(spec.logprobs["stop"]["lp"], plain.logprobs["r0"]["lp"][:n])
     spec.sched.check_no_leak()
+
+
+def test_select_rows_copies_only_a_strict_subset():
+    x = torch.randn(4, 10)
+    assert lp.select_rows(x, [0, 1, 2, 3]) is x
+    assert torch.equal(lp.select_rows(x, [2, 0]), x[[2, 0]])
+    assert torch.equal(lp.select_rows(x, [1, 0, 2, 3]), x[[1, 0, 2, 3]])
