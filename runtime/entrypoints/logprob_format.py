@@ -74,7 +74,9 @@ class SglangLogprobs:
         if self.top:
             meta["output_top_logprobs"] = self.out_top
         if self.input_from is not None:
-            if self.inp is None and "in_lp" in payload:
+            # (a prompt with no token to score from the start on sends no prompt entries)
+            if self.inp is None and ("in_lp" in payload or
+                                     len(self.prompt_ids) <= max(self.input_from, 1)):
                 self._prompt(payload)
             meta["input_token_logprobs"] = self.inp or []
             if self.top:
@@ -82,7 +84,7 @@ class SglangLogprobs:
         return meta
 
     def _prompt(self, payload: dict) -> None:
-        pos = payload["in_pos"]
+        pos = payload.get("in_pos", 1)
         entries = _entries(payload, "in_", 0, None)
         first = self.input_from == 0
         self.inp = ([self._tok(None, self.prompt_ids[0])] if first else []) + [

@@ -47,6 +47,11 @@ def run():
             return_logprob=True) for p in prompts]
         stream = list(engine.generate(input_ids=prompts[0], sampling_params=GREEDY, stream=True,
                                       return_logprob=True))
+        # a one-token prompt scored from 0: one entry, without a logprob
+        one = engine.generate(input_ids=prompts[0][:1], sampling_params={"max_new_tokens": 2},
+                              return_logprob=True, logprob_start_len=0, top_logprobs_num=1)
+        assert one["meta_info"]["input_token_logprobs"] == [[None, prompts[0][0], None]]
+        assert one["meta_info"]["input_top_logprobs"] == [None]
         info = engine.server_info()
     return prompts, first, second, whole, stops, stream, info
 
