@@ -17,7 +17,7 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from runtime.entrypoints.logprob_format import sglang_meta
+from runtime.entrypoints.logprob_format import SglangLogprobs
 from runtime.processes import Backend
 from runtime.sampling.logprobs import LogprobOptions
 from runtime.sampling.sampling_params import SamplingParams
@@ -27,21 +27,12 @@ from runtime.tokenizer.tokenizer_manager import GenerateChunk, TokenizerManager
 logger = logging.getLogger(__name__)
 
 
-def chunk_to_dict(chunk: GenerateChunk, lp: _Logprobs | None = None) -> dict[str, Any]:
+def chunk_to_dict(chunk: GenerateChunk, lp: SglangLogprobs | None = None) -> dict[str, Any]:
+    """`lp`: the request's logprob fields, formatted as its chunks arrive."""
     meta = chunk.meta_info
     if lp is not None and chunk.logprobs is not None:
-        meta = {**meta, **sglang_meta(chunk.logprobs, lp.prompt_ids, chunk.output_ids,
-                                      lp.options.input_from, lp.options.top, lp.text_of)}
+        meta = {**meta, **lp.meta(chunk.logprobs, chunk.output_ids)}
     return {"text": chunk.text, "output_ids": chunk.output_ids, "meta_info": meta}
-
-
-@dataclasses.dataclass(frozen=True)
-class _Logprobs:
-    """A prompt's logprob request, as SGLang's Engine.generate takes it."""
-
-    options: LogprobOptions
-    prompt_ids: list[int]
-    text_of: Any = None  # TokenTexts when return_text_in_logprobs
 
 
 class Engine:
@@ -99,17 +90,19 @@ class Engine:
 
     def _logprobs(self, ids: list[list[int]], return_logprob: bool,
                   logprob_start_len: int | None, top_logprobs_num: int | None,
-                  return_text_in_logprobs: bool) -> list[_Logprobs | None]:
-        """SGLang's logprob arguments per prompt (`logprob_start_len` -1: output only)."""
+                  return_text_in_logprobs: bool) -> list[SglangLogprobs | None]:
+        """SGLang's logprob arguments, one formatter per prompt (None: not asked for)."""
         if not return_logprob:
             return [None] * len(ids)
-        start = None if logprob_start_len in (None, -1) else logprob_start_len
         text_of = self.tm.token_texts if return_text_in_logprobs else None
-        return [_Logprobs(LogprobOptions(top_logprobs_num or 0, start).validate(len(i)), i,
-                          text_of) for i in ids]
+        out = []
+        for i in ids:
+            opts = LogprobOptions.from_sglang(top_logprobs_num, logprob_start_len, len(i))
+            out.append(SglangLogprobs(i, opts.input_from, opts.top, text_of))
+        return out
 
     # ---- generation -------------------------------------------------------------------
-    async def _collect(self, ids, params, lp: _Logprobs | None = None) -> dict:
+    async def _collect(self, ids, params, lp: SglangLogprobs | None = None) -> dict:
         last = None
         async for chunk in self.tm.generate(ids, params, stream=False,
                                             logprobs=None if lp is None else lp.options):
@@ -144,7 +137,7 @@ class Engine:
         outs = self._run(run_all())
         return outs[0] if single else outs
 
-    def _stream_sync(self, ids, params, lp: _Logprobs | None = None) -> Iterator[dict]:
+    def _stream_sync(self, ids, params, lp: SglangLogprobs | None = None) -> Iterator[dict]:
         agen = self.tm.generate(ids, params, stream=True,
                                 logprobs=None if lp is None else lp.options)
         try:
@@ -174,7 +167,7 @@ class Engine:
             return await asyncio.wrap_future(fut)
         return self._stream_async(ids[0], params[0], lp)
 
-    async def _stream_async(self, ids, params, lp: _Logprobs | None = None
+    async def _stream_async(self, ids, params, lp: SglangLogprobs | None = None
                             ) -> AsyncIterator[dict]:
         agen = self.tm.generate(ids, params, stream=True,
                                 logprobs=None if lp is None else lp.options)

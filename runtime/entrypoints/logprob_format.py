@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from runtime.sampling.logprobs import LogprobOptions
+
 
 class TokenTexts:
     """Each token id's text on its own (`decode([id])`), remembered: a response names every
@@ -61,6 +63,10 @@ class SglangLogprobs:
         self.inp: list[list] | None = None
         self.inp_top: list | None = None
 
+    @property
+    def options(self) -> LogprobOptions:
+        return LogprobOptions(self.top, self.input_from)
+
     def _tok(self, lp: float | None, tid: int) -> list:
         return [lp, tid, None if self.text_of is None else self.text_of(tid)]
 
@@ -70,17 +76,18 @@ class SglangLogprobs:
             self.out.append(self._tok(lp, tid))
             if self.top:
                 self.out_top.append([self._tok(v, i) for v, i in top])
-        meta: dict[str, Any] = {"output_token_logprobs": self.out}
+        # new lists each call (pointer copies): a caller may keep an earlier chunk's meta
+        meta: dict[str, Any] = {"output_token_logprobs": list(self.out)}
         if self.top:
-            meta["output_top_logprobs"] = self.out_top
+            meta["output_top_logprobs"] = list(self.out_top)
         if self.input_from is not None:
             # (a prompt with no token to score from the start on sends no prompt entries)
             if self.inp is None and ("in_lp" in payload or
                                      len(self.prompt_ids) <= max(self.input_from, 1)):
                 self._prompt(payload)
-            meta["input_token_logprobs"] = self.inp or []
+            meta["input_token_logprobs"] = list(self.inp or [])
             if self.top:
-                meta["input_top_logprobs"] = self.inp_top or []
+                meta["input_top_logprobs"] = list(self.inp_top or [])
         return meta
 
     def _prompt(self, payload: dict) -> None:
@@ -92,12 +99,6 @@ class SglangLogprobs:
         if self.top:
             self.inp_top = ([None] if first else []) + [
                 [self._tok(v, i) for v, i in top] for _, top in entries]
-
-
-def sglang_meta(payload: dict, prompt_ids: list[int], output_ids: list[int],
-                input_from: int | None, top: int, text_of: TokenTexts | None) -> dict[str, Any]:
-    """The meta_info logprob fields of one finished response (`SglangLogprobs`)."""
-    return SglangLogprobs(prompt_ids, input_from, top, text_of).meta(payload, output_ids)
 
 
 # ---- OpenAI completions ----------------------------------------------------------------------

@@ -97,17 +97,12 @@ def parse_generate(body: GenerateRequest, tm: Any) -> tuple[bool, list[_Item]]:
 
 def _logprob_options(body: GenerateRequest, prompt_len: int,
                      where: str) -> LogprobOptions | None:
-    """SGLang's logprob fields: `logprob_start_len` -1 (the default) means output tokens
-    only; `top_logprobs_num` alternatives per position."""
+    """SGLang's logprob fields (`LogprobOptions.from_sglang`), errors naming the item."""
     if not body.return_logprob:
         return None
-    start = body.logprob_start_len
-    if start is not None and start < -1:
-        raise InvalidRequestError("logprob_start_len", "must be -1 or a prompt position >= 0")
-    opts = LogprobOptions(body.top_logprobs_num or 0,
-                          None if start is None or start == -1 else start)
     try:
-        return opts.validate(prompt_len)
+        return LogprobOptions.from_sglang(body.top_logprobs_num, body.logprob_start_len,
+                                          prompt_len)
     except InvalidRequestError as exc:
         raise InvalidRequestError(exc.field, where + exc.message) from None
 

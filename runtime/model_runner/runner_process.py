@@ -102,8 +102,8 @@ class RunnerWorker:
         if st is None:
             assert entry.sampling_params is not None, f"{entry.rid}: first batch lacks params"
             params = SamplingParams(**entry.sampling_params)
-            st = RunnerReqState(params, list(entry.prompt_ids or []))
-            st.logprobs = LogprobOptions.from_dict(entry.logprobs)
+            st = RunnerReqState(params, list(entry.prompt_ids or []),
+                                logprobs=LogprobOptions.from_dict(entry.logprobs))
             self.states[entry.rid] = st
             if self.spec is not None and st.prompt_ids:
                 self.spec.drafter.observe(entry.rid, st.history, len(st.history))

@@ -52,6 +52,18 @@ class LogprobOptions:
                     "tokens")
         return self
 
+    @classmethod
+    def from_sglang(cls, top_logprobs_num: int | None, logprob_start_len: int | None,
+                    prompt_len: int) -> LogprobOptions:
+        """SGLang's fields, validated: `logprob_start_len` None or -1 (its default) means
+        output tokens only, a prompt position the prompt's tokens from there on."""
+        start = logprob_start_len
+        if type(start) is int and start < -1:
+            raise InvalidRequestError("logprob_start_len", "must be -1 or a prompt position "
+                                      ">= 0")
+        return cls(0 if top_logprobs_num is None else top_logprobs_num,
+                   None if start in (None, -1) else start).validate(prompt_len)
+
     def to_dict(self) -> dict:
         return {"top": self.top, "input_from": self.input_from}
 

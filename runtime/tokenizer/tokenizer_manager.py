@@ -229,10 +229,9 @@ class TokenizerManager:
         if rid in self._states:
             raise InvalidRequestError("rid", f"request id {rid!r} is already running")
         self.check_prompt(input_ids, params)
-        if logprobs is not None:
-            logprobs.validate(len(input_ids))
         st = _ReqState(rid, IncrementalText(self.tokenizer, params.stop), len(input_ids))
         if logprobs is not None:
+            logprobs.validate(len(input_ids))
             st.logprobs = {}
         self._states[rid] = st
         self._send.send(self._enc.encode(GenerateReq(
