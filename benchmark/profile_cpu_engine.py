@@ -3,13 +3,16 @@
     python -m benchmark.profile_cpu_engine --context 256 --tokens 1,8 --digits 3,1
     python -m benchmark.profile_cpu_engine --context 160 --tokens 1 --batch 32 \
         --layout interleaved
+    python -m benchmark.profile_cpu_engine --tokens 1 --batch 32 --logit-top none,5
 
 For each (digits, tokens-per-forward) it prefills `--context` tokens for each of `--batch`
 requests, then runs `--steps` forwards of n tree nodes per request (n = 1: a plain decode step)
 and prints the mean milliseconds of each phase per forward (linears summed over layers) and the
 total. `--layout` places the requests' KV slots: `contiguous` (each request's own run, as after
 a prefill) or `interleaved` (position p of request i in slot p * batch + i, as a busy server's
-decode steps hand them out). Writes JSON (`--output`).
+decode steps hand them out). `--logit-top none,5` runs each configuration without and with the
+logprob statistics (each row's log-sum-exp and top 5, found with the argmax: the lm_head
+phase) that a batch asking for logprobs gets. Writes JSON (`--output`).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ def request_slots(batch: int, length: int, layout: str) -> list[torch.Tensor]:
 
 
 def profile(runner: ModelRunner, context: int, n: int, steps: int, batch: int = 1,
-            layout: str = "contiguous") -> dict:
+            layout: str = "contiguous", logit_top: int = -1) -> dict:
     core = runner.model.core
     vocab = runner.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -58,7 +61,7 @@ def profile(runner: ModelRunner, context: int, n: int, steps: int, batch: int = 
 
     def step():
         runner.forward(ForwardBatch.build(mode, [p[context:] for p in prompts], slots,
-                                          [context] * batch, **kw))
+                                          [context] * batch, logit_top=logit_top, **kw))
 
     step()
     core.set_profile(True)
@@ -69,6 +72,7 @@ def profile(runner: ModelRunner, context: int, n: int, steps: int, batch: int = 
     phases = dict(core.profile())
     core.set_profile(False)
     return {"tokens": n, "batch": batch, "layout": layout, "context": context,
+            "logit_top": logit_top,
             "wall_ms": wall * 1e3,
             "phases_ms": {k: phases[k] * 1e3 for k in PHASES}}
 
@@ -84,6 +88,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch", type=int, default=1, help="requests per forward")
     p.add_argument("--layout", choices=("contiguous", "interleaved"), default="contiguous",
                    help="where the requests' KV slots lie (see above)")
+    p.add_argument("--logit-top", type=lambda t: [-1 if x == "none" else int(x)
+                                                  for x in t.split(",") if x],
+                   default=[-1], help="logprob statistics per forward: none, or k: lse and "
+                   "top k (see above)")
     p.add_argument("--output", default="results/profile_cpu_engine.json")
     args = p.parse_args(argv)
     model_dir = str(resolve_model_path(args.model_path))
@@ -96,13 +104,15 @@ def main(argv: list[str] | None = None) -> dict:
                                           activation_digits=digits))
         assert runner.engine == "cpu", "the CPU engine is not available here"
         for n in args.tokens:
-            runs.append({"digits": digits, **profile(runner, args.context, n, args.steps,
-                                                     args.batch, args.layout)})
+            for top in args.logit_top:
+                runs.append({"digits": digits, **profile(runner, args.context, n, args.steps,
+                                                         args.batch, args.layout, top)})
         del runner
     path = write_json(args.output, {"machine": machine_info(), "args": vars(args), "runs": runs})
     print(f"\nJSON: {path}\n")
     head = ["phase"] + [f"d={r['digits']} n={r['tokens']}" + (f" bs={r['batch']}"
                                                                if r["batch"] > 1 else "")
+                        + (f" lp={r['logit_top']}" if r["logit_top"] >= 0 else "")
                         for r in runs]
     rows = [[ph] + [r["phases_ms"][ph] for r in runs] for ph in PHASES]
     rows.append(["sum of phases"] + [sum(r["phases_ms"].values()) for r in runs])

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 import torch
 
 from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
+from runtime.models.llama import ModelOutput
 from runtime.sampling.argmax import argmax_rows
-from runtime.sampling.logprobs import logprob_rows, select_rows, split_rows
+from runtime.sampling.logprobs import logprob_rows, split_rows
 from runtime.sampling.penalties import RowHistory, apply_penalties
 from runtime.sampling.sampler import SamplingBatchInfo, expand, process_logits
 from runtime.sampling.seeded import seed_to_int64, seeded_sample
@@ -73,6 +74,13 @@ class SpecEntry:
         """Fresh KV slots the scheduler gave this step: tree nodes, root included (> 1: it
         may draft)."""
         return self.slots.numel() - self.prefix_len
+
+
+def _logit_top(entries) -> int:
+    """ForwardBatch.logit_top for a step over these requests: the most alternatives any of
+    them wants logprobs with, -1 when none wants logprobs."""
+    tops = [opts.top for e in entries if (opts := getattr(e.state, "logprobs", None)) is not None]
+    return max(tops) if tops else -1
 
 
 def _interpreted(runner) -> bool:
@@ -296,6 +304,7 @@ class SpeculativeWorker:
         batch = ForwardBatch.build(ForwardMode.DECODE, [[e.tokens[-1]] for e in entries],
                                    [e.slots[: e.prefix_len + 1] for e in entries],
                                    [e.prefix_len for e in entries])
+        batch.logit_top = _logit_top(entries)
         out = self.runner.forward(batch, False)
         if self.tree_ops is None and all(e.state.params.takes_argmax for e in entries):
             tokens = [[t] for t in out.row_argmax().tolist()]
@@ -306,8 +315,8 @@ class SpeculativeWorker:
         self.drafter.skipped([e.rid for e in entries])
         self._measure(len(entries), 0, time.perf_counter() - t_step)
         infos = [{"drafted": 0, "accepted": 0, "draft_s": 0.0} for _ in entries]
-        self._logprobs(entries, [[0]] * len(entries), tokens, out.logits,
-                       list(range(len(entries))), infos)
+        self._logprobs(entries, [[0]] * len(entries), tokens, out, list(range(len(entries))),
+                       infos)
         return tokens, infos
 
     def step(self, entries: list[SpecEntry]) -> tuple[list[list[int]], list[dict]]:
@@ -346,6 +355,7 @@ class SpeculativeWorker:
                 custom_masks=[t.ancestor_mask for t in trees], logits="all",
                 capture_layers=capture,
             )
+        batch.logit_top = _logit_top(entries)
         out = self.drafter.target_forward(batch, trees, self.drafter.needs_final_hidden)
         results = self._verify(entries, trees, out.logits, out.argmax)  # logits [sum n, V]
         if self.drafter.wants_node_argmax and any(t.num_nodes > 1 for t in trees):
@@ -381,13 +391,13 @@ class SpeculativeWorker:
         starts = [0]
         for t in trees:
             starts.append(starts[-1] + t.num_nodes)
-        self._logprobs(entries, [r.accepted_nodes for r in results], out_tokens, out.logits,
-                       starts, infos)
+        self._logprobs(entries, [r.accepted_nodes for r in results], out_tokens, out, starts,
+                       infos)
         return out_tokens, infos
 
     @staticmethod
     def _logprobs(entries: list[SpecEntry], nodes: list[list[int]], tokens: list[list[int]],
-                  logits: torch.Tensor, starts: list[int], infos: list[dict]) -> None:
+                  out: ModelOutput, starts: list[int], infos: list[dict]) -> None:
         """infos[b]["logprobs"] for each request that asked: output token i came from the
         target's logits at accepted node nodes[b][i] (row starts[b] + node), the very row a
         plain decode step would have computed for it."""
@@ -396,9 +406,9 @@ class SpeculativeWorker:
         if not want:
             return
         rows = [starts[b] + u for b, _ in want for u in nodes[b][: len(tokens[b])]]
-        payload = logprob_rows(select_rows(logits, rows), [t for b, _ in want
-                                                            for t in tokens[b]],
-                               max(opts.top for _, opts in want))
+        payload = logprob_rows(out.logits, [t for b, _ in want for t in tokens[b]],
+                               max(opts.top for _, opts in want), rows=rows,
+                               stats=out.logit_stats)
         parts = split_rows(payload, [len(tokens[b]) for b, _ in want],
                            [opts.top for _, opts in want])
         for (b, _), part in zip(want, parts):

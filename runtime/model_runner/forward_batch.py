@@ -48,6 +48,10 @@ class ForwardBatch:
     capture_layers: tuple[int, ...] = ()
     # Set by the attention backend's `init_forward_metadata`, reused by every layer.
     attn_metadata: Any = field(default=None)
+    # >= 0: some request wants logprobs from these logits, with this many alternatives; an
+    # engine that can computes each row's log-sum-exp and top entries with its argmax
+    # (ModelOutput.logit_stats); -1: nobody asked
+    logit_top: int = -1
 
     @property
     def batch_size(self) -> int:
@@ -91,6 +95,7 @@ class ForwardBatch:
         custom_masks: list[torch.Tensor] | None = None,
         logits: str = "last",
         capture_layers: tuple[int, ...] = (),
+        logit_top: int = -1,
     ) -> ForwardBatch:
         """Assemble a batch from per-request pieces.
 
@@ -134,4 +139,5 @@ class ForwardBatch:
             logits_indices=logits_indices,
             custom_masks=custom_masks,
             capture_layers=capture_layers,
+            logit_top=logit_top,
         )

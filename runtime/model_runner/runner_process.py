@@ -30,6 +30,7 @@ from runtime.messages import (
 )
 from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
+from runtime.models.llama import ModelOutput
 from runtime.proc_utils import (
     HeapTrimmer,
     die_with_parent,
@@ -37,7 +38,7 @@ from runtime.proc_utils import (
     setup_logging,
     thread_locks_for_progress_bars,
 )
-from runtime.sampling.logprobs import LogprobOptions, logprob_rows, select_rows, split_rows
+from runtime.sampling.logprobs import LogprobOptions, logprob_rows, split_rows
 from runtime.sampling.sampler import SamplingBatchInfo, sample
 from runtime.sampling.sampling_params import SamplingParams
 from speculative.base import TargetRows
@@ -190,6 +191,8 @@ class RunnerWorker:
         last = None
         if any(input_rows):  # prompt logprobs: logits for those rows too, each request's last
             batch.logits_indices, last = _logits_rows(msg, input_rows)
+        tops = [st.logprobs.top for st in states if st.logprobs is not None]
+        batch.logit_top = max(tops) if tops else -1
         fwd = self.runner.forward(batch, reads_hidden and drafter.needs_final_hidden)
         logits = fwd.logits if last is None else fwd.logits[last]  # [B, vocab]
         rows = [i for i, e in enumerate(msg.reqs) if e.needs_token]
@@ -216,8 +219,8 @@ class RunnerWorker:
         if wants_rows:
             drafter.draft_extend(self._prefill_rows(msg, states, slots), fwd)
         lps = None
-        if any(st.logprobs is not None for st in states):
-            lps = self._logprobs(msg, states, out, logits, fwd.logits, input_rows, last)
+        if tops:
+            lps = self._logprobs(msg, states, out, fwd, input_rows, last)
         return BatchResult(
             batch_id=msg.batch_id, next_token_ids=out, forward_s=time.perf_counter() - t0,
             logprobs=lps,
@@ -225,16 +228,19 @@ class RunnerWorker:
 
     @staticmethod
     def _logprobs(msg: RunBatch, states: list[RunnerReqState], out: list[list[int]],
-                  logits: torch.Tensor, all_logits: torch.Tensor,
-                  input_rows: list[list[int]], last: list[int] | None) -> list[dict | None]:
-        """Per request that asked: its sampled token's logprob (row b of `logits`), and the
-        prompt tokens' of this chunk's `input_rows` (rows of `all_logits` from where
-        `_logits_rows` put them: just before the request's last row)."""
+                  fwd: ModelOutput, input_rows: list[list[int]],
+                  last: list[int] | None) -> list[dict | None]:
+        """Per request that asked: its sampled token's logprob (its last row of `fwd.logits`:
+        row b, or last[b] when prompt rows were scored too), and the prompt tokens' of this
+        chunk's `input_rows` (from where `_logits_rows` put them: just before the request's
+        last row)."""
         res: list[dict | None] = [None] * len(states)
         sampled = [b for b, st in enumerate(states) if st.logprobs is not None and out[b]]
         if sampled:  # the sampled tokens' rows in one call
-            payload = logprob_rows(select_rows(logits, sampled), [out[b][0] for b in sampled],
-                                   max(states[b].logprobs.top for b in sampled))
+            payload = logprob_rows(fwd.logits, [out[b][0] for b in sampled],
+                                   max(states[b].logprobs.top for b in sampled),
+                                   rows=sampled if last is None else [last[b] for b in sampled],
+                                   stats=fwd.logit_stats)
             for b, part in zip(sampled, split_rows(payload, [1] * len(sampled),
                                                    [states[b].logprobs.top for b in sampled])):
                 res[b] = part
@@ -248,8 +254,8 @@ class RunnerWorker:
                 k = len(rows)
                 end = last[b] + (1 if rows[-1] == len(e.new_token_ids) - 1 else 0)
                 q0 = e.prefix_len + rows[0]
-                score = logprob_rows(all_logits[end - k : end],
-                                     st.prompt_ids[q0 + 1 : q0 + 1 + k], opts.top)
+                score = logprob_rows(fwd.logits, st.prompt_ids[q0 + 1 : q0 + 1 + k], opts.top,
+                                     rows=range(end - k, end), stats=fwd.logit_stats)
                 payload.update({"in_pos": q0 + 1, **{f"in_{k2}": v for k2, v in score.items()}})
                 if e.prefix_len + len(e.new_token_ids) >= len(st.prompt_ids):
                     st.input_logprobs_done = True

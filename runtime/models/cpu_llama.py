@@ -24,6 +24,7 @@ from runtime.mem_cache.kv_pool import KVPool
 from runtime.model_loader.config import ModelConfig
 from runtime.model_runner.forward_batch import ForwardBatch
 from runtime.models.llama import ModelOutput
+from runtime.sampling.logprobs import LogitStats
 
 
 class _FinalNorm:
@@ -107,10 +108,12 @@ class CpuLlamaForCausalLM:
             batch.input_ids, batch.positions, batch.out_cache_loc, meta.tok_req, meta.tok_local,
             meta.kv_indptr, batch.kv_indices, meta.prefix_len, meta.extend_len, meta.masks,
             meta.mask_indptr, batch.logits_indices, capture, return_final_hidden, begin, end,
-            hidden_in,
+            hidden_in, batch.logit_top,
         )
-        captured = dict(zip(capture, out[3:]))
-        return ModelOutput(out[0], captured, out[1] if return_final_hidden else None, out[2])
+        captured = dict(zip(capture, out[6:]))
+        stats = LogitStats(out[3], out[4], out[5]) if batch.logit_top >= 0 else None
+        return ModelOutput(out[0], captured, out[1] if return_final_hidden else None, out[2],
+                           stats)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.core.embed(input_ids.reshape(-1)).view(*input_ids.shape, -1)

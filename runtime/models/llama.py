@@ -21,6 +21,7 @@ from runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from runtime.model_loader.config import ModelConfig
 from runtime.model_runner.forward_batch import ForwardBatch
 from runtime.sampling.argmax import argmax_rows
+from runtime.sampling.logprobs import LogitStats
 
 
 class ModelOutput(NamedTuple):
@@ -31,6 +32,9 @@ class ModelOutput(NamedTuple):
     # [num_logits] int64, each logits row's argmax (numpy's: the first maximum), where the
     # engine finds it while the rows are in its cache (the CPU engine); else None
     argmax: torch.Tensor | None = None
+    # each logits row's log-sum-exp and top entries, when the batch asked (logit_top >= 0) and
+    # the engine finds them with the argmax (the CPU engine); else None
+    logit_stats: LogitStats | None = None
 
     def row_argmax(self) -> torch.Tensor:
         """[num_logits] int64: each logits row's argmax, the engine's where it found them."""

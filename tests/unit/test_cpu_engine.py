@@ -252,3 +252,27 @@ def test_a_layer_range_forward_resumes_where_an_early_exit_stopped(gguf_dirs, en
             assert torch.equal(rest.logits, full)
         else:
             assert torch.allclose(rest.logits, full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_forwards_logit_stats_are_its_logits_and_the_same_for_every_kind_of_forward(
+        gguf_dirs, threads):
+    """With logit_top >= 0 a forward returns each logits row's log-sum-exp and top entries
+    (logprobs without reading the rows again): those of its logits, and for a token the same
+    bits whether it was prefilled or decoded, as its logits are."""
+    r = runner(gguf_dirs["q4_1"], num_threads=threads)
+    assert prefill_logits(r, PROMPT).logit_stats is None  # nobody asked
+    full = prefill_logits(r, PROMPT, logit_top=4)
+    st = full.logit_stats
+    _, lse, vals, ids = cpu.load().logit_stats(full.logits, 4, threads, r.model.isa)
+    assert torch.equal(st.lse, lse) and torch.equal(st.top_vals, vals)
+    assert torch.equal(st.top_ids, ids)
+    assert torch.allclose(st.lse.double(), torch.logsumexp(full.logits.double(), -1),
+                          rtol=1e-6)
+    prefill_logits(r, PROMPT[:6])
+    for i in range(6, len(PROMPT)):
+        b = ForwardBatch.build(ForwardMode.DECODE, [[PROMPT[i]]], [torch.arange(1, i + 2)], [i])
+        b.logit_top = 2
+        dec = r.forward(b).logit_stats
+        assert torch.equal(dec.lse[0], st.lse[i]), f"decode step {i}"
+        assert torch.equal(dec.top_ids[0], st.top_ids[i, :2])

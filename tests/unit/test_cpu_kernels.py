@@ -432,3 +432,43 @@ def test_row_argmax_is_numpys_on_every_isa_and_thread_count(isa):
         for threads in (1, 2, 3):
             got = ext().argmax(torch.from_numpy(x), threads, isa).numpy()
             assert np.array_equal(got, want), (x.shape, threads)
+
+
+@pytest.mark.parametrize("isa", ["amx", "avx512", "avx2", "generic"])
+def test_logit_stats_are_logsumexp_and_a_stable_top_k_on_every_isa(isa):
+    """Each row's log-sum-exp and k largest entries (logprobs), split over the threads' columns
+    and merged as the argmax is: within float rounding of float64's logsumexp; the top list
+    exact, ties in id order; a row's numbers the same bits alone or among other rows; NaN for
+    a row holding a NaN or whose maximum is infinite."""
+    if isa not in isas():
+        pytest.skip(f"{isa} not on this CPU")
+    rng = np.random.default_rng(11)
+    for n in (1, 7, 8, 9, 16, 17, 33, 100, 4099):
+        x = (rng.standard_normal((7, n)) * 4).astype(np.float32)
+        x[1, n // 2:] = 9.0  # ties across threads' columns: lower ids first
+        x[2, :] = -np.inf
+        x[2, 0] = 1.0  # -inf entries: exp 0, last in the list
+        x[3, n // 3] = np.nan
+        x[4, :] = -np.inf
+        x[5, -1] = np.inf
+        for threads in (1, 2, 3):
+            for k in (0, 1, 5, 21):
+                am, lse, vals, ids = (t.numpy() for t in ext().logit_stats(
+                    torch.from_numpy(x), k, threads, isa))
+                assert np.array_equal(am, np.argmax(x, axis=-1))
+                kk = min(k, n)
+                assert vals.shape == ids.shape == (7, kk)
+                for r in (0, 1, 2, 6):
+                    ref = np.logaddexp.reduce(x[r].astype(np.float64))
+                    assert abs(lse[r] - ref) <= 2e-6 * max(1.0, abs(ref)), (n, r, threads)
+                    order = sorted(range(n), key=lambda j: (-x[r, j], j))[:kk]
+                    assert ids[r].tolist() == order, (n, r, k, threads)
+                    assert np.array_equal(vals[r], x[r, order])
+                assert np.isnan(lse[3:6]).all()
+                for r in range(7):  # alone: the same bits
+                    one = [t.numpy() for t in ext().logit_stats(
+                        torch.from_numpy(x[r:r + 1]), k, threads, isa)]
+                    assert np.array_equal(one[1], lse[r:r + 1], equal_nan=True)
+                    if r < 3 or r == 6:
+                        assert np.array_equal(one[2], vals[r:r + 1])
+                        assert np.array_equal(one[3], ids[r:r + 1])

@@ -44,6 +44,31 @@ def test_a_rows_logprobs_do_not_depend_on_the_other_rows():
         assert one["lp"] == whole["lp"][r : r + 1] and one["top_lp"] == whole["top_lp"][r:r + 1]
 
 
+def test_the_engines_stats_give_the_same_logprobs_as_log_softmax():
+    """logprob_rows from the CPU engine's per-row log-sum-exp and top entries (LogitStats)
+    agrees with log_softmax + topk to float rounding, with the same alternatives in the same
+    order; rows are picked by index; a row whose lse is NaN takes the torch way."""
+    ext = pytest.importorskip("kernels.cpu").load()
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 3000, generator=g) * 3
+    logits[4, 10] = logits[4, 2000] = 20.0  # a tie at the top
+    _, lse, vals, ids = ext.logit_stats(logits, 4, 2, "")
+    stats = lp.LogitStats(lse, vals, ids)
+    rows, tokens = [5, 0, 4, 4], [1, 2, 3, 2000]
+    fast = logprob_rows(logits, tokens, 3, rows=rows, stats=stats)
+    slow = logprob_rows(logits[rows], tokens, 3)
+    assert _close(fast["lp"], slow["lp"]) and fast["top_ids"] == slow["top_ids"]
+    assert all(_close(a, b) for a, b in zip(fast["top_lp"], slow["top_lp"]))
+    assert fast["top_ids"][2][:2] == [10, 2000]
+    assert "top_ids" not in logprob_rows(logits, tokens, 0, rows=rows, stats=stats)
+    bad = lp.LogitStats(lse.clone(), vals, ids)
+    bad.lse[0] = float("nan")  # (a row the engine could not do)
+    assert logprob_rows(logits, tokens, 3, rows=rows, stats=bad) == slow
+    # more alternatives than the engine found: the torch way
+    assert logprob_rows(logits, tokens, 5, rows=rows, stats=stats) == logprob_rows(
+        logits[rows], tokens, 5)
+
+
 def test_payload_concat_and_head():
     a = {"in_pos": 3, "in_lp": [-1.0], "lp": [-0.5]}
     b = {"lp": [-0.25, -0.125]}

@@ -14,6 +14,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <chrono>
@@ -345,6 +346,86 @@ inline void argmax_merge(int R, int n, const float* pbest, const int64_t* pidx, 
   }
 }
 
+// Logprob statistics of logits rows, split and merged as the argmax is: each thread, over its
+// own columns of every row (still in its cache), the sum of exp(x - its maximum) and its top k
+// (IsaKernels::logit_stats); after the barrier, per row, lse = M + log(sum_t s_t exp(m_t - M))
+// over the threads in column order, and the threads' lists merged by (-value, index). A row's
+// numbers depend on its values, the thread count and the kernel table, never on the other
+// rows, so a verify row and a decode step's row agree bit for bit. A row holding a NaN, +inf
+// or only -inf gets lse = NaN (the caller computes such rows another way).
+struct RowStats {
+  int R = 0, n = 0, k = 0;
+  std::vector<float> psum, pvals;
+  std::vector<int32_t> pids, pcnt;
+  torch::Tensor lse, vals, ids;  // [R], [R, k], [R, k] (int64; -inf / -1 past a short row)
+
+  RowStats(int R_, int n_, int k_) : R(R_), n(n_), k(k_) {
+    psum.resize((size_t)n * std::max(R, 1));
+    pcnt.resize((size_t)n * std::max(R, 1));
+    pvals.resize((size_t)n * std::max(R, 1) * std::max(k, 1));
+    pids.resize((size_t)n * std::max(R, 1) * std::max(k, 1));
+    lse = torch::empty({R}, torch::kFloat32);
+    vals = torch::empty({R, k}, torch::kFloat32);
+    ids = torch::empty({R, k}, torch::kInt64);
+  }
+
+  void part(const IsaKernels* isa, const float* y, int64_t ldy, int N, int tiles, int tid,
+            const float* pbest, const int64_t* pidx) {
+    int t0, t1;
+    pair_split(tiles, tid, n, &t0, &t1);
+    const int c0 = std::min(t0 * NR, N), c1 = std::min(t1 * NR, N);
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (int64_t)tid * R + r;
+      const float m = pbest[at];
+      int* cnt = &pcnt[at];
+      *cnt = 0;
+      psum[at] = 0.f;
+      if (pidx[at] < 0 || m != m || m == INFINITY) continue;  // NaN / +inf: the row is bad
+      float* v = &pvals[at * k];
+      int32_t* ix = &pids[at * k];
+      // columns all -inf: their exps are 0 (exp(-inf - 0)), their ids still candidates
+      psum[at] = isa->logit_stats(y + (int64_t)r * ldy + c0, c1 - c0, m == -INFINITY ? 0.f : m,
+                                  k, v, ix, cnt);
+      for (int j = 0; j < *cnt; ++j) ix[j] += c0;
+    }
+  }
+
+  void merge(const float* pbest, const int64_t* pidx, int r0, int r1) {
+    float* lp = lse.data_ptr<float>();
+    float* vp = vals.data_ptr<float>();
+    int64_t* ip = ids.data_ptr<int64_t>();
+    std::vector<std::pair<float, int32_t>> cand;
+    for (int r = r0; r < r1; ++r) {
+      float M = -INFINITY;
+      bool bad = false, any = false;
+      for (int t = 0; t < n; ++t) {
+        const int64_t at = (int64_t)t * R + r;
+        if (pidx[at] < 0) continue;
+        any = true;
+        if (pbest[at] != pbest[at] || pbest[at] == INFINITY) bad = true;
+        else M = std::max(M, pbest[at]);
+      }
+      cand.clear();
+      float S = 0.f;
+      for (int t = 0; t < n && !bad; ++t) {  // threads in column order
+        const int64_t at = (int64_t)t * R + r;
+        if (pidx[at] < 0) continue;
+        if (pbest[at] > -INFINITY) S += psum[at] * std::exp(pbest[at] - M);
+        for (int j = 0; j < pcnt[at]; ++j) cand.emplace_back(pvals[at * k + j], pids[at * k + j]);
+      }
+      lp[r] = bad || !any || M == -INFINITY ? NAN : M + std::log(S);
+      std::sort(cand.begin(), cand.end(), [](const auto& a, const auto& b) {
+        return a.first > b.first || (a.first == b.first && a.second < b.second);
+      });
+      for (int j = 0; j < k; ++j) {
+        const bool have = j < (int)cand.size();
+        vp[(int64_t)r * k + j] = have ? cand[j].first : -INFINITY;
+        ip[(int64_t)r * k + j] = have ? cand[j].second : -1;
+      }
+    }
+  }
+};
+
 // ---- the model ----------------------------------------------------------------------------
 
 struct Layer {
@@ -432,7 +513,8 @@ class CpuModel {
                                      torch::Tensor mask_indptr, torch::Tensor logits_rows,
                                      std::vector<int64_t> capture, bool final_hidden,
                                      int64_t layer_begin, int64_t layer_end,
-                                     c10::optional<torch::Tensor> hidden_in);
+                                     c10::optional<torch::Tensor> hidden_in,
+                                     int64_t logit_top);
 
   torch::Tensor linear(const PackedLinear& w, torch::Tensor x) {
     x = f32(x);
@@ -511,7 +593,7 @@ std::vector<torch::Tensor> CpuModel::forward(
     torch::Tensor prefix_len, torch::Tensor extend_len, torch::Tensor masks,
     torch::Tensor mask_indptr, torch::Tensor logits_rows, std::vector<int64_t> capture,
     bool final_hidden, int64_t layer_begin, int64_t layer_end,
-    c10::optional<torch::Tensor> hidden_in) {
+    c10::optional<torch::Tensor> hidden_in, int64_t logit_top) {
   TORCH_CHECK(!layers_.empty() && k_.size() == layers_.size() && cos_.defined(),
               "model not fully set up (layers, head, rope, KV)");
   // layers [begin, end): begin > 0 starts from hidden_in (the hidden state entering layer
@@ -591,6 +673,9 @@ std::vector<torch::Tensor> CpuModel::forward(
   auto amax = torch::empty({R}, torch::kInt64);
   std::vector<float> pbest((size_t)nthreads_ * std::max(R, 1));
   std::vector<int64_t> pidx((size_t)nthreads_ * std::max(R, 1));
+  // logit_top >= 0: each logits row's log-sum-exp and its logit_top largest (RowStats)
+  std::unique_ptr<RowStats> stats;
+  if (logit_top >= 0) stats.reset(new RowStats(R, nthreads_, (int)std::min<int64_t>(logit_top, V_)));
   torch::Tensor fh = final_hidden ? torch::empty({T, H_}, torch::kFloat32) : torch::Tensor();
   std::vector<torch::Tensor> caps;
   std::vector<float*> cap_at(nl + 1, nullptr);
@@ -745,9 +830,14 @@ std::vector<torch::Tensor> CpuModel::forward(
     }
     argmax_part(isa_, logits.data_ptr<float>(), R, V_, V_, lm_head_.tiles, tid, n, pbest.data(),
                 pidx.data());
+    if (stats) {
+      stats->part(isa_, logits.data_ptr<float>(), V_, V_, lm_head_.tiles, tid, pbest.data(),
+                  pidx.data());
+    }
     tp.barrier(tid);
     split_range(R, tid, n, &f0, &f1);
     argmax_merge(R, n, pbest.data(), pidx.data(), f0, f1, amax.data_ptr<int64_t>());
+    if (stats) stats->merge(pbest.data(), pidx.data(), f0, f1);
     if (prof) tp.barrier(tid);  // (profiling only) so the LM head's time is all of it
     mark(10);
   };
@@ -757,7 +847,10 @@ std::vector<torch::Tensor> CpuModel::forward(
   if (T > 0) parallel(nthreads_, body);
   if (prof) ++prof_calls_;
   if (final_hidden) std::memcpy(fh.data_ptr<float>(), fin, sizeof(float) * T * H_);
-  std::vector<torch::Tensor> out{logits, final_hidden ? fh : torch::Tensor(), amax};
+  std::vector<torch::Tensor> out{logits, final_hidden ? fh : torch::Tensor(), amax,
+                                 stats ? stats->lse : torch::Tensor(),
+                                 stats ? stats->vals : torch::Tensor(),
+                                 stats ? stats->ids : torch::Tensor()};
   for (auto& c : caps) out.push_back(c);
   return out;
 }
@@ -807,6 +900,34 @@ torch::Tensor argmax_op(torch::Tensor x, int nthreads, const std::string& isa) {
   };
   if (R > 0) parallel(nthreads, body);
   return out;
+}
+
+// Each row of x [R, N]: [argmax, lse, top values [R, k], top ids [R, k]] as a forward with
+// logit_top = k computes them (RowStats): for tests
+std::vector<torch::Tensor> logit_stats_op(torch::Tensor x, int k, int nthreads,
+                                          const std::string& isa) {
+  x = x.contiguous().to(torch::kFloat32);
+  TORCH_CHECK(x.dim() == 2 && k >= 0, "x must be [R, N], k >= 0");
+  const int R = (int)x.size(0), N = (int)x.size(1);
+  const IsaKernels* ks = pick_isa(isa);
+  auto am = torch::empty({R}, torch::kInt64);
+  std::vector<float> pbest((size_t)nthreads * std::max(R, 1));
+  std::vector<int64_t> pidx((size_t)nthreads * std::max(R, 1));
+  RowStats st(R, nthreads, std::min(k, N));
+  const float* xp = x.data_ptr<float>();
+  const int tiles = (N + NR - 1) / NR;
+  ThreadPool& tp = pool(nthreads);
+  auto body = [&](int tid, int n) {
+    argmax_part(ks, xp, R, N, N, tiles, tid, n, pbest.data(), pidx.data());
+    st.part(ks, xp, N, N, tiles, tid, pbest.data(), pidx.data());
+    tp.barrier(tid);
+    int r0, r1;
+    split_range(R, tid, n, &r0, &r1);
+    argmax_merge(R, n, pbest.data(), pidx.data(), r0, r1, am.data_ptr<int64_t>());
+    st.merge(pbest.data(), pidx.data(), r0, r1);
+  };
+  if (R > 0) parallel(nthreads, body);
+  return {am, st.lse, st.vals, st.ids};
 }
 
 torch::Tensor attention_op(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -942,7 +1063,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("masks"), py::arg("mask_indptr"), py::arg("logits_rows"),
            py::arg("capture"), py::arg("final_hidden"), py::arg("layer_begin") = 0,
            py::arg("layer_end") = -1, py::arg("hidden_in") = py::none(),
-           py::call_guard<py::gil_scoped_release>())
+           py::arg("logit_top") = -1, py::call_guard<py::gil_scoped_release>())
       .def("linear", &CpuModel::linear, py::call_guard<py::gil_scoped_release>())
       .def("lm_head", &CpuModel::lm_head, py::call_guard<py::gil_scoped_release>())
       .def("embed", &CpuModel::embed)
@@ -957,6 +1078,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention_op, py::call_guard<py::gil_scoped_release>());
   m.def("argmax", &argmax_op, py::arg("x"), py::arg("nthreads") = 1, py::arg("isa") = "",
         py::call_guard<py::gil_scoped_release>());
+  m.def("logit_stats", &logit_stats_op, py::arg("x"), py::arg("k"), py::arg("nthreads") = 1,
+        py::arg("isa") = "", py::call_guard<py::gil_scoped_release>());
   m.def("rmsnorm", &rmsnorm_op, py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("isa") = "");
   m.def("isa_name", &isa_name, py::arg("isa") = "");
   m.def("to_half", &to_half_op, py::arg("x"), py::arg("scalar") = false);

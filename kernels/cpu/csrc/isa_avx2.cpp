@@ -432,6 +432,47 @@ int64_t argmax(const float* x, int64_t n, float* best) {
   return -1;  // not reached: the maximum is one of the elements
 }
 
+// logit_stats (kernels.h): 8 lanes of exp sums in two chains, top-k as in the AVX-512 table
+float logit_stats(const float* x, int64_t n, float mx, int k, float* vals, int32_t* ids,
+                  int* cnt) {
+  const __m256 vm = _mm256_set1_ps(mx);
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  auto top = [&](__m256 v, int64_t i) {
+    if (!k) return;
+    int c = *cnt < k ? _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_ORD_Q))
+                     : _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(vals[k - 1]),
+                                                        _CMP_GT_OQ));
+    for (; c; c &= c - 1) {
+      const int j = __builtin_ctz((unsigned)c);
+      if (*cnt < k || x[i + j] > vals[k - 1]) top_insert(x[i + j], (int32_t)(i + j), k, vals, ids, cnt);
+    }
+  };
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+    s0 = _mm256_add_ps(s0, exp256(_mm256_sub_ps(a, vm)));
+    s1 = _mm256_add_ps(s1, exp256(_mm256_sub_ps(b, vm)));
+    top(a, i);
+    top(b, i + 8);
+  }
+  for (; i + 8 <= n; i += 8) {
+    const __m256 a = _mm256_loadu_ps(x + i);
+    s0 = _mm256_add_ps(s0, exp256(_mm256_sub_ps(a, vm)));
+    top(a, i);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_add_ps(s0, s1));
+  float s = 0.f;
+  for (float v : lanes) s += v;
+  for (; i < n; ++i) {  // the tail, one at a time
+    s += std::exp(x[i] - mx);
+    if (k && x[i] == x[i] && (*cnt < k || x[i] > vals[k - 1])) {
+      top_insert(x[i], (int32_t)i, k, vals, ids, cnt);
+    }
+  }
+  return s;
+}
+
 }  // namespace
 }  // namespace specserve
 
@@ -439,7 +480,8 @@ int64_t argmax(const float* x, int64_t n, float* best) {
 
 namespace specserve {
 const IsaKernels* avx2_kernels() {
-  static const IsaKernels table = {"avx2", gemm, quantize, rmsnorm, attention, argmax};
+  static const IsaKernels table = {"avx2", gemm, quantize, rmsnorm, attention, argmax,
+                                   logit_stats};
   return &table;
 }
 }  // namespace specserve

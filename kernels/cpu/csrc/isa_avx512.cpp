@@ -285,6 +285,39 @@ int64_t argmax(const float* x, int64_t n, float* best) {
   return i + __builtin_ctz((unsigned)eq);  // the maximum is there
 }
 
+// logit_stats (kernels.h): 16 lanes of exp sums in two chains; the top-k list sees only the
+// lanes above its k-th value once it is full (a few hundred candidates in a 49k row)
+float logit_stats(const float* x, int64_t n, float mx, int k, float* vals, int32_t* ids,
+                  int* cnt) {
+  const __m512 vm = _mm512_set1_ps(mx);
+  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+  auto top = [&](__m512 v, int64_t i, __mmask16 live) {
+    if (!k) return;
+    __mmask16 c = *cnt < k ? _mm512_mask_cmp_ps_mask(live, v, v, _CMP_ORD_Q)
+                           : _mm512_mask_cmp_ps_mask(live, v, _mm512_set1_ps(vals[k - 1]),
+                                                     _CMP_GT_OQ);
+    for (; c; c &= c - 1) {
+      const int j = __builtin_ctz((unsigned)c);
+      if (*cnt < k || x[i + j] > vals[k - 1]) top_insert(x[i + j], (int32_t)(i + j), k, vals, ids, cnt);
+    }
+  };
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + i + 16);
+    s0 = _mm512_add_ps(s0, exp512(_mm512_sub_ps(a, vm)));
+    s1 = _mm512_add_ps(s1, exp512(_mm512_sub_ps(b, vm)));
+    top(a, i, 0xffff);
+    top(b, i + 16, 0xffff);
+  }
+  for (; i < n; i += 16) {
+    const __mmask16 live = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+    const __m512 a = _mm512_maskz_loadu_ps(live, x + i);
+    s0 = _mm512_add_ps(s0, _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(a, vm))));
+    top(a, i, live);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+}
+
 inline __mmask16 col_mask(const GemmArgs& a, int col) {
   const int valid = a.N - col < NR ? a.N - col : NR;
   if (valid <= 0) return 0;
@@ -1225,14 +1258,15 @@ void gemm_amx(const GemmArgs& a, int t0, int t1) {
 namespace specserve {
 // Outside the target region: this runs on any CPU (the engine calls it only after checking).
 const IsaKernels* avx512_kernels() {
-  static const IsaKernels table = {"avx512", gemm, quantize, rmsnorm, attention, argmax};
+  static const IsaKernels table = {"avx512", gemm, quantize, rmsnorm, attention, argmax,
+                                   logit_stats};
   return &table;
 }
 // The AVX-512 table with the AMX-INT8 block-format matmul (the engine checks the CPU and asks
 // the kernel for the tile state before choosing it).
 const IsaKernels* amx_kernels() {
   static const IsaKernels table = {"amx", gemm_amx, quantize, rmsnorm, attention, argmax,
-                                   quantize_pairs};
+                                   logit_stats, quantize_pairs};
   return &table;
 }
 }  // namespace specserve

@@ -193,7 +193,8 @@ void attention(const AttnArgs& a, int i0, int i1, AttnScratch& s) {
   }
 }
 
-const IsaKernels kTable = {"generic", gemm, quantize, rmsnorm, attention, argmax_scalar};
+const IsaKernels kTable = {"generic", gemm, quantize, rmsnorm, attention, argmax_scalar,
+                          logit_stats_scalar};
 
 }  // namespace
 

@@ -198,6 +198,12 @@ struct IsaKernels {
   // the first maximum of x[0, n) as numpy's argmax finds it (a NaN is the maximum, the first
   // one wins; -0 and +0 tie): its index (-1 when n == 0) and *best its value
   int64_t (*argmax)(const float* x, int64_t n, float* best);
+  // For logprobs, over x[0, n) whose maximum is mx (finite, as argmax found it): returns the
+  // sum of exp(x[i] - mx), and merges the k largest entries into the list vals / ids (*cnt of
+  // them, see top_insert; ids are offsets into x). A row's result depends only on its values
+  // and n (not on other rows); the sum's bits depend on the table (lane count).
+  float (*logit_stats)(const float* x, int64_t n, float mx, int k, float* vals, int32_t* ids,
+                       int* cnt);
   // quantize() at three levels for rows [r0, r1), K % QK == 0, writing the digits in ActQ::pairs'
   // layout (above) instead of q (scales and sums as quantize() writes them); set only by tables
   // whose gemm reads pairs (amx): the engine calls it instead of quantize when amx_pairs_apply
@@ -220,6 +226,34 @@ inline int64_t argmax_scalar(const float* x, int64_t n, float* best) {
   }
   *best = b;
   return bi;
+}
+
+// (v, i) into vals / ids [*cnt <= k], kept in (value descending, index ascending) order, for
+// candidates offered in increasing i: a value equal to the k-th does not displace it (its index
+// is larger), so the list is the k first of the row sorted by (-value, index), as a stable
+// descending sort would give. NaN is never offered (a NaN row's logprobs go the torch way).
+inline void top_insert(float v, int32_t i, int k, float* vals, int32_t* ids, int* cnt) {
+  int j = *cnt;
+  if (j == k) {
+    if (k == 0 || !(v > vals[k - 1])) return;
+    --j;  // the last one drops out
+  } else {
+    ++*cnt;
+  }
+  for (; j > 0 && vals[j - 1] < v; --j) vals[j] = vals[j - 1], ids[j] = ids[j - 1];
+  vals[j] = v;
+  ids[j] = i;
+}
+
+// logit_stats (above) one element at a time: the generic table's
+inline float logit_stats_scalar(const float* x, int64_t n, float mx, int k, float* vals,
+                                int32_t* ids, int* cnt) {
+  double s = 0.;
+  for (int64_t i = 0; i < n; ++i) {
+    s += std::exp(x[i] - mx);
+    if (k && x[i] == x[i] && (*cnt < k || x[i] > vals[k - 1])) top_insert(x[i], (int32_t)i, k, vals, ids, cnt);
+  }
+  return (float)s;
 }
 
 // fp16 / bf16 -> float32, exact (scalar; the SIMD files convert with F16C / shifts)
