@@ -127,9 +127,14 @@ class _StreamState:
         if self.backend == "specserve":
             meta = chunk.get("meta_info") or {}
             text = chunk.get("text") or ""
-            grew = len(text) > len(self.text)
-            self.text = text if grew else self.text
             ct = meta.get("completion_tokens")
+            if ct is not None and len(chunk.get("output_ids") or ()) < ct:
+                # fewer ids than generated: an --incremental-streaming-output chunk (new only)
+                grew = bool(text)
+                self.text += text
+            else:  # cumulative chunks (the default)
+                grew = len(text) > len(self.text)
+                self.text = text if grew else self.text
             if ct is not None:
                 grew = grew or ct > (self.completion_tokens or 0)
                 self.completion_tokens = ct

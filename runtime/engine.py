@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from runtime.entrypoints.logprob_format import SglangLogprobs
+from runtime.entrypoints.streaming import StreamCursor
 from runtime.processes import Backend
 from runtime.sampling.logprobs import LogprobOptions
 from runtime.sampling.sampling_params import SamplingParams
@@ -137,16 +138,22 @@ class Engine:
         outs = self._run(run_all())
         return outs[0] if single else outs
 
+    def _chunk(self, chunk: GenerateChunk, lp: SglangLogprobs | None,
+               cursor: StreamCursor) -> dict:
+        out = chunk_to_dict(chunk, lp)
+        return cursor.cut(out) if self.server_args.incremental_streaming_output else out
+
     def _stream_sync(self, ids, params, lp: SglangLogprobs | None = None) -> Iterator[dict]:
         agen = self.tm.generate(ids, params, stream=True,
                                 logprobs=None if lp is None else lp.options)
+        cursor = StreamCursor()
         try:
             while True:
                 try:
                     chunk = self._run(agen.__anext__())
                 except StopAsyncIteration:
                     return
-                yield chunk_to_dict(chunk, lp)
+                yield self._chunk(chunk, lp, cursor)
         finally:
             self._run(agen.aclose())
 
@@ -171,6 +178,7 @@ class Engine:
                             ) -> AsyncIterator[dict]:
         agen = self.tm.generate(ids, params, stream=True,
                                 logprobs=None if lp is None else lp.options)
+        cursor = StreamCursor()
         try:
             while True:
                 fut = asyncio.run_coroutine_threadsafe(agen.__anext__(), self._loop)
@@ -178,7 +186,7 @@ class Engine:
                     chunk = await asyncio.wrap_future(fut)
                 except StopAsyncIteration:
                     return
-                yield chunk_to_dict(chunk, lp)
+                yield self._chunk(chunk, lp, cursor)
         finally:
             await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(agen.aclose(), self._loop))
 

@@ -80,6 +80,10 @@ class BaseServerArgs:
                                   "above)")
     served_model_name: str | None = _arg(None, "model name reported by /v1/models (default: "
                                          "the model dir name)")
+    incremental_streaming_output: bool = _arg(
+        False, "streamed /generate chunks carry only what is new since the previous chunk "
+        "(text, output_ids, output_token_logprobs, output_top_logprobs; SGLang's option) "
+        "instead of everything so far")
     num_threads: int | None = _arg(None, "torch threads in the model-runner process (default: "
                                    "all cores)")
     heap_trim_interval: float = _arg(

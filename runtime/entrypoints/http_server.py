@@ -133,7 +133,7 @@ def create_app(tm: Any, server_args: Any) -> FastAPI:
 
     @app.post("/generate", openapi_extra=openapi_body(GenerateRequest))
     async def generate(request: Request) -> Response:
-        return await native_api.generate(request, tm)
+        return await native_api.generate(request, tm, server_args.incremental_streaming_output)
 
     @app.get("/v1/models")
     async def models() -> dict:

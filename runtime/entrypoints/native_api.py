@@ -18,6 +18,7 @@ from runtime.entrypoints.protocol import (
 )
 from runtime.entrypoints.streaming import (
     SSEResponse,
+    StreamCursor,
     first_chunks,
     gather_all,
     last_chunk,
@@ -31,17 +32,20 @@ from runtime.sampling.sampling_params import SamplingParams
 
 
 class _Item:
-    __slots__ = ("formatter", "input_ids", "logprobs", "params", "rid")
+    __slots__ = ("cursor", "formatter", "input_ids", "logprobs", "params", "rid")
 
     def __init__(self, input_ids: list[int], params: SamplingParams, rid: str | None,
                  logprobs: LogprobOptions | None = None) -> None:
         self.input_ids, self.params, self.rid = input_ids, params, rid
         self.logprobs = logprobs
         self.formatter: SglangLogprobs | None = None  # the response's, once it has one
+        self.cursor = StreamCursor()  # (--incremental-streaming-output)
 
 
 def chunk_json(chunk: Any, index: int | None, item: _Item | None = None,
-               text_of: TokenTexts | None = None) -> dict:
+               text_of: TokenTexts | None = None, incremental: bool = False) -> dict:
+    """One /generate response or streamed chunk; `incremental` (streams under
+    --incremental-streaming-output): only what is new since the item's previous chunk."""
     meta = {"finish_reason": None, **chunk.meta_info}
     if item is not None and item.logprobs is not None and chunk.logprobs is not None:
         if item.formatter is None:
@@ -49,6 +53,8 @@ def chunk_json(chunk: Any, index: int | None, item: _Item | None = None,
                                             item.logprobs.top, text_of)
         meta.update(item.formatter.meta(chunk.logprobs, chunk.output_ids))
     out = {"text": chunk.text, "output_ids": chunk.output_ids, "meta_info": meta}
+    if incremental and item is not None:
+        out = item.cursor.cut(out)
     if index is not None:  # batched streams interleave; SGLang tags each chunk
         out["index"] = index
     return out
@@ -124,14 +130,15 @@ def _per_item(value: Any, field: str, batch: bool, count: int, kind: type,
     raise InvalidRequestError(field, f"must be {expected}" + (" or a list" if batch else ""))
 
 
-async def generate(request: Request, tm: Any) -> Response:
+async def generate(request: Request, tm: Any, incremental: bool = False) -> Response:
     body = parse_model(GenerateRequest, await read_json(request))
     batch, items = parse_generate(body, tm)
     text_of = tm.token_texts if body.return_text_in_logprobs else None
     if body.stream:
         gens = await first_chunks(request, [
             tm.generate(it.input_ids, it.params, True, it.rid, it.logprobs) for it in items])
-        return SSEResponse(sse_events(_events(merge(gens), batch, items, text_of)))
+        return SSEResponse(sse_events(_events(merge(gens), batch, items, text_of,
+                                              incremental)))
     finals = await until_disconnect(request, gather_all([
         last_chunk(tm.generate(it.input_ids, it.params, False, it.rid, it.logprobs))
         for it in items]))
@@ -140,9 +147,9 @@ async def generate(request: Request, tm: Any) -> Response:
 
 
 async def _events(chunks: AsyncIterator, batch: bool, items: list[_Item],
-                  text_of: TokenTexts | None) -> AsyncIterator[dict]:
+                  text_of: TokenTexts | None, incremental: bool = False) -> AsyncIterator[dict]:
     try:
         async for i, chunk in chunks:
-            yield chunk_json(chunk, i if batch else None, items[i], text_of)
+            yield chunk_json(chunk, i if batch else None, items[i], text_of, incremental)
     finally:
         await chunks.aclose()

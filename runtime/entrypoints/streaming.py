@@ -31,6 +31,26 @@ class ClientDisconnected(Exception):
 _JSON = msgspec.json.Encoder()
 
 
+class StreamCursor:
+    """Where one stream's chunks got to, for --incremental-streaming-output: `cut` turns a
+    cumulative /generate chunk dict into what is new since the previous one (text,
+    output_ids, and the output-side logprob lists: SGLang's set of fields; the prompt's
+    logprobs stay whole). The cumulative text only grows (the detokenizer holds back what a
+    stop string could cut), so the pieces concatenate to the final text."""
+
+    META = ("output_token_logprobs", "output_top_logprobs")
+
+    def __init__(self) -> None:
+        self.chars = self.ids = 0
+
+    def cut(self, out: dict) -> dict:
+        text, ids, meta = out["text"], out["output_ids"], out["meta_info"]
+        meta = {k: v[self.ids:] if k in self.META else v for k, v in meta.items()}
+        cut = {**out, "text": text[self.chars:], "output_ids": ids[self.ids:], "meta_info": meta}
+        self.chars, self.ids = len(text), len(ids)
+        return cut
+
+
 def sse(payload: dict) -> str:
     """One `data:` event. msgspec's encoder, not json.dumps: a /generate stream with logprobs
     sends every logprob so far in each chunk (as SGLang does), and json.dumps took ~0.65 ms a

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import subprocess
 import sys
@@ -37,6 +38,14 @@ def test_engine_generate_batch_stream_async_and_shutdown():
 
         out, pieces = asyncio.run(use_async())
         assert out["output_ids"] == one["output_ids"] and pieces[-1]["text"] == one["text"]
+        # incremental_streaming_output: each chunk only what is new (read per stream)
+        engine.server_args = dataclasses.replace(engine.server_args,
+                                                 incremental_streaming_output=True)
+        deltas = list(engine.generate("The capital of France is", greedy, stream=True))
+        engine.server_args = dataclasses.replace(engine.server_args,
+                                                 incremental_streaming_output=False)
+        assert len(deltas) >= 2 and "".join(d["text"] for d in deltas) == one["text"]
+        assert [t for d in deltas for t in d["output_ids"]] == one["output_ids"]
         with pytest.raises(InvalidRequestError, match="temperature"):
             engine.generate("hi", {"temperature": -1})
         seeded = {"max_new_tokens": 16, "temperature": 0.9, "seed": 123}

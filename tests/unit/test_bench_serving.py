@@ -286,3 +286,20 @@ def test_logprobs_ask_each_api_in_its_own_words() -> None:
     assert cmpl["logprobs"] == 0
     plain = bench_serving.build_call(req, BenchConfig(), tok, "m").payload
     assert "return_logprob" not in plain
+
+
+def test_stream_state_reads_cumulative_and_incremental_generate_chunks() -> None:
+    """A /generate stream's chunks hold everything so far, or (a server with
+    --incremental-streaming-output) only what is new: fewer ids than completion_tokens. Both
+    give the same text, token count and token arrivals."""
+    pieces = [("He", [1]), ("llo", [2, 3]), ("", [4]), (" you", [5])]
+    cum, inc = bench_serving._StreamState("specserve"), bench_serving._StreamState("specserve")
+    text, ids, grew_c, grew_i = "", [], [], []
+    for piece, new in pieces:
+        text, ids = text + piece, ids + new
+        meta = {"completion_tokens": len(ids), "prompt_tokens": 3, "finish_reason": None}
+        grew_c.append(cum.update({"text": text, "output_ids": ids, "meta_info": meta}))
+        grew_i.append(inc.update({"text": piece, "output_ids": new, "meta_info": meta}))
+    assert cum.text == inc.text == "Hello you"
+    assert cum.completion_tokens == inc.completion_tokens == 5
+    assert grew_c == grew_i == [True, True, True, True]

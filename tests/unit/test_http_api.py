@@ -102,6 +102,35 @@ def test_generate_stream_is_cumulative_utf8_clean_and_ends_with_done(env):
         ids, skip_special_tokens=True)
 
 
+def test_incremental_streaming_output_sends_only_what_is_new(env):
+    """--incremental-streaming-output (SGLang's): each /generate chunk holds the text, ids and
+    output logprobs new since the previous one; joined they are the cumulative stream's last
+    chunk; the prompt's logprobs come whole; non-streamed responses are unchanged."""
+    client, tm, sched = env
+    body = {"input_ids": [5, 6, 7, 8], "stream": True, "return_logprob": True,
+            "top_logprobs_num": 2, "logprob_start_len": 1, "return_text_in_logprobs": True}
+    with client.stream("POST", "/generate", json=body) as r:
+        whole = _sse(r.iter_lines())[-2]
+    args = dataclasses.replace(tm.server_args, incremental_streaming_output=True)
+    with live_server(create_app(tm, args)) as url, httpx.Client(base_url=url, timeout=10) as c:
+        with c.stream("POST", "/generate", json=body) as r:
+            events = _sse(r.iter_lines())
+        plain = c.post("/generate", json={**body, "stream": False}).json()
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert len(chunks) > 3
+    assert all(len(ch["output_ids"]) < len(whole["output_ids"]) for ch in chunks)
+    assert "".join(ch["text"] for ch in chunks) == whole["text"] == plain["text"]
+    assert [t for ch in chunks for t in ch["output_ids"]] == whole["output_ids"]
+    meta = whole["meta_info"]
+    for key in ("output_token_logprobs", "output_top_logprobs"):
+        assert [e for ch in chunks for e in ch["meta_info"][key]] == meta[key]
+    assert all(ch["meta_info"]["input_token_logprobs"] == meta["input_token_logprobs"]
+               for ch in chunks)
+    assert plain["output_ids"] == whole["output_ids"]
+    assert plain["meta_info"]["output_token_logprobs"] == meta["output_token_logprobs"]
+
+
 def test_generate_batch_returns_one_result_per_prompt_in_order(env):
     client, tm, _ = env
     r = client.post("/generate", json={"text": ["a", "hello world"],
