@@ -160,3 +160,11 @@ def test_an_option_on_by_default_has_a_no_flag_and_other_algorithms_start_untouc
     # an option defaulting to True must not read as "set" for another algorithm
     assert parse_args(["--speculative-algorithm", "NGRAM"]).resolve().speculative_algorithm == \
         "NGRAM"
+
+
+def test_chunked_prefill_size_defaults_by_device():
+    """Unset, a step's prompt budget is 256 tokens on the CPU (a step's prefill stalls every
+    stream: docs/benchmarks.md, "Twenty-third session") and 512 on CUDA; a given value stays."""
+    assert ServerArgs().resolve().chunked_prefill_size == 256
+    assert ServerArgs(device="cuda").resolve().chunked_prefill_size == 512
+    assert ServerArgs(chunked_prefill_size=1024).resolve().chunked_prefill_size == 1024
