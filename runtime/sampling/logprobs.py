@@ -99,18 +99,25 @@ def logprob_rows(logits: torch.Tensor, tokens: Sequence[int], top: int,
     read cold after it: docs/benchmarks.md, "Twenty-third session"). Else log_softmax and topk
     over the rows. Either way a row's numbers do not depend on the other rows of the call
     (tests/unit/test_logprobs.py), so a verify pass and a decode step agree bit for bit; the
-    two ways differ in the last bits, and an engine takes one of them for every forward."""
+    two ways differ in the last bits, and an engine takes one of them for every row it can
+    (a row whose lse is NaN, holding a NaN or an infinite logit, takes the torch way alone)."""
     if stats is not None and stats.k >= top:
-        idx = torch.arange(logits.shape[0]) if rows is None else torch.tensor(
-            list(rows), dtype=torch.int64)
+        rows = list(range(logits.shape[0])) if rows is None else list(rows)
+        assert len(rows) == len(tokens), f"{len(rows)} rows for {len(tokens)} tokens"
+        idx = torch.tensor(rows, dtype=torch.int64)
         lse = stats.lse[idx]
-        if len(tokens) == len(idx) and bool(torch.isfinite(lse).all()):
-            chosen = logits[idx, torch.tensor(list(tokens), dtype=torch.int64)] - lse
-            out: dict = {"lp": chosen.tolist()}
-            if top:
-                out["top_ids"] = stats.top_ids[idx, :top].tolist()
-                out["top_lp"] = (stats.top_vals[idx, :top] - lse[:, None]).tolist()
-            return out
+        chosen = logits[idx, torch.tensor(list(tokens), dtype=torch.int64)] - lse
+        out: dict = {"lp": chosen.tolist()}
+        if top:
+            out["top_ids"] = stats.top_ids[idx, :top].tolist()
+            out["top_lp"] = (stats.top_vals[idx, :top] - lse[:, None]).tolist()
+        bad = (~torch.isfinite(lse)).nonzero().flatten().tolist()
+        if bad:
+            redo = logprob_rows(logits, [tokens[i] for i in bad], top, [rows[i] for i in bad])
+            for j, i in enumerate(bad):
+                for key, v in redo.items():
+                    out[key][i] = v[j]
+        return out
     if rows is not None:
         logits = select_rows(logits, rows)
     R = logits.shape[0]
