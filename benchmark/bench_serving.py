@@ -128,7 +128,8 @@ class _StreamState:
             meta = chunk.get("meta_info") or {}
             text = chunk.get("text") or ""
             ct = meta.get("completion_tokens")
-            if ct is not None and len(chunk.get("output_ids") or ()) < ct:
+            ids = chunk.get("output_ids")
+            if ct is not None and ids is not None and len(ids) < ct:
                 # fewer ids than generated: an --incremental-streaming-output chunk (new only)
                 grew = bool(text)
                 self.text += text

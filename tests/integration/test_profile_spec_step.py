@@ -14,8 +14,10 @@ def test_profile_times_decode_and_verify_forwards_and_serves_every_token(tmp_pat
     assert rc == 0
     runs = {r["label"]: r for r in json.loads(out.read_text())["runs"]}
     base, ngram = runs["baseline"], runs["NGRAM"]
-    # ignore_eos: both serve exactly the same number of tokens, the baseline one per step
-    assert base["tokens"] == ngram["tokens"] == base["steps"] > 0
+    # ignore_eos: both serve exactly the same number of tokens, the baseline at most one per
+    # step (a prompt longer than the prefill budget takes steps that sample nothing)
+    assert base["tokens"] == ngram["tokens"] > 0
+    assert base["tokens"] <= base["steps"] <= base["tokens"] + 2 * 2
     assert ngram["steps"] < base["steps"]  # rewrite prompts copy: some drafts are accepted
     assert set(base["forwards"]) <= {"DECODE:1"} | {k for k in base["forwards"]
                                                    if k.startswith("EXTEND")}
