@@ -31,7 +31,7 @@ import torch
 from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.models.llama import ModelOutput
 from runtime.sampling.argmax import argmax_rows
-from runtime.sampling.logprobs import logprob_rows, split_rows
+from runtime.sampling.logprobs import logit_top, logprob_rows, split_rows
 from runtime.sampling.penalties import RowHistory, apply_penalties
 from runtime.sampling.sampler import SamplingBatchInfo, expand, process_logits
 from runtime.sampling.seeded import seed_to_int64, seeded_sample
@@ -74,13 +74,6 @@ class SpecEntry:
         """Fresh KV slots the scheduler gave this step: tree nodes, root included (> 1: it
         may draft)."""
         return self.slots.numel() - self.prefix_len
-
-
-def _logit_top(entries) -> int:
-    """ForwardBatch.logit_top for a step over these requests: the most alternatives any of
-    them wants logprobs with, -1 when none wants logprobs."""
-    tops = [opts.top for e in entries if (opts := getattr(e.state, "logprobs", None)) is not None]
-    return max(tops) if tops else -1
 
 
 def _interpreted(runner) -> bool:
@@ -304,7 +297,7 @@ class SpeculativeWorker:
         batch = ForwardBatch.build(ForwardMode.DECODE, [[e.tokens[-1]] for e in entries],
                                    [e.slots[: e.prefix_len + 1] for e in entries],
                                    [e.prefix_len for e in entries])
-        batch.logit_top = _logit_top(entries)
+        batch.logit_top = logit_top(getattr(e.state, "logprobs", None) for e in entries)
         out = self.runner.forward(batch, False)
         if self.tree_ops is None and all(e.state.params.takes_argmax for e in entries):
             tokens = [[t] for t in out.row_argmax().tolist()]
@@ -355,7 +348,7 @@ class SpeculativeWorker:
                 custom_masks=[t.ancestor_mask for t in trees], logits="all",
                 capture_layers=capture,
             )
-        batch.logit_top = _logit_top(entries)
+        batch.logit_top = logit_top(getattr(e.state, "logprobs", None) for e in entries)
         out = self.drafter.target_forward(batch, trees, self.drafter.needs_final_hidden)
         results = self._verify(entries, trees, out.logits, out.argmax)  # logits [sum n, V]
         if self.drafter.wants_node_argmax and any(t.num_nodes > 1 for t in trees):

@@ -38,7 +38,7 @@ from runtime.proc_utils import (
     setup_logging,
     thread_locks_for_progress_bars,
 )
-from runtime.sampling.logprobs import LogprobOptions, logprob_rows, split_rows
+from runtime.sampling.logprobs import LogprobOptions, logit_top, logprob_rows, split_rows
 from runtime.sampling.sampler import SamplingBatchInfo, sample
 from runtime.sampling.sampling_params import SamplingParams
 from speculative.base import TargetRows
@@ -191,8 +191,7 @@ class RunnerWorker:
         last = None
         if any(input_rows):  # prompt logprobs: logits for those rows too, each request's last
             batch.logits_indices, last = _logits_rows(msg, input_rows)
-        tops = [st.logprobs.top for st in states if st.logprobs is not None]
-        batch.logit_top = max(tops) if tops else -1
+        batch.logit_top = logit_top(st.logprobs for st in states)
         fwd = self.runner.forward(batch, reads_hidden and drafter.needs_final_hidden)
         logits = fwd.logits if last is None else fwd.logits[last]  # [B, vocab]
         rows = [i for i, e in enumerate(msg.reqs) if e.needs_token]
@@ -219,7 +218,7 @@ class RunnerWorker:
         if wants_rows:
             drafter.draft_extend(self._prefill_rows(msg, states, slots), fwd)
         lps = None
-        if tops:
+        if batch.logit_top >= 0:
             lps = self._logprobs(msg, states, out, fwd, input_rows, last)
         return BatchResult(
             batch_id=msg.batch_id, next_token_ids=out, forward_s=time.perf_counter() - t0,

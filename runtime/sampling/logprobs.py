@@ -16,7 +16,7 @@ their first entry).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -86,6 +86,12 @@ class LogitStats(NamedTuple):
     @property
     def k(self) -> int:
         return int(self.top_vals.shape[1])
+
+
+def logit_top(options: Iterable[LogprobOptions | None]) -> int:
+    """ForwardBatch.logit_top for a step over requests with these options: the most
+    alternatives any of them wants logprobs with, -1 when none wants logprobs."""
+    return max((o.top for o in options if o is not None), default=-1)
 
 
 def logprob_rows(logits: torch.Tensor, tokens: Sequence[int], top: int,
@@ -195,4 +201,4 @@ def head(payload: dict, n: int) -> dict:
 
 
 __all__ = ["MAX_TOP_LOGPROBS", "LogitStats", "LogprobOptions", "concat", "extend", "head",
-           "logprob_rows", "select_rows", "split_rows"]
+           "logit_top", "logprob_rows", "select_rows", "split_rows"]

@@ -444,7 +444,8 @@ float logit_stats(const float* x, int64_t n, float mx, int k, float* vals, int32
                                                         _CMP_GT_OQ));
     for (; c; c &= c - 1) {
       const int j = __builtin_ctz((unsigned)c);
-      if (*cnt < k || x[i + j] > vals[k - 1]) top_insert(x[i + j], (int32_t)(i + j), k, vals, ids, cnt);
+      // (lanes that a previous insert of this vector lifted the k-th above: top_insert drops)
+      top_insert(x[i + j], (int32_t)(i + j), k, vals, ids, cnt);
     }
   };
   int64_t i = 0;
@@ -466,9 +467,7 @@ float logit_stats(const float* x, int64_t n, float mx, int k, float* vals, int32
   for (float v : lanes) s += v;
   for (; i < n; ++i) {  // the tail, one at a time
     s += std::exp(x[i] - mx);
-    if (k && x[i] == x[i] && (*cnt < k || x[i] > vals[k - 1])) {
-      top_insert(x[i], (int32_t)i, k, vals, ids, cnt);
-    }
+    if (k && x[i] == x[i]) top_insert(x[i], (int32_t)i, k, vals, ids, cnt);
   }
   return s;
 }

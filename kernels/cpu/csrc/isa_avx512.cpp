@@ -298,7 +298,8 @@ float logit_stats(const float* x, int64_t n, float mx, int k, float* vals, int32
                                                      _CMP_GT_OQ);
     for (; c; c &= c - 1) {
       const int j = __builtin_ctz((unsigned)c);
-      if (*cnt < k || x[i + j] > vals[k - 1]) top_insert(x[i + j], (int32_t)(i + j), k, vals, ids, cnt);
+      // (lanes that a previous insert of this vector lifted the k-th above: top_insert drops)
+      top_insert(x[i + j], (int32_t)(i + j), k, vals, ids, cnt);
     }
   };
   int64_t i = 0;

@@ -251,7 +251,7 @@ inline float logit_stats_scalar(const float* x, int64_t n, float mx, int k, floa
   double s = 0.;
   for (int64_t i = 0; i < n; ++i) {
     s += std::exp(x[i] - mx);
-    if (k && x[i] == x[i] && (*cnt < k || x[i] > vals[k - 1])) top_insert(x[i], (int32_t)i, k, vals, ids, cnt);
+    if (k && x[i] == x[i]) top_insert(x[i], (int32_t)i, k, vals, ids, cnt);
   }
   return (float)s;
 }
