@@ -365,6 +365,72 @@ def test_the_engines_half_conversion_is_ieee_round_to_nearest_even():
                            x.half().view(torch.int16)), scalar
 
 
+def plan_attention(reqs, heads, kv_heads, threads, masks=None):
+    """reqs: (prefix_len, extend_len) per request. Returns items [n][4], bounds, and each
+    item's work as the split counts it: heads x sum over its rows of (visible keys + 16), plus
+    8 per key of its longest row."""
+    tok_req = torch.cat([torch.full((e,), b, dtype=torch.int32) for b, (_, e) in
+                         enumerate(reqs)])
+    tok_local = torch.cat([torch.arange(e, dtype=torch.int32) for _, e in reqs])
+    pre = torch.tensor([p for p, _ in reqs], dtype=torch.int32)
+    ext_len = torch.tensor([e for _, e in reqs], dtype=torch.int32)
+    if masks is None:
+        flat, indptr = torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.int64)
+    else:
+        flat = torch.cat([m.reshape(-1) for m in masks]).to(torch.uint8)
+        indptr = torch.tensor(np.cumsum([0] + [m.numel() for m in masks]), dtype=torch.int64)
+    items, bounds = ext().attention_plan(heads, kv_heads, tok_req, tok_local, pre, ext_len,
+                                         flat, indptr, threads)
+    work = []
+    for t0, t1, h0, h1 in items.tolist():
+        keys, longest = 0, 0
+        for t in range(t0, t1):
+            b, local = int(tok_req[t]), int(tok_local[t])
+            seen = int(pre[b]) + (int(masks[b][local].sum()) if masks is not None else local + 1)
+            keys += seen + 16
+            longest = max(longest, seen)
+        work.append(keys * (h1 - h0) + 8 * longest)
+    return items, bounds.tolist(), work
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+@pytest.mark.parametrize("case", ["prefill", "mixed", "decode", "tree"])
+def test_attention_split_gives_each_thread_about_equal_work(threads, case):
+    """Threads take contiguous runs of items of about equal work, not of equal count: a causal
+    prefill's later rows see more keys (an even split by count gave one of 2 threads 3/4)."""
+    masks = None
+    if case == "prefill":
+        reqs = [(0, 280)]
+    elif case == "mixed":  # a prompt chunk beside decode rows of long and short requests
+        reqs = [(24, 256)] + [(40 + 37 * i, 1) for i in range(32)]
+    elif case == "decode":
+        reqs = [(10 + 150 * (i % 4), 1) for i in range(32)]
+    else:  # verify trees of 12 nodes, random ancestors
+        gen = torch.Generator().manual_seed(threads)
+        reqs, masks = [], []
+        for b in range(4):
+            n = 12
+            parents = [-1] + [int(torch.randint(0, u, (1,), generator=gen)) for u in range(1, n)]
+            m = torch.zeros(n, n, dtype=torch.bool)
+            for u in range(n):
+                v = u
+                while v >= 0:
+                    m[u, v] = True
+                    v = parents[v]
+            reqs.append((100 * (b + 1), n))
+            masks.append(m)
+    items, bounds, work = plan_attention(reqs, 9, 3, threads, masks)
+    n = items.shape[0]
+    assert len(bounds) == threads + 1 and bounds[0] == 0 and bounds[-1] == n
+    assert all(a <= b for a, b in zip(bounds, bounds[1:]))
+    shares = [sum(work[bounds[k]:bounds[k + 1]]) for k in range(threads)]
+    assert sum(shares) == sum(work)
+    # no thread holds more than an even share plus one item
+    assert max(shares) <= sum(work) / threads + max(work), (shares, max(work))
+    if case == "prefill" and threads == 2:
+        assert max(shares) / sum(work) < 0.55, shares
+
+
 @pytest.mark.parametrize("isa", ["amx", "avx512", "avx2", "generic"])
 @pytest.mark.parametrize("head_dim", [16, 64])
 @pytest.mark.parametrize("kv", ["float32", "float16"])

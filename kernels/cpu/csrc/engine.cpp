@@ -148,6 +148,54 @@ std::vector<int32_t> attention_items(int T, const int32_t* tok_req, int H, int K
   return items;
 }
 
+// Where each thread's run of attention items begins and ends (bounds[tid], bounds[tid + 1]):
+// contiguous runs of about equal work, not of equal count. A query's work grows with the keys it
+// sees, so in a causal prefill the last rows cost several times the first (280 rows split by
+// count left the thread holding the later half ~3/4 of the work), and a batch that mixes a
+// prompt chunk with decode rows, or decode rows of short and long requests, is as uneven. An
+// item costs its heads x the sum over its rows of (visible keys + a fixed per-query part), plus
+// kItemKeyCost per key of its longest row: reading a key's K and V rows from memory, paid once
+// per item whatever its rows and heads (fitted to `profile_cpu_engine` on an AVX-512 machine:
+// a query-key pair of a 4-row prefill item cost ~3.8 ns, of a 1-row decode item ~8.9 ns, three
+// heads each). The split only moves whole items between threads: no query's result changes.
+std::vector<int> attention_bounds(const std::vector<int32_t>& items, const AttnArgs& a,
+                                  int nthreads) {
+  constexpr int64_t kQueryCost = 16;  // softmax and output work of one query, in keys
+  constexpr int64_t kItemKeyCost = 8;
+  nthreads = std::max(nthreads, 1);
+  const int n_items = (int)items.size() / 4;
+  std::vector<int64_t> cum(n_items + 1, 0);
+  for (int i = 0; i < n_items; ++i) {
+    const int32_t* it = items.data() + 4 * i;
+    int64_t keys = 0, longest = 0;
+    for (int t = it[0]; t < it[1]; ++t) {
+      const int req = a.tok_req[t], local = a.tok_local[t];
+      int64_t seen = a.prefix_len[req];
+      if (a.masks) {
+        const int n = a.extend_len[req];
+        const uint8_t* row = a.masks + a.mask_indptr[req] + (int64_t)local * n;
+        for (int j = 0; j < n; ++j) seen += row[j] != 0;
+      } else {
+        seen += local + 1;
+      }
+      keys += seen + kQueryCost;
+      longest = std::max(longest, seen);
+    }
+    cum[i + 1] = cum[i] + keys * (it[3] - it[2]) + kItemKeyCost * longest;
+  }
+  std::vector<int> bounds(nthreads + 1, n_items);
+  bounds[0] = 0;
+  int i = 0;
+  for (int k = 1; k < nthreads; ++k) {
+    const int64_t target = cum[n_items] * k / nthreads;
+    while (i < n_items && cum[i + 1] <= target) ++i;
+    // item i straddles the target: it goes to whichever side leaves the nearer cut
+    if (i < n_items && cum[i + 1] - target < target - cum[i]) ++i;
+    bounds[k] = std::max(i, bounds[k - 1]);
+  }
+  return bounds;
+}
+
 // Per-thread attention scratch for items of up to kAttnRows rows x 8 heads.
 struct AttnBuffers {
   std::vector<int64_t> slots;
@@ -668,7 +716,6 @@ std::vector<torch::Tensor> CpuModel::forward(
   std::vector<AttnScratch> scratch(nthreads_);
   for (int i = 0; i < nthreads_; ++i) scratch[i] = attn_bufs_[i].reserve(max_keys, D_);
   const std::vector<int32_t> items = attention_items(T, tr, Hq_, KVH_, nthreads_);
-  const int num_items = (int)items.size() / 4;
   auto logits = torch::empty({R, V_}, torch::kFloat32);
   auto amax = torch::empty({R}, torch::kInt64);
   std::vector<float> pbest((size_t)nthreads_ * std::max(R, 1));
@@ -704,6 +751,7 @@ std::vector<torch::Tensor> CpuModel::forward(
   aa.mask_indptr = ptr_of<int64_t>(mask_indptr);
   aa.items = items.data();
   aa.max_keys = (int)max_keys;
+  const std::vector<int> item_bounds = attention_bounds(items, aa, nthreads_);
 
   ThreadPool& tp = pool(nthreads_);
   MatmulStep mm{isa_, &tp, &act_, levels_};
@@ -786,7 +834,8 @@ std::vector<torch::Tensor> CpuModel::forward(
       la.v_cache = vc;
       la.k_half = kh16;
       la.v_half = vh16;
-      split_range(num_items, tid, n, &i0, &i1);
+      i0 = item_bounds[tid];
+      i1 = item_bounds[tid + 1];
       if (i1 > i0) isa_->attention(la, i0, i1, scratch[tid]);
       tp.barrier(tid);
       mark(4);
@@ -974,18 +1023,41 @@ torch::Tensor attention_op(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   a.max_keys = (int)max_keys;
   const std::vector<int32_t> items = attention_items(T, a.tok_req, num_heads, KVH, nthreads);
   a.items = items.data();
-  const int num_items = (int)items.size() / 4;
   const IsaKernels* k = pick_isa(isa);
   std::vector<AttnBuffers> bufs(nthreads);
   std::vector<AttnScratch> scratch(nthreads);
   for (int i = 0; i < nthreads; ++i) scratch[i] = bufs[i].reserve(max_keys, D);
-  auto body = [&](int tid, int n) {
-    int i0, i1;
-    split_range(num_items, tid, n, &i0, &i1);
+  const std::vector<int> bounds = attention_bounds(items, a, nthreads);
+  auto body = [&](int tid, int) {
+    const int i0 = bounds[tid], i1 = bounds[tid + 1];
     if (i1 > i0) k->attention(a, i0, i1, scratch[tid]);
   };
   if (T > 0) parallel(nthreads, body);
   return out;
+}
+
+// The attention work a forward of these rows plans: its items ([n][4]: rows t0, t1, heads h0,
+// h1) and each thread's run of them (bounds [nthreads + 1]), for tests of the split.
+std::vector<torch::Tensor> attention_plan_op(int num_heads, int num_kv_heads, torch::Tensor tok_req,
+                                             torch::Tensor tok_local, torch::Tensor prefix_len,
+                                             torch::Tensor extend_len, torch::Tensor masks,
+                                             torch::Tensor mask_indptr, int nthreads) {
+  AttnArgs a;
+  a.num_heads = num_heads;
+  a.num_kv_heads = num_kv_heads;
+  a.tok_req = tok_req.data_ptr<int32_t>();
+  a.tok_local = tok_local.data_ptr<int32_t>();
+  a.prefix_len = prefix_len.data_ptr<int32_t>();
+  a.extend_len = extend_len.data_ptr<int32_t>();
+  a.masks = ptr_of<uint8_t>(masks);
+  a.mask_indptr = ptr_of<int64_t>(mask_indptr);
+  const int T = (int)tok_req.numel();
+  const std::vector<int32_t> items = attention_items(T, a.tok_req, num_heads, num_kv_heads,
+                                                     std::max(nthreads, 1));
+  const std::vector<int> bounds = attention_bounds(items, a, nthreads);
+  auto it = torch::tensor(items, torch::kInt32).reshape({-1, 4});
+  auto bt = torch::tensor(std::vector<int32_t>(bounds.begin(), bounds.end()), torch::kInt32);
+  return {it, bt};
 }
 
 // float32 -> float16 by the engine's own conversion (the one that writes fp16 KV: F16C where
@@ -1076,6 +1148,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("nthreads") = 1, py::arg("isa") = "", py::arg("epilogue") = 0,
         py::arg("y") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("attention", &attention_op, py::call_guard<py::gil_scoped_release>());
+  m.def("attention_plan", &attention_plan_op);
   m.def("argmax", &argmax_op, py::arg("x"), py::arg("nthreads") = 1, py::arg("isa") = "",
         py::call_guard<py::gil_scoped_release>());
   m.def("logit_stats", &logit_stats_op, py::arg("x"), py::arg("k"), py::arg("nthreads") = 1,
