@@ -47,6 +47,20 @@ def request_slots(batch: int, length: int, layout: str) -> list[torch.Tensor]:
     return [torch.arange(length) + i * length + 1 for i in range(batch)]
 
 
+def timed(core, fn, steps: int) -> tuple[float, dict]:
+    """fn once to warm up, then `steps` times with the engine's phase clocks on: the mean wall
+    seconds per call and the engine's mean seconds per forward of each phase."""
+    fn()
+    core.set_profile(True)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    wall = (time.perf_counter() - t0) / steps
+    phases = dict(core.profile())
+    core.set_profile(False)
+    return wall, phases
+
+
 def profile(runner: ModelRunner, context: int, n: int, steps: int, batch: int = 1,
             layout: str = "contiguous", logit_top: int = -1) -> dict:
     core = runner.model.core
@@ -68,14 +82,7 @@ def profile(runner: ModelRunner, context: int, n: int, steps: int, batch: int = 
         runner.forward(ForwardBatch.build(mode, [p[context:] for p in prompts], slots,
                                           [context] * batch, logit_top=logit_top, **kw))
 
-    step()
-    core.set_profile(True)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    wall = (time.perf_counter() - t0) / steps
-    phases = dict(core.profile())
-    core.set_profile(False)
+    wall, phases = timed(core, step, steps)
     return {"tokens": n, "batch": batch, "layout": layout, "context": context,
             "logit_top": logit_top,
             "wall_ms": wall * 1e3,
@@ -109,15 +116,9 @@ def profile_prefill(runner: ModelRunner, length: int, chunk: int, steps: int, ba
                 pre += [context] * others
             runner.forward(ForwardBatch.build(ForwardMode.EXTEND, toks, kv, pre))
 
-    prompt()
-    core.set_profile(True)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        prompt()
-    wall = (time.perf_counter() - t0) / steps
+    wall, phases = timed(core, prompt, steps)
     chunks = -(-length // chunk)
-    phases = {k: v * chunks for k, v in core.profile().items()}  # the engine's are per forward
-    core.set_profile(False)
+    phases = {k: v * chunks for k, v in phases.items()}  # the engine's are per forward
     return {"prefill": length, "chunk": chunk, "tokens": length, "batch": batch,
             "layout": layout, "context": context, "logit_top": -1, "wall_ms": wall * 1e3,
             "phases_ms": {k: phases[k] * 1e3 for k in PHASES}}
