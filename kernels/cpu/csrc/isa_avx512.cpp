@@ -685,8 +685,9 @@ void attention_d(const AttnArgs& a, int i0, int i1, AttnScratch& s) {
       if (Lr[r] > Lmax) Lmax = Lr[r], rmax = r;
     }
     // The item's rows are one request's: their key lists share its prefix, and a causal row's
-    // list holds every earlier row's. Prefetching for the longest alone covers them; per row,
-    // a 4-row prefill item issued each prefetch four times, ~45% of its attention time (perf).
+    // list holds every earlier row's (a tree row's other branches are this forward's own KV
+    // rows, just written). Prefetching along the longest alone covers them; per row, a 4-row
+    // prefill item issued each prefetch four times, ~45% of its attention time (perf).
     const int64_t* psl = sl[rmax];
     const KV* kc = kv_cache_k<KV>(a) + (int64_t)g * D;
     const KV* vc = kv_cache_v<KV>(a) + (int64_t)g * D;
