@@ -327,9 +327,12 @@ inline __m256 kv_load8(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
 }
 
+// pf: prefetch keys and values ahead. Only a row's first head in an item does: the item's other
+// heads read the same KV group's rows right after it (decode rows, 32 x 300 keys, one thread,
+// six alternating pairs: 1.43 -> 1.16 ms median; docs/benchmarks.md, "Twenty-fourth session").
 template <int NV, class KV>  // head_dim = 8 * NV; KV: float or uint16_t (fp16) cache
 void attention_query(const AttnArgs& a, int t, int h, const int64_t* slots, int L,
-                     float* scores) {
+                     float* scores, bool pf) {
   constexpr int D = 8 * NV;
   const int g = h / (a.num_heads / a.num_kv_heads);
   const int64_t kv_stride = (int64_t)a.num_kv_heads * D;
@@ -337,10 +340,12 @@ void attention_query(const AttnArgs& a, int t, int h, const int64_t* slots, int 
   const KV* kc = kv_cache_k<KV>(a) + (int64_t)g * D;
   const KV* vc = kv_cache_v<KV>(a) + (int64_t)g * D;
   const int Lp = (L + 7) & ~7;
-  prefetch_kv_rows<3, D>(kc, kv_stride, slots, 0, L < 8 ? L : 8);
+  if (pf) prefetch_kv_rows<3, D>(kc, kv_stride, slots, 0, L < 8 ? L : 8);
   for (int j = 0; j < L; ++j) {
-    if (j + 8 < L) prefetch_kv_rows<3, D>(kc, kv_stride, slots, j + 8, j + 9);
-    prefetch_kv_rows<2, D>(vc, kv_stride, slots, j, j + 1);  // for the value pass
+    if (pf) {
+      if (j + 8 < L) prefetch_kv_rows<3, D>(kc, kv_stride, slots, j + 8, j + 9);
+      prefetch_kv_rows<2, D>(vc, kv_stride, slots, j, j + 1);  // for the value pass
+    }
     const KV* kp = kc + slots[j] * kv_stride;
     __m256 p = _mm256_mul_ps(_mm256_loadu_ps(qp), kv_load8(kp));
     for (int v = 1; v < NV; ++v) {
@@ -361,7 +366,7 @@ void attention_query(const AttnArgs& a, int t, int h, const int64_t* slots, int 
   __m256 o[NV];
   for (int v = 0; v < NV; ++v) o[v] = _mm256_setzero_ps();
   for (int j = 0; j < L; ++j) {
-    if (j + 8 < L) prefetch_kv_rows<3, D>(vc, kv_stride, slots, j + 8, j + 9);
+    if (pf && j + 8 < L) prefetch_kv_rows<3, D>(vc, kv_stride, slots, j + 8, j + 9);
     const KV* vp = vc + slots[j] * kv_stride;
     const __m256 e = _mm256_set1_ps(scores[j]);
     for (int v = 0; v < NV; ++v) o[v] = _mm256_fmadd_ps(e, kv_load8(vp + 8 * v), o[v]);
@@ -378,7 +383,7 @@ void attention_d(const AttnArgs& a, int i0, int i1, AttnScratch& s) {
     for (int t = it[0]; t < it[1]; ++t) {
       const int L = visible_keys(a, t, s.slots);
       for (int h = it[2]; h < it[3]; ++h) {
-        attention_query<NV, KV>(a, t, h, s.slots, L, s.scores);
+        attention_query<NV, KV>(a, t, h, s.slots, L, s.scores, h == it[2]);
       }
     }
   }
