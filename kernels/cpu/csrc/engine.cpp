@@ -169,15 +169,7 @@ std::vector<int> attention_bounds(const std::vector<int32_t>& items, const AttnA
     const int32_t* it = items.data() + 4 * i;
     int64_t keys = 0, longest = 0;
     for (int t = it[0]; t < it[1]; ++t) {
-      const int req = a.tok_req[t], local = a.tok_local[t];
-      int64_t seen = a.prefix_len[req];
-      if (a.masks) {
-        const int n = a.extend_len[req];
-        const uint8_t* row = a.masks + a.mask_indptr[req] + (int64_t)local * n;
-        for (int j = 0; j < n; ++j) seen += row[j] != 0;
-      } else {
-        seen += local + 1;
-      }
+      const int64_t seen = visible_key_count(a, t);
       keys += seen + kQueryCost;
       longest = std::max(longest, seen);
     }

@@ -175,6 +175,20 @@ inline int visible_keys(const AttnArgs& a, int t, int64_t* slots) {
   return L;
 }
 
+// How many keys visible_keys() lists for query row t, without listing them.
+inline int visible_key_count(const AttnArgs& a, int t) {
+  const int req = a.tok_req[t], local = a.tok_local[t];
+  const int n = a.extend_len[req];
+  int L = a.prefix_len[req];
+  if (a.masks) {
+    const uint8_t* row = a.masks + a.mask_indptr[req] + (int64_t)local * n;
+    for (int j = 0; j < n; ++j) L += row[j] != 0;
+  } else {
+    L += local + 1;
+  }
+  return L;
+}
+
 // Per-thread scratch for attention, sized for one item: kAttnRows rows' key slot lists, and per
 // query (row x head) its scores and output accumulator.
 struct AttnScratch {
