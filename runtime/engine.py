@@ -124,6 +124,7 @@ class Engine:
         `top_logprobs_num`); docs/architecture.md, "Logprobs".
         """
         ids, params, single = self._inputs(prompt, input_ids, sampling_params)
+        self.tm.admit(len(ids), per_request_cap=False)  # --max-queued-requests, if set
         lps = self._logprobs(ids, return_logprob, logprob_start_len, top_logprobs_num,
                              return_text_in_logprobs)
         if stream:
@@ -166,6 +167,7 @@ class Engine:
         """Awaitable from any event loop; `stream=True` gives an async iterator of chunks.
         The logprob arguments are `generate`'s."""
         ids, params, _ = self._inputs(prompt, input_ids, sampling_params)
+        self.tm.admit(1, per_request_cap=False)
         lp = self._logprobs(ids[:1], return_logprob, logprob_start_len, top_logprobs_num,
                             return_text_in_logprobs)[0]
         if not stream:

@@ -26,3 +26,7 @@ class ModelNotFoundError(InvalidRequestError):
     def __init__(self, model: str) -> None:
         super().__init__("model", f"The model `{model}` does not exist.")
         self.model = model
+
+
+class QueueFullError(SpecserveError):
+    """More requests waiting than `--max-queued-requests` allows (HTTP 503, as SGLang)."""

@@ -81,6 +81,13 @@ class BaseServerArgs:
                                      "overriding the model's")
     max_request_bytes: int = _arg(4 * 1024 * 1024, "largest accepted HTTP request body (413 "
                                   "above)")
+    max_queued_requests: int | None = _arg(
+        None, "most requests waiting for a running slot (beyond --max-running-requests); a "
+        "request, or a batch, that would queue more is refused at once with HTTP 503 \"The "
+        "request queue is full.\" (SGLang's option). Default: no limit")
+    max_sequences_per_request: int = _arg(
+        1024, "most sequences (prompts x n) one HTTP request may ask for (400 above): one "
+        "request's batch queues ahead of every request that comes after it")
     served_model_name: str | None = _arg(None, "model name reported by /v1/models (default: "
                                          "the model dir name)")
     incremental_streaming_output: bool = _arg(
@@ -120,9 +127,12 @@ class BaseServerArgs:
                 allowed = WEIGHT_FORMATS
             if allowed and getattr(self, f.name) not in allowed:
                 raise ValueError(f"--{f.name.replace('_', '-')} must be one of {allowed}")
-        for name in ("max_running_requests", "chunked_prefill_size", "max_request_bytes"):
+        for name in ("max_running_requests", "chunked_prefill_size", "max_request_bytes",
+                     "max_sequences_per_request"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError("--max-queued-requests must be >= 0")
         if not self.heap_trim_interval >= 0:
             raise ValueError("--heap-trim-interval must be >= 0 (0 turns it off)")
         args = self

@@ -35,7 +35,7 @@ from runtime.entrypoints.protocol import (
     read_json,
 )
 from runtime.entrypoints.streaming import ClientDisconnected, last_chunk
-from runtime.errors import InvalidRequestError, ModelNotFoundError
+from runtime.errors import InvalidRequestError, ModelNotFoundError, QueueFullError
 from runtime.sampling.sampling_params import SamplingParams
 from runtime.tokenizer.tokenizer_manager import BackendDeadError
 
@@ -160,7 +160,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         status, body = error_for(exc)
         return JSONResponse(body, status_code=status)
 
-    for kind in (InvalidRequestError, ModelNotFoundError, BodyTooLarge, *INFO_ERRORS):
+    for kind in (InvalidRequestError, ModelNotFoundError, QueueFullError, BodyTooLarge,
+                 *INFO_ERRORS):
         app.add_exception_handler(kind, known)
 
     @app.exception_handler(ClientDisconnected)

@@ -10,6 +10,7 @@ from starlette.responses import JSONResponse, Response
 
 from runtime.entrypoints.logprob_format import SglangLogprobs, TokenTexts
 from runtime.entrypoints.protocol import (
+    MAX_N,
     GenerateRequest,
     is_int_list,
     is_str_list,
@@ -83,8 +84,10 @@ def parse_generate(body: GenerateRequest, tm: Any) -> tuple[bool, list[_Item]]:
                                       "lists of token ids")
     params = _per_item(body.sampling_params, "sampling_params", batch, len(prompts), dict, {})
     rids = _per_item(body.rid, "rid", batch, len(prompts), str, None)
+    n = _parallel_samples(params)
     items = []
     for k, (ids, sp, rid) in enumerate(zip(prompts, params, rids)):
+        sp = {key: v for key, v in sp.items() if key != "n"}
         where = f"item {k}: " if batch else ""
         try:
             p = SamplingParams.from_dict(sp, tm.vocab_size)
@@ -97,8 +100,36 @@ def parse_generate(body: GenerateRequest, tm: Any) -> tuple[bool, list[_Item]]:
             name = field if exc.field in ("prompt", "input_ids") else \
                 f"sampling_params.{exc.field}" if exc.field == "max_new_tokens" else exc.field
             raise InvalidRequestError(name, where + exc.message) from None
-        items.append(_Item(ids, p, rid, _logprob_options(body, len(ids), where)))
-    return batch, items
+        logprobs = _logprob_options(body, len(ids), where)
+        for j in range(n):
+            if n == 1:
+                items.append(_Item(ids, p, rid, logprobs))
+            else:
+                items.append(_Item(ids, _copy_params(p, j),
+                                   None if rid is None else f"{rid}-{j}", logprobs))
+    return batch or n > 1, items
+
+
+def _parallel_samples(params: list[dict]) -> int:
+    """SGLang's parallel sampling: `sampling_params.n` samples of every prompt, the same `n`
+    for every prompt of a batch; the response is then a list, prompt by prompt, its n samples
+    in a row (SGLang's order)."""
+    ns = [1 if sp.get("n") is None else sp["n"] for sp in params]
+    for n in ns:
+        if type(n) is not int or not 1 <= n <= MAX_N:
+            raise InvalidRequestError("sampling_params.n", f"must be an integer in [1, {MAX_N}]")
+    if len(set(ns)) > 1:
+        raise InvalidRequestError("sampling_params.n", "must be the same for every prompt")
+    return ns[0]
+
+
+def _copy_params(p: SamplingParams, j: int) -> SamplingParams:
+    """Sample j of a prompt: its own params object; with a seed, seed + j (as the OpenAI
+    routes' choices), so the samples differ yet each is reproducible."""
+    q = SamplingParams.from_dict(p.to_dict())
+    if q.seed is not None:
+        q.seed = (q.seed + j) % 2**64
+    return q
 
 
 def _logprob_options(body: GenerateRequest, prompt_len: int,
@@ -133,6 +164,7 @@ def _per_item(value: Any, field: str, batch: bool, count: int, kind: type,
 async def generate(request: Request, tm: Any, incremental: bool = False) -> Response:
     body = parse_model(GenerateRequest, await read_json(request))
     batch, items = parse_generate(body, tm)
+    tm.admit(len(items))
     text_of = tm.token_texts if body.return_text_in_logprobs else None
     if body.stream:
         gens = await first_chunks(request, [

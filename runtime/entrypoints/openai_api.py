@@ -159,6 +159,7 @@ class OpenAIServing:
                      job: tuple[str, list[_Choice]], stream: bool | None,
                      include_usage: bool, shape: _Shape = _Shape()) -> Response:
         req_id, choices = job
+        self.tm.admit(len(choices))
         created = int(time.time())
         head = {"id": req_id, "object": kind, "created": created, "model": self.tm.model_name}
         prompt_tokens = sum(len(ids) for ids in prompts)

@@ -14,7 +14,7 @@ from typing import Annotated, Any, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError, WithJsonSchema
 from starlette.requests import Request
 
-from runtime.errors import InvalidRequestError, ModelNotFoundError
+from runtime.errors import InvalidRequestError, ModelNotFoundError, QueueFullError
 from runtime.sampling.logprobs import MAX_TOP_LOGPROBS
 from runtime.tokenizer.tokenizer_manager import BackendDeadError
 
@@ -384,6 +384,8 @@ def error_for(exc: Exception) -> tuple[int, dict]:
         return 404, body
     if isinstance(exc, InvalidRequestError):
         return 400, error_body(str(exc), exc.field, 400)
+    if isinstance(exc, QueueFullError):  # SGLang's words and status for a full queue
+        return 503, error_body(str(exc), None, 503, "service_unavailable_error")
     if isinstance(exc, (BackendDeadError, TimeoutError, asyncio.TimeoutError)):
         msg = f"the server cannot serve requests: {str(exc) or 'timed out'}"
         return 503, error_body(msg, None, 503, "service_unavailable_error")

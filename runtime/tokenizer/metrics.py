@@ -27,6 +27,8 @@ class ServingMetrics:
 
         self.requests = counter("specserve_requests", "finished requests")
         self.aborted = counter("specserve_aborted_requests", "aborted requests")
+        self.rejected = counter("specserve_rejected_requests",
+                                "requests refused because the queue was full (503)")
         self.prompt_tokens = counter("specserve_prompt_tokens", "prompt tokens processed")
         self.generation_tokens = counter("specserve_generation_tokens", "tokens generated")
         self.cached_tokens = counter("specserve_cached_tokens", "prompt tokens from the cache")

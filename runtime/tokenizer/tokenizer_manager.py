@@ -20,7 +20,7 @@ import zmq
 import zmq.asyncio
 
 from runtime.entrypoints.logprob_format import TokenTexts
-from runtime.errors import InvalidRequestError, SpecserveError
+from runtime.errors import InvalidRequestError, QueueFullError, SpecserveError
 from runtime.ipc import ipc_addr
 from runtime.messages import (
     TO_TOKENIZER,
@@ -211,6 +211,26 @@ class TokenizerManager:
                 f"{params.max_new_tokens} tokens for the completion. Please reduce the number "
                 "of tokens in the input messages or the completion to fit within the limit.")
         params.max_new_tokens = min(params.max_new_tokens, self.context_length - len(input_ids))
+
+    # ---- admission ---------------------------------------------------------------------
+    def admit(self, count: int, per_request_cap: bool = True) -> None:
+        """Refuse, before any of them starts, a request of `count` sequences that is larger
+        than one request may be (`--max-sequences-per-request`: a 400; `per_request_cap`
+        False for in-process `Engine` batches) or that would queue more than
+        `--max-queued-requests` requests behind the running ones (a 503). Every request in
+        flight is running or queued, so the queue is what is in flight beyond
+        `--max-running-requests`; the scheduler can run fewer when KV is short, so this
+        bounds the queue from below, as SGLang's check at admission does."""
+        cap = self.server_args.max_sequences_per_request
+        if per_request_cap and count > cap:
+            raise InvalidRequestError(
+                "prompt", f"this request asks for {count} sequences (prompts x n); this server "
+                f"takes at most {cap} in one request (--max-sequences-per-request)")
+        limit = self.server_args.max_queued_requests
+        if limit is not None and \
+                len(self._states) + count - self.server_args.max_running_requests > limit:
+            self.metrics.rejected.inc(count)
+            raise QueueFullError("The request queue is full.")
 
     # ---- requests ----------------------------------------------------------------------
     async def generate(
