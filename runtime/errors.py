@@ -23,8 +23,9 @@ class ModelLoadError(SpecserveError):
 class ModelNotFoundError(InvalidRequestError):
     """A request names a model this server does not serve (HTTP 404, OpenAI's shape)."""
 
-    def __init__(self, model: str) -> None:
-        super().__init__("model", f"The model `{model}` does not exist.")
+    def __init__(self, model: str, served: str | None = None) -> None:
+        hint = f" This server serves `{served}`." if served else ""
+        super().__init__("model", f"The model `{model}` does not exist.{hint}")
         self.model = model
 
 

@@ -132,7 +132,7 @@ class OpenAIServing:
         """404 for a model this server does not serve (OpenAI and vLLM do the same), rather
         than answering from another model under the name the client asked for."""
         if model is not None and model not in (self.tm.model_name, self.model_path):
-            raise ModelNotFoundError(model)
+            raise ModelNotFoundError(model, self.tm.model_name)
 
     def _choices(self, prefix: str, prompts: list[list[int]], sampling: dict, n: int,
                  renames: dict[str, str],

@@ -76,6 +76,7 @@ def test_unknown_model_is_404_in_openais_shape(env, path):
         err = r.json()["error"]
         assert err["code"] == "model_not_found" and err["param"] == "model"
         assert "nonexistent" in err["message"]
+        assert f"This server serves `{MODEL_NAME}`" in err["message"]  # the name to use
     assert len(sched.requests) == before
     for name in (MODEL_NAME, tm.server_args.model_path, None):
         r = client.post(path, json={**body, "max_tokens": 2,
