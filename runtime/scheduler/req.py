@@ -30,6 +30,7 @@ class Req:
     runner_knows: bool = False  # the runner holds our sampling state
     arrival: float = field(default_factory=time.monotonic)
     num_retractions: int = 0
+    prompt_cached: bool = False  # the prompt's KV went to the radix cache once prefilled
     spec_verify_ct: int = 0
     spec_drafted: int = 0
     spec_accept_hist: list[int] = field(default_factory=list)  # [k] = steps accepting k drafts

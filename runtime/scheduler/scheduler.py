@@ -379,6 +379,7 @@ class Scheduler:
         self.running.remove(req)
         self._free_kv(req)
         req.runner_kv_len = 0  # its slots are gone; re-admission ships the whole new list
+        req.prompt_cached = False
         req.num_retractions += 1
         self.waiting.appendleft(req)
 
@@ -405,6 +406,8 @@ class Scheduler:
                 req.kv_slots = torch.cat([req.kv_slots, new_slots[:keep_slots]])
                 self.allocator.free(new_slots[keep_slots:])
             req.runner_kv_len = req.kv_len  # the runner's table: these, then the freed ones
+            if not req.prompt_cached and req.kv_len >= len(req.prompt_ids):
+                self._cache_prompt(req)
             if lp:
                 req.pending_logprobs = lp if req.pending_logprobs is None else \
                     lp_payload.concat([req.pending_logprobs, lp])
@@ -430,6 +433,25 @@ class Scheduler:
                 self._retire(req)
         if out_reqs:
             self.emit(self._token_out(out_reqs, got))
+
+    def _cache_prompt(self, req: Req) -> None:
+        """Once its prompt is prefilled, a request hands the prompt's KV to the radix cache
+        (protocol step 5) instead of at its end, so a request with the same prompt, or a
+        prefix of it, admitted while this one still decodes prefills only the rest: the other
+        samples of an `n` > 1 request (the front end starts them once the first has its
+        first token), a system prompt under concurrent load. Only when nothing else cached
+        a longer part of the prompt meanwhile: then the cache takes exactly the request's own
+        slots, and the runner's slot table stays as it is (otherwise the request keeps its
+        slots and `cache_finished` frees the duplicates at the end, as before)."""
+        req.prompt_cached = True
+        prompt = req.prompt_ids
+        if self.cache.disable or req.cache_len >= len(prompt) or \
+                self.cache.match_prefix(prompt).slots.numel() != req.cache_len:
+            return
+        m = self.cache.cache_unfinished(prompt, req.kv_slots[: len(prompt)], req.cache_node,
+                                        req.cache_len)
+        assert torch.equal(m.slots, req.kv_slots[: len(prompt)]), "the cache took other slots"
+        req.cache_node, req.cache_len = m.node, m.slots.numel()
 
     def _trim_kv(self, req: Req) -> None:
         """After a stop cut the output short, drop KV of tokens past the new end."""

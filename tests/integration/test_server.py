@@ -198,6 +198,33 @@ def test_repeated_long_prompt_hits_the_radix_cache(server):
     assert warm < cold
 
 
+def test_n_samples_prefill_their_prompt_once(server):
+    """/generate's SGLang `n` and /v1/completions' `n`: the samples after the first start
+    once its prompt is prefilled and take the prompt from the prefix cache."""
+    text = " ".join(f"Step {i}: check the valve on line {i} twice." for i in range(30))
+    for path, body in (("/generate", {"text": text, "sampling_params": {
+            "n": 3, "max_new_tokens": 4, "temperature": 0.8, "seed": 1}}),
+            ("/v1/completions", {"prompt": text + " Done.", "n": 3, "max_tokens": 4,
+                                 "temperature": 0.8, "seed": 1})):
+        with server.client() as c:
+            assert c.post("/flush_cache").status_code == 200
+            before = c.get("/server_info").json()
+            r = c.post(path, json=body)
+            assert r.status_code == 200, r.text
+            info = c.get("/server_info").json()
+        out = r.json()
+        if path == "/generate":
+            assert len(out) == 3
+            cached = [o["meta_info"]["cached_tokens"] for o in out]
+            n_prompt = out[0]["meta_info"]["prompt_tokens"]
+            assert cached[0] == 0 and cached[1:] == [n_prompt - 1] * 2
+        else:
+            assert len(out["choices"]) == 3
+            n_prompt = out["usage"]["prompt_tokens"]
+        assert info["cached_tokens"] - before["cached_tokens"] == 2 * (n_prompt - 1)
+        assert info["kv_used_by_requests"] == 0
+
+
 def test_killing_the_model_runner_stops_the_launcher_with_no_orphans():
     srv = ServerProcess("--max-total-tokens", "4096")
     launcher = srv.proc.pid

@@ -113,6 +113,46 @@ def test_radix_cache_reports_cached_tokens_and_keeps_output(tiny):
     assert h.sched.allocator.num_free == h.sched.allocator.capacity
 
 
+def test_a_running_requests_prompt_is_cached_once_prefilled(tiny):
+    """A request with the same prompt (another sample of it) or a longer one, admitted while
+    the first still decodes, prefills only what the first did not: its prompt went to the
+    cache after its prefill, not at its end. Outputs as alone; no slot leaked."""
+    base = list(range(10, 60))
+    ref = reference(tiny, [base, base + [5, 6]], ignore_eos=True, max_new_tokens=30)
+    h = Harness(tiny, chunked_prefill_size=16)
+    h.submit("a", base, ignore_eos=True, max_new_tokens=30)
+    for _ in range(6):  # 4 prefill chunks of 16, then decode steps
+        h.sched.step()
+    assert "a" not in h.finish and h.outputs["a"]
+    h.submit("b", base, ignore_eos=True, max_new_tokens=30)
+    h.submit("c", base + [5, 6], ignore_eos=True, max_new_tokens=30)
+    h.run()
+    assert h.meta["a"]["cached_tokens"] == 0
+    assert h.meta["b"]["cached_tokens"] == len(base) - 1  # all but the last, which it computes
+    assert h.meta["c"]["cached_tokens"] == len(base)
+    assert [h.outputs[r] for r in "abc"] == [ref[0], ref[0], ref[1]]
+    h.sched.check_no_leak()
+    h.sched.handle(FlushCacheReq(req_id="f"))
+    assert h.sched.allocator.num_free == h.sched.allocator.capacity
+
+
+def test_requests_admitted_in_one_step_keep_their_own_prompt_slots(tiny):
+    """Two requests with the same prompt prefilled side by side: the second to finish its
+    prefill finds the prompt already cached by the first and keeps its own slots (freed as
+    duplicates at its end), so the runner's slot table never changes under it."""
+    base = list(range(10, 40))
+    ref = reference(tiny, [base], ignore_eos=True, max_new_tokens=20)[0]
+    h = Harness(tiny, chunked_prefill_size=256)
+    h.submit("a", base, ignore_eos=True, max_new_tokens=20)
+    h.submit("b", base, ignore_eos=True, max_new_tokens=20)
+    h.run()
+    assert h.outputs["a"] == h.outputs["b"] == ref
+    assert h.meta["b"]["cached_tokens"] == 0
+    h.sched.check_no_leak()
+    h.sched.handle(FlushCacheReq(req_id="f"))
+    assert h.sched.allocator.num_free == h.sched.allocator.capacity
+
+
 def test_abort_waiting_and_running_frees_kv(tiny):
     h = Harness(tiny, max_running_requests=1)
     h.submit("run", list(range(5, 30)), max_new_tokens=50, ignore_eos=True)
