@@ -91,6 +91,7 @@ class TokenizerManager:
         self.dead_reason: str | None = None
         self._ipc_dir = ipc_dir
         self._states: dict[str, _ReqState] = {}
+        self._held = 0  # admitted sequences waiting for their run's first (`prefill_order`)
         self._info_waiters: dict[str, asyncio.Future] = {}
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(TO_TOKENIZER)
@@ -227,8 +228,9 @@ class TokenizerManager:
                 "prompt", f"this request asks for {count} sequences (prompts x n); this server "
                 f"takes at most {cap} in one request (--max-sequences-per-request)")
         limit = self.server_args.max_queued_requests
+        in_flight = len(self._states) + self._held
         if limit is not None and \
-                len(self._states) + count - self.server_args.max_running_requests > limit:
+                in_flight + count - self.server_args.max_running_requests > limit:
             self.metrics.rejected.inc(count)
             raise QueueFullError("The request queue is full.")
 
@@ -247,7 +249,11 @@ class TokenizerManager:
         """
         try:
             if after is not None:
-                await after.wait()
+                self._held += 1
+                try:
+                    await after.wait()
+                finally:
+                    self._held -= 1
             if not self.healthy:
                 raise BackendDeadError(self.dead_reason or "server is shutting down")
             rid = rid or uuid.uuid4().hex

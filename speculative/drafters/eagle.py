@@ -16,7 +16,10 @@ the target's commit moved them to (its tree-node scratch KV is elsewhere, see be
 is sized target capacity + scratch: slots above the target's capacity are head-private scratch
 for draft-tree nodes, reused every step (grown when a batch needs more). On a radix hit the
 head row of the last cached position was computed with the token that followed it in the
-request that cached it; that can only cost acceptance, never correctness.
+request that cached it; that can only cost acceptance, never correctness. The same holds for
+a prompt the scheduler caches while its request still runs (`Scheduler._cache_prompt`): the
+head runs lazily (`draft_extend`), so a request that hits such a prompt before its owner next
+drafts reads head KV not yet written for it.
 
 Drafting. A tree node u at depth d sits at target position L + d; its head row is at position
 L + d - 1, takes (token u, the head output hidden of u's parent; the root's is the kept one),

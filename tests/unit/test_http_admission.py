@@ -5,6 +5,7 @@ A refused request reaches no scheduler; the server keeps serving."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -231,6 +232,12 @@ def test_samples_of_one_prompt_start_once_the_first_has_its_first_token(tmp_path
                  for p, kw in zip(prompts, order)]
         await asyncio.sleep(0.15)
         assert [r.input_ids for r in sched.requests] == [[1, 2, 3], [4, 5]]
+        # the two held back count as in flight: 2 sent + 2 held + 1 > 4 running + 0 queued
+        tm.server_args = dataclasses.replace(tm.server_args, max_running_requests=4,
+                                             max_queued_requests=0)
+        with pytest.raises(QueueFullError):
+            tm.admit(1)
+        tm.server_args = dataclasses.replace(tm.server_args, max_queued_requests=None)
         await asyncio.sleep(0.3)  # the first token came at 0.3 s
         assert len(sched.requests) == 4
         outs = await asyncio.gather(*tasks)
