@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from runtime.entrypoints.logprob_format import SglangLogprobs
+from runtime.entrypoints.native_api import parallel_samples, sample_params
 from runtime.entrypoints.streaming import StreamCursor
 from runtime.processes import Backend
 from runtime.sampling.logprobs import LogprobOptions
@@ -86,8 +87,14 @@ class Engine:
             single = bool(input_ids) and isinstance(input_ids[0], int)
             ids = [list(input_ids)] if single else [list(x) for x in input_ids]
         sp = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(ids)
-        params = [SamplingParams.from_dict(p or {}, self.tm.vocab_size) for p in sp]
-        return ids, params, single
+        sp = [p or {} for p in sp]
+        n = parallel_samples(sp)  # SGLang's `n`: samples of each prompt, prompt-major
+        params = [SamplingParams.from_dict({k: v for k, v in p.items() if k != "n"},
+                                           self.tm.vocab_size) for p in sp]
+        if n > 1:
+            ids = [i for i in ids for _ in range(n)]
+            params = [sample_params(p, j) for p in params for j in range(n)]
+        return ids, params, single and n == 1
 
     def _logprobs(self, ids: list[list[int]], return_logprob: bool,
                   logprob_start_len: int | None, top_logprobs_num: int | None,
@@ -103,10 +110,10 @@ class Engine:
         return out
 
     # ---- generation -------------------------------------------------------------------
-    async def _collect(self, ids, params, lp: SglangLogprobs | None = None) -> dict:
+    async def _collect(self, ids, params, lp: SglangLogprobs | None = None, **kw) -> dict:
         last = None
         async for chunk in self.tm.generate(ids, params, stream=False,
-                                            logprobs=None if lp is None else lp.options):
+                                            logprobs=None if lp is None else lp.options, **kw):
             last = chunk
         return chunk_to_dict(last, lp)
 
@@ -133,8 +140,9 @@ class Engine:
             return self._stream_sync(ids[0], params[0], lps[0])
 
         async def run_all():
-            return await asyncio.gather(*(self._collect(i, p, lp)
-                                          for i, p, lp in zip(ids, params, lps)))
+            order = self.tm.prefill_order(ids)  # n samples of a prompt: one prefill
+            return await asyncio.gather(*(self._collect(i, p, lp, **kw)
+                                          for i, p, lp, kw in zip(ids, params, lps, order)))
 
         outs = self._run(run_all())
         return outs[0] if single else outs
@@ -167,6 +175,8 @@ class Engine:
         """Awaitable from any event loop; `stream=True` gives an async iterator of chunks.
         The logprob arguments are `generate`'s."""
         ids, params, _ = self._inputs(prompt, input_ids, sampling_params)
+        if len(ids) != 1:
+            raise ValueError("async_generate takes one prompt and n = 1 (generate takes more)")
         self.tm.admit(1, per_request_cap=False)
         lp = self._logprobs(ids[:1], return_logprob, logprob_start_len, top_logprobs_num,
                             return_text_in_logprobs)[0]

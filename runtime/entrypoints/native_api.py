@@ -84,7 +84,7 @@ def parse_generate(body: GenerateRequest, tm: Any) -> tuple[bool, list[_Item]]:
                                       "lists of token ids")
     params = _per_item(body.sampling_params, "sampling_params", batch, len(prompts), dict, {})
     rids = _per_item(body.rid, "rid", batch, len(prompts), str, None)
-    n = _parallel_samples(params)
+    n = parallel_samples(params)
     items = []
     for k, (ids, sp, rid) in enumerate(zip(prompts, params, rids)):
         sp = {key: v for key, v in sp.items() if key != "n"}
@@ -105,12 +105,12 @@ def parse_generate(body: GenerateRequest, tm: Any) -> tuple[bool, list[_Item]]:
             if n == 1:
                 items.append(_Item(ids, p, rid, logprobs))
             else:
-                items.append(_Item(ids, _copy_params(p, j),
+                items.append(_Item(ids, sample_params(p, j),
                                    None if rid is None else f"{rid}-{j}", logprobs))
     return batch or n > 1, items
 
 
-def _parallel_samples(params: list[dict]) -> int:
+def parallel_samples(params: list[dict]) -> int:
     """SGLang's parallel sampling: `sampling_params.n` samples of every prompt, the same `n`
     for every prompt of a batch; the response is then a list, prompt by prompt, its n samples
     in a row (SGLang's order)."""
@@ -123,7 +123,7 @@ def _parallel_samples(params: list[dict]) -> int:
     return ns[0]
 
 
-def _copy_params(p: SamplingParams, j: int) -> SamplingParams:
+def sample_params(p: SamplingParams, j: int) -> SamplingParams:
     """Sample j of a prompt: its own params object; with a seed, seed + j (as the OpenAI
     routes' choices), so the samples differ yet each is reproducible."""
     q = SamplingParams.from_dict(p.to_dict())

@@ -51,6 +51,18 @@ def test_engine_generate_batch_stream_async_and_shutdown():
         seeded = {"max_new_tokens": 16, "temperature": 0.9, "seed": 123}
         assert engine.generate("Once", seeded)["output_ids"] == \
             engine.generate("Once", seeded)["output_ids"]
+        # SGLang's `n`: a list, prompt by prompt, sample j seeded seed + j; samples after
+        # the first take the prompt from the cache
+        engine.flush_cache()
+        tale = "Once upon a time there was"
+        samples = engine.generate([tale, "Two plus two is"], {**seeded, "n": 3})
+        assert len(samples) == 6
+        assert [s["meta_info"]["cached_tokens"] > 0 for s in samples] == [False, True, True] * 2
+        assert samples[0]["output_ids"] == engine.generate(tale, seeded)["output_ids"]
+        assert samples[1]["output_ids"] == engine.generate(
+            tale, {**seeded, "seed": 124})["output_ids"]
+        with pytest.raises(InvalidRequestError, match="sampling_params.n"):
+            engine.generate("hi", {"n": 0})
         engine.flush_cache()
         info = engine.server_info()
         assert info["kv_free"] == info["kv_capacity"]
