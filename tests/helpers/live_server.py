@@ -34,3 +34,13 @@ def live_server(app, startup_timeout_s: float = 10.0) -> Iterator[str]:
         server.should_exit = True
         thread.join(timeout=10)
         sock.close()
+
+
+def wait_for(predicate, timeout_s: float = 5.0) -> bool:
+    """Poll `predicate` until it holds (True) or `timeout_s` passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False

@@ -17,7 +17,7 @@ from runtime.entrypoints.http_server import create_app
 from runtime.errors import InvalidRequestError, QueueFullError
 from runtime.server_args import ServerArgs
 from tests.helpers.fake_tm import make_fake_tm
-from tests.helpers.live_server import live_server
+from tests.helpers.live_server import live_server, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -29,15 +29,6 @@ def env(tmp_path_factory):
     with live_server(create_app(tm, tm.server_args)) as url, \
             httpx.Client(base_url=url, timeout=10) as client:
         yield client, tm, sched
-
-
-def _wait_for(cond, timeout=5.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return False
 
 
 def _finals(lines) -> dict[int, dict]:
@@ -144,7 +135,7 @@ def test_a_full_queue_is_503_at_once_and_frees_when_requests_finish(env):
         t.start()
     try:
         # 2 running + 2 queued: the bound
-        assert _wait_for(lambda: len(tm._states) == 4)
+        assert wait_for(lambda: len(tm._states) == 4)
         before = len(sched.requests)
         t0 = time.monotonic()
         for path, extra in (("/generate", {"input_ids": [2]}),
@@ -178,7 +169,7 @@ def test_a_batch_that_would_overfill_the_queue_is_refused_whole(env):
     body = {"input_ids": [1], "stream": True,
             "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}}
     with client.stream("POST", "/generate", json=body) as held:
-        assert _wait_for(lambda: len(tm._states) == 1)
+        assert wait_for(lambda: len(tm._states) == 1)
         before = len(sched.requests)
         # 1 in flight + 4 = 5 > 2 running + 2 queued: none of the four may start
         r = client.post("/generate", json={"input_ids": [[1], [2], [3], [4]]})
@@ -186,12 +177,12 @@ def test_a_batch_that_would_overfill_the_queue_is_refused_whole(env):
         assert len(sched.requests) == before
         held.close()
     sched.token_delay = 0.0
-    assert _wait_for(lambda: not tm._states)  # the closed stream was aborted and let go
+    assert wait_for(lambda: not tm._states)  # the closed stream was aborted and let go
 
 
 def test_engine_batches_skip_the_per_request_cap_but_not_the_queue(env):
     _, tm, _ = env
-    assert _wait_for(lambda: not tm._states)
+    assert wait_for(lambda: not tm._states)
     tm.admit(4, per_request_cap=False)  # 0 in flight + 4 <= 2 running + 2 queued
     with pytest.raises(InvalidRequestError):
         tm.admit(5)  # over 4 sequences per request

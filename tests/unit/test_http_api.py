@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import time
 
 import httpx
 import pytest
@@ -14,7 +13,7 @@ import pytest
 from runtime.entrypoints.http_server import create_app
 from runtime.entrypoints.streaming import SSEResponse
 from tests.helpers.fake_tm import CONTEXT_LENGTH, MODEL_NAME, fake_logprob, make_fake_tm
-from tests.helpers.live_server import live_server
+from tests.helpers.live_server import live_server, wait_for
 
 MAX_BODY = 64 * 1024
 API_KEY = "sk-test-key"
@@ -56,15 +55,6 @@ def _sse(lines) -> list:
             data = line[len("data: "):]
             out.append(data if data == "[DONE]" else json.loads(data))
     return out
-
-
-def _wait_for(predicate, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def test_generate_returns_text_ids_and_meta_info(env):
@@ -355,8 +345,8 @@ def test_disconnect_during_stream_aborts_the_request(env):
     with client.stream("POST", "/generate", json=body) as r:
         next(r.iter_lines())
     # leaving the block closes the connection mid-stream
-    assert _wait_for(lambda: "gone-stream" in sched.aborted)
-    assert _wait_for(lambda: "gone-stream" not in sched.running)
+    assert wait_for(lambda: "gone-stream" in sched.aborted)
+    assert wait_for(lambda: "gone-stream" not in sched.running)
 
 
 def test_disconnect_during_non_streaming_request_aborts_it(env):
@@ -366,8 +356,8 @@ def test_disconnect_during_non_streaming_request_aborts_it(env):
             "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
     with pytest.raises(httpx.ReadTimeout):
         client.post("/generate", json=body, timeout=0.3)
-    assert _wait_for(lambda: {"gone-1", "gone-2"} <= set(sched.aborted))
-    assert _wait_for(lambda: not sched.running)
+    assert wait_for(lambda: {"gone-1", "gone-2"} <= set(sched.aborted))
+    assert wait_for(lambda: not sched.running)
 
 
 def test_duplicate_rid_in_a_batch_is_400_and_aborts_the_started_item(env):
@@ -378,7 +368,7 @@ def test_duplicate_rid_in_a_batch_is_400_and_aborts_the_started_item(env):
         body = {"input_ids": [[1], [2]], "rid": ["dup", "dup"], "stream": stream}
         r = client.post("/generate", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == "rid"
-        assert _wait_for(lambda n=before + 1: sched.aborted.count("dup") == n)
+        assert wait_for(lambda n=before + 1: sched.aborted.count("dup") == n)
 
 
 def test_huge_max_new_tokens_is_400_not_500(env):
