@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from runtime.entrypoints.logprob_format import SglangLogprobs
-from runtime.entrypoints.native_api import parallel_samples, sample_params
+from runtime.entrypoints.native_api import parallel_samples
 from runtime.entrypoints.streaming import StreamCursor
 from runtime.processes import Backend
 from runtime.sampling.logprobs import LogprobOptions
@@ -93,7 +93,7 @@ class Engine:
                                            self.tm.vocab_size) for p in sp]
         if n > 1:
             ids = [i for i in ids for _ in range(n)]
-            params = [sample_params(p, j) for p in params for j in range(n)]
+            params = [p.for_sample(j) for p in params for j in range(n)]
         return ids, params, single and n == 1
 
     def _logprobs(self, ids: list[list[int]], return_logprob: bool,

@@ -105,7 +105,7 @@ def parse_generate(body: GenerateRequest, tm: Any) -> tuple[bool, list[_Item]]:
             if n == 1:
                 items.append(_Item(ids, p, rid, logprobs))
             else:
-                items.append(_Item(ids, sample_params(p, j),
+                items.append(_Item(ids, p.for_sample(j),
                                    None if rid is None else f"{rid}-{j}", logprobs))
     return batch or n > 1, items
 
@@ -121,15 +121,6 @@ def parallel_samples(params: list[dict]) -> int:
     if len(set(ns)) > 1:
         raise InvalidRequestError("sampling_params.n", "must be the same for every prompt")
     return ns[0]
-
-
-def sample_params(p: SamplingParams, j: int) -> SamplingParams:
-    """Sample j of a prompt: its own params object; with a seed, seed + j (as the OpenAI
-    routes' choices), so the samples differ yet each is reproducible."""
-    q = SamplingParams.from_dict(p.to_dict())
-    if q.seed is not None:
-        q.seed = (q.seed + j) % 2**64
-    return q
 
 
 def _logprob_options(body: GenerateRequest, prompt_len: int,

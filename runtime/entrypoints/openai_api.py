@@ -144,13 +144,11 @@ class OpenAIServing:
         logprobs = None if shape.top is None else LogprobOptions(
             shape.top, 0 if shape.echo else None)  # echo scores the prompt's tokens too
         for p, ids in enumerate(prompts):
+            with _renamed(renames):  # validated once per prompt, with the seed as given
+                first = SamplingParams.from_dict(dict(sampling), self.tm.vocab_size)
+                self.tm.check_prompt(ids, first, max_tokens_given)
             for j in range(n):
-                d = dict(sampling)
-                if d.get("seed") is not None and j > 0:  # choice 0 validates the given seed
-                    d["seed"] = (d["seed"] + j) % 2**64  # seeds are [0, 2**64)
-                with _renamed(renames):
-                    params = SamplingParams.from_dict(d, self.tm.vocab_size)
-                    self.tm.check_prompt(ids, params, max_tokens_given)
+                params = first if j == 0 else first.for_sample(j)
                 index = len(choices)
                 choices.append(_Choice(index, p, ids, params, f"{req_id}-{index}", logprobs))
         return req_id, choices

@@ -156,6 +156,15 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)  # asdict copies the lists
 
+    def for_sample(self, j: int) -> SamplingParams:
+        """Sample j of a prompt asked for n times (OpenAI's and SGLang's `n`): a copy of its own,
+        drawing with `seed + j` when seeded, so the samples differ yet each is reproducible."""
+        q = dataclasses.replace(self, stop=list(self.stop),
+                                stop_token_ids=list(self.stop_token_ids))
+        if q.seed is not None:
+            q.seed = (q.seed + j) % _MAX_SEED
+        return q
+
 
 def _fail(name: str, message: str) -> None:
     raise InvalidRequestError(name, message)

@@ -138,3 +138,14 @@ def test_from_dict_round_trips_through_to_dict() -> None:
     assert SamplingParams.from_dict(out) == p
     out["stop"].append("other")
     assert p.stop == ["END"]
+
+
+def test_for_sample_copies_and_offsets_the_seed():
+    base = SamplingParams(seed=2**64 - 1, stop=["x"], stop_token_ids=[5], max_new_tokens=7)
+    s1 = base.for_sample(1)
+    assert s1.seed == 0 and base.seed == 2**64 - 1  # wraps within [0, 2**64)
+    assert s1.max_new_tokens == 7 and s1.stop == ["x"] and s1.stop_token_ids == [5]
+    s1.stop.append("y")
+    s1.stop_token_ids.append(6)
+    assert base.stop == ["x"] and base.stop_token_ids == [5]  # its own lists
+    assert SamplingParams().for_sample(3).seed is None
