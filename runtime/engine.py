@@ -110,10 +110,10 @@ class Engine:
         return out
 
     # ---- generation -------------------------------------------------------------------
-    async def _collect(self, ids, params, lp: SglangLogprobs | None = None, **kw) -> dict:
+    async def _collect(self, ids, params, lp: SglangLogprobs | None = None) -> dict:
         last = None
         async for chunk in self.tm.generate(ids, params, stream=False,
-                                            logprobs=None if lp is None else lp.options, **kw):
+                                            logprobs=None if lp is None else lp.options):
             last = chunk
         return chunk_to_dict(last, lp)
 
@@ -140,9 +140,8 @@ class Engine:
             return self._stream_sync(ids[0], params[0], lps[0])
 
         async def run_all():
-            order = self.tm.prefill_order(ids)  # n samples of a prompt: one prefill
-            return await asyncio.gather(*(self._collect(i, p, lp, **kw)
-                                          for i, p, lp, kw in zip(ids, params, lps, order)))
+            return await asyncio.gather(*(self._collect(i, p, lp)
+                                          for i, p, lp in zip(ids, params, lps)))
 
         outs = self._run(run_all())
         return outs[0] if single else outs

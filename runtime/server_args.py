@@ -74,6 +74,11 @@ class BaseServerArgs:
     schedule_policy: str = _arg("fcfs", "fcfs (arrival order) or lpm (longest cached prefix "
                                 "first)", ("fcfs", "lpm"))
     disable_radix_cache: bool = _arg(False, "do not reuse KV of shared prompt prefixes")
+    shared_prefill_min_tokens: int = _arg(
+        32, "a waiting request sharing at least this many uncached prompt tokens with a prompt "
+        "being prefilled waits until that prompt is cached, then prefills only the rest "
+        "(SGLang's in-batch prefix caching and its threshold: the samples of one prompt, a "
+        "burst behind one system prompt); 0 prefills them side by side")
     enable_metrics: bool = _arg(False, "serve Prometheus metrics at /metrics")
     log_level: str = _arg("info", "debug, info, warning or error",
                           ("debug", "info", "warning", "error"))
@@ -131,8 +136,9 @@ class BaseServerArgs:
                      "max_sequences_per_request"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
-        if self.max_queued_requests is not None and self.max_queued_requests < 0:
-            raise ValueError("--max-queued-requests must be >= 0")
+        for name in ("max_queued_requests", "shared_prefill_min_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
         if not self.heap_trim_interval >= 0:
             raise ValueError("--heap-trim-interval must be >= 0 (0 turns it off)")
         args = self

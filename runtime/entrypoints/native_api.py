@@ -157,16 +157,14 @@ async def generate(request: Request, tm: Any, incremental: bool = False) -> Resp
     batch, items = parse_generate(body, tm)
     tm.admit(len(items))
     text_of = tm.token_texts if body.return_text_in_logprobs else None
-    order = tm.prefill_order([it.input_ids for it in items])  # n samples: one prefill
     if body.stream:
         gens = await first_chunks(request, [
-            tm.generate(it.input_ids, it.params, True, it.rid, it.logprobs, **kw)
-            for it, kw in zip(items, order)])
+            tm.generate(it.input_ids, it.params, True, it.rid, it.logprobs) for it in items])
         return SSEResponse(sse_events(_events(merge(gens), batch, items, text_of,
                                               incremental)))
     finals = await until_disconnect(request, gather_all([
-        last_chunk(tm.generate(it.input_ids, it.params, False, it.rid, it.logprobs, **kw))
-        for it, kw in zip(items, order)]))
+        last_chunk(tm.generate(it.input_ids, it.params, False, it.rid, it.logprobs))
+        for it in items]))
     out = [chunk_json(chunk, None, it, text_of) for chunk, it in zip(finals, items)]
     return JSONResponse(out if batch else out[0])
 

@@ -161,17 +161,16 @@ class OpenAIServing:
         created = int(time.time())
         head = {"id": req_id, "object": kind, "created": created, "model": self.tm.model_name}
         prompt_tokens = sum(len(ids) for ids in prompts)
-        order = self.tm.prefill_order([c.input_ids for c in choices])  # n: one prefill
         if stream:
             gens = await first_chunks(request, [
-                self.tm.generate(c.input_ids, c.params, True, c.rid, c.logprobs, **kw)
-                for c, kw in zip(choices, order)])
+                self.tm.generate(c.input_ids, c.params, True, c.rid, c.logprobs)
+                for c in choices])
             events = self._stream(head, merge(gens), choices, prompt_tokens, include_usage,
                                   shape)
             return SSEResponse(sse_events(events))
         finals = await until_disconnect(request, gather_all([
-            last_chunk(self.tm.generate(c.input_ids, c.params, False, c.rid, c.logprobs, **kw))
-            for c, kw in zip(choices, order)]))
+            last_chunk(self.tm.generate(c.input_ids, c.params, False, c.rid, c.logprobs))
+            for c in choices]))
         chat = kind == "chat.completion"
         out = []
         for c, chunk in zip(choices, finals):

@@ -57,6 +57,11 @@ class SchedulerConfig:
     chunked_prefill_size: int = 512
     schedule_policy: str = "fcfs"  # fcfs | lpm
     disable_radix_cache: bool = False
+    # a waiting request that shares at least this many uncached prompt tokens with a prompt
+    # being prefilled waits until that prompt is cached, then prefills only the rest (SGLang's
+    # in-batch prefix caching, same threshold); 0 = prefill such prompts side by side
+    # (--shared-prefill-min-tokens)
+    shared_prefill_min_tokens: int = 32
     # KV kept free for running requests' future tokens, as a fraction of their remaining budget
     decode_reserve_ratio: float = 0.3
     # speculative decoding: fresh KV slots per request per decode step (tree nodes incl. root);
@@ -99,6 +104,7 @@ class SchedulerConfig:
             chunked_prefill_size=server_args.chunked_prefill_size,
             schedule_policy=server_args.schedule_policy,
             disable_radix_cache=server_args.disable_radix_cache,
+            shared_prefill_min_tokens=server_args.shared_prefill_min_tokens,
             num_draft_tokens=n,
             max_draft_tokens=deep,
             deep_for_all=deep_for_all,
@@ -299,11 +305,21 @@ class Scheduler:
             order = sorted(self.waiting, key=lambda r: -len(self.cache.match_prefix(
                 r.fill_ids[:-1]).slots))
             self.waiting = deque(order)
+        # prompts being prefilled: a waiting request that shares a long uncached prefix with
+        # one waits (keeping its place) and takes that prefix from the cache a step later
+        sharing = self._shared_prefill_check()
+        deferred: list[Req] = []
         while admit and self.waiting and budget > 0 and \
                 len(self.running) < self.cfg.max_running_requests:
             req = self.waiting[0]
             # keep >= 1 token to compute; prompt logprobs need their rows computed, not cached
-            m = self.cache.match_prefix(req.fill_ids[: self._cacheable(req)])
+            cacheable = self._cacheable(req)
+            m = self.cache.match_prefix(req.fill_ids[:cacheable])
+            if sharing is not None and sharing(req, m.slots.numel(), cacheable):
+                deferred.append(self.waiting.popleft())
+                if len(deferred) >= self.cfg.max_running_requests:
+                    break  # (bounded work per step on a long queue of one prompt)
+                continue
             pending = len(req.fill_ids) - m.slots.numel()
             chunk = min(pending, budget)
             headroom = self.allocator.num_free + self.cache.evictable_size - self._reserved()
@@ -324,7 +340,37 @@ class Scheduler:
             self.running.append(req)
             entries.append(self._entry(req, chunk, slots))
             budget -= chunk
+        self.waiting.extendleft(reversed(deferred))
         return entries
+
+    def _shared_prefill_check(self):
+        """A test `(req, cached, cacheable) -> bool`: whether the waiting `req`, whose first
+        `cached` tokens are in the radix cache and first `cacheable` may come from it, shares
+        at least `shared_prefill_min_tokens` more with the prompt of a running request that
+        is not yet cached (`Req.prompt_cached`: still prefilling, or admitted in this very
+        step, as `running` grows while the caller admits). That prompt goes to the cache
+        once prefilled (`_cache_prompt`), so the waiting request prefills the shared part
+        once instead of beside it: the samples of an `n` > 1 request, a burst of requests
+        behind one system prompt. None when the check is off or the cache is disabled."""
+        t = self.cfg.shared_prefill_min_tokens
+        if t <= 0 or self.cache.disable:
+            return None
+
+        def shares(req: Req, cached: int, cacheable: int) -> bool:
+            end = cached + t
+            if end > cacheable:
+                return False
+            head = None
+            for r in self.running:
+                if r.prompt_cached or len(r.prompt_ids) < end:
+                    continue
+                if head is None:
+                    head = req.fill_slice(0, end)
+                if r.prompt_ids[:end] == head:
+                    return True
+            return False
+
+        return shares
 
     @staticmethod
     def _cacheable(req: Req) -> int:

@@ -91,7 +91,6 @@ class TokenizerManager:
         self.dead_reason: str | None = None
         self._ipc_dir = ipc_dir
         self._states: dict[str, _ReqState] = {}
-        self._held = 0  # admitted sequences waiting for their run's first (`prefill_order`)
         self._info_waiters: dict[str, asyncio.Future] = {}
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(TO_TOKENIZER)
@@ -228,7 +227,7 @@ class TokenizerManager:
                 "prompt", f"this request asks for {count} sequences (prompts x n); this server "
                 f"takes at most {cap} in one request (--max-sequences-per-request)")
         limit = self.server_args.max_queued_requests
-        in_flight = len(self._states) + self._held
+        in_flight = len(self._states)
         if limit is not None and \
                 in_flight + count - self.server_args.max_running_requests > limit:
             self.metrics.rejected.inc(count)
@@ -238,75 +237,43 @@ class TokenizerManager:
     async def generate(
         self, input_ids: list[int], params: SamplingParams, stream: bool = False,
         rid: str | None = None, logprobs: LogprobOptions | None = None,
-        after: asyncio.Event | None = None, prefilled: asyncio.Event | None = None,
     ) -> AsyncIterator[GenerateChunk]:
         """Yield chunks (each new step when `stream`, else only the final one); with
-        `logprobs`, each chunk carries the logprobs so far. `after`: start only once it is set;
-        `prefilled`: set once this request's first token is in, or it ended (`prefill_order`).
+        `logprobs`, each chunk carries the logprobs so far.
 
         If the consumer stops early (client disconnect → cancellation), the request is aborted
         on the scheduler and its KV freed.
         """
+        if not self.healthy:
+            raise BackendDeadError(self.dead_reason or "server is shutting down")
+        rid = rid or uuid.uuid4().hex
+        if rid in self._states:
+            raise InvalidRequestError("rid", f"request id {rid!r} is already running")
+        self.check_prompt(input_ids, params)
+        st = _ReqState(rid, IncrementalText(self.tokenizer, params.stop), len(input_ids))
+        if logprobs is not None:
+            logprobs.validate(len(input_ids))
+            st.logprobs = {}
+        self._states[rid] = st
+        self._send.send(self._enc.encode(GenerateReq(
+            rid=rid, input_ids=list(input_ids), sampling_params=params.to_dict(),
+            stream=stream, logprobs=None if logprobs is None else logprobs.to_dict(),
+        )))
         try:
-            if after is not None:
-                self._held += 1
-                try:
-                    await after.wait()
-                finally:
-                    self._held -= 1
-            if not self.healthy:
-                raise BackendDeadError(self.dead_reason or "server is shutting down")
-            rid = rid or uuid.uuid4().hex
-            if rid in self._states:
-                raise InvalidRequestError("rid", f"request id {rid!r} is already running")
-            self.check_prompt(input_ids, params)
-            st = _ReqState(rid, IncrementalText(self.tokenizer, params.stop), len(input_ids))
-            if logprobs is not None:
-                logprobs.validate(len(input_ids))
-                st.logprobs = {}
-            self._states[rid] = st
-            self._send.send(self._enc.encode(GenerateReq(
-                rid=rid, input_ids=list(input_ids), sampling_params=params.to_dict(),
-                stream=stream, logprobs=None if logprobs is None else logprobs.to_dict(),
-            )))
-            try:
-                while True:
-                    await st.event.wait()
-                    st.event.clear()
-                    if prefilled is not None and st.first_token_at is not None:
-                        prefilled.set()
-                    if st.error is not None:
-                        raise BackendDeadError(st.error)
-                    if st.finished:
-                        yield self._chunk(st, final=True)
-                        return
-                    if stream:
-                        yield self._chunk(st, final=False)
-            finally:
-                if not st.finished and st.error is None:
-                    self.abort(rid)
-                self._states.pop(rid, None)
+            while True:
+                await st.event.wait()
+                st.event.clear()
+                if st.error is not None:
+                    raise BackendDeadError(st.error)
+                if st.finished:
+                    yield self._chunk(st, final=True)
+                    return
+                if stream:
+                    yield self._chunk(st, final=False)
         finally:
-            if prefilled is not None:
-                prefilled.set()
-
-    @staticmethod
-    def prefill_order(prompts: list[list[int]]) -> list[dict]:
-        """`generate` keyword arguments, one dict per sequence of a request: in a run of
-        sequences with the same prompt (the `n` samples of one), the first starts at once and
-        the others once it has its first token. By then its prompt is in the prefix cache (the
-        scheduler caches a prompt once prefilled), so the run prefills its prompt once, not n
-        times; SGLang also prefills a prompt once before its samples start."""
-        out: list[dict] = []
-        prev, first = None, None
-        for ids in prompts:
-            if first is not None and ids == prev:
-                out.append({"after": first})
-            else:
-                first = asyncio.Event()
-                out.append({"prefilled": first})
-            prev = ids
-        return out
+            if not st.finished and st.error is None:
+                self.abort(rid)
+            self._states.pop(rid, None)
 
     def _chunk(self, st: _ReqState, final: bool) -> GenerateChunk:
         text = st.detok.finalize(st.finish_reason) if final else st.detok.visible()

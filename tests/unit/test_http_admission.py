@@ -5,7 +5,6 @@ A refused request reaches no scheduler; the server keeps serving."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import threading
 import time
@@ -191,55 +190,8 @@ def test_engine_batches_skip_the_per_request_cap_but_not_the_queue(env):
 
 
 @pytest.mark.parametrize(("field", "value"), [("max_queued_requests", -1),
-                                              ("max_sequences_per_request", 0)])
+                                              ("max_sequences_per_request", 0),
+                                              ("shared_prefill_min_tokens", -1)])
 def test_admission_limits_are_checked_at_start(tmp_path, field, value):
     with pytest.raises(ValueError, match=field.replace("_", "-")):
         ServerArgs(model_path=str(tmp_path), **{field: value}).resolve()
-
-
-def test_samples_of_one_prompt_start_once_the_first_has_its_first_token(tmp_path):
-    """`prefill_order`: of a run of sequences with the same prompt, the first goes to the
-    scheduler at once, the others after its first token (its prompt then cached); a first that
-    ends early (here: cancelled, as on a disconnect) still releases them."""
-    import asyncio
-
-    from runtime.sampling.sampling_params import SamplingParams
-
-    tm, sched = make_fake_tm(tmp_path, token_delay=0.3)
-
-    async def last(gen):
-        out = None
-        async for chunk in gen:
-            out = chunk
-        return out
-
-    async def main():
-        prompts = [[1, 2, 3]] * 3 + [[4, 5]]
-        order = tm.prefill_order(prompts)
-        assert [sorted(kw) for kw in order] == [["prefilled"], ["after"], ["after"],
-                                                ["prefilled"]]
-        tasks = [asyncio.ensure_future(last(tm.generate(p, SamplingParams(max_new_tokens=2),
-                                                        **kw)))
-                 for p, kw in zip(prompts, order)]
-        await asyncio.sleep(0.15)
-        assert [r.input_ids for r in sched.requests] == [[1, 2, 3], [4, 5]]
-        # the two held back count as in flight: 2 sent + 2 held + 1 > 4 running + 0 queued
-        tm.server_args = dataclasses.replace(tm.server_args, max_running_requests=4,
-                                             max_queued_requests=0)
-        with pytest.raises(QueueFullError):
-            tm.admit(1)
-        tm.server_args = dataclasses.replace(tm.server_args, max_queued_requests=None)
-        await asyncio.sleep(0.3)  # the first token came at 0.3 s
-        assert len(sched.requests) == 4
-        outs = await asyncio.gather(*tasks)
-        assert all(o.finished for o in outs)
-
-        order = tm.prefill_order([[7, 8]] * 2)
-        first = asyncio.ensure_future(last(tm.generate([7, 8], SamplingParams(), **order[0])))
-        second = asyncio.ensure_future(last(tm.generate([7, 8], SamplingParams(
-            max_new_tokens=1), **order[1])))
-        await asyncio.sleep(0.1)
-        first.cancel()
-        assert (await asyncio.wait_for(second, 5)).finished
-
-    asyncio.run(main())

@@ -142,12 +142,50 @@ def test_requests_admitted_in_one_step_keep_their_own_prompt_slots(tiny):
     duplicates at its end), so the runner's slot table never changes under it."""
     base = list(range(10, 40))
     ref = reference(tiny, [base], ignore_eos=True, max_new_tokens=20)[0]
-    h = Harness(tiny, chunked_prefill_size=256)
+    h = Harness(tiny, chunked_prefill_size=256, shared_prefill_min_tokens=0)
     h.submit("a", base, ignore_eos=True, max_new_tokens=20)
     h.submit("b", base, ignore_eos=True, max_new_tokens=20)
     h.run()
     assert h.outputs["a"] == h.outputs["b"] == ref
     assert h.meta["b"]["cached_tokens"] == 0
+    h.sched.check_no_leak()
+    h.sched.handle(FlushCacheReq(req_id="f"))
+    assert h.sched.allocator.num_free == h.sched.allocator.capacity
+
+
+@pytest.mark.parametrize(("min_tokens", "chunk"), [(32, 32), (32, 512), (0, 512)])
+def test_a_burst_behind_one_long_prefix_prefills_it_once(tiny, min_tokens, chunk):
+    """Requests that arrive together behind one 80-token prefix (a system prompt, the samples
+    of one prompt): the first prefills it (in 32-token chunks, or at once), the others wait
+    until it is cached and prefill only their own tails; a request sharing nothing is admitted
+    at once, past them. With the check off (0) they prefill side by side. Outputs as alone
+    either way; no slot leaked."""
+    rng = random.Random(3)
+    base = [rng.randrange(3, 300) for _ in range(80)]
+    ps = [base + [5], base + [6, 7], base, base + [8], [9, 10, 11]]
+    ref = reference(tiny, ps, ignore_eos=True, max_new_tokens=8)
+    h = Harness(tiny, chunked_prefill_size=chunk, shared_prefill_min_tokens=min_tokens)
+    rec = Recorder(h)
+    for i, p in enumerate(ps):
+        h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=8)
+    h.run()
+    assert [h.outputs[f"r{i}"] for i in range(5)] == ref
+    cached = [h.meta[f"r{i}"]["cached_tokens"] for i in range(5)]
+    lens = {f"r{i}": len(p) for i, p in enumerate(ps)}
+    prefilled = sum(min(len(e.new_token_ids), lens[e.rid] - e.prefix_len)
+                    for b in rec.batches for e in b.reqs if e.prefix_len < lens[e.rid])
+    if min_tokens:
+        assert cached == [0, 80, 79, 80, 0]
+        first = {}
+        for k, b in enumerate(rec.batches):
+            for e in b.reqs:
+                first.setdefault(e.rid, k)
+        assert first["r4"] < first["r1"] <= first["r2"] <= first["r3"]  # r4 went past them
+        assert h.meta["r4"]["cached_tokens"] == 0
+    else:
+        assert cached == [0] * 5
+    assert h.sched.totals["cached_tokens"] == sum(cached)
+    assert prefilled == sum(lens.values()) - sum(cached)  # each prompt token computed once
     h.sched.check_no_leak()
     h.sched.handle(FlushCacheReq(req_id="f"))
     assert h.sched.allocator.num_free == h.sched.allocator.capacity
