@@ -327,6 +327,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--random-input-len", type=int, default=256)
     p.add_argument("--random-output-len", type=int, default=128)
     p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--shared-prefix-len", type=int, default=512,
+                   help="shared-prefix: tokens of each group's system prompt (questions: "
+                   "--random-input-len, outputs: --random-output-len)")
+    p.add_argument("--shared-prefix-groups", type=int, default=4)
     p.add_argument("--request-rate", type=float, default=d.request_rate)
     p.add_argument("--max-concurrency", type=int, default=d.max_concurrency)
     p.add_argument("--max-new-tokens", type=int, default=None, help="cap on output lengths")
@@ -358,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         args.dataset, args.num_prompts, tokenizer, args.seed, args.max_new_tokens,
         dataset_path=args.dataset_path, split=args.split, random_input_len=args.random_input_len,
         random_output_len=args.random_output_len, random_range_ratio=args.random_range_ratio,
+        shared_prefix_len=args.shared_prefix_len, shared_prefix_groups=args.shared_prefix_groups,
     )
     try:
         result = asyncio.run(run_benchmark(requests, cfg, tokenizer))

@@ -86,7 +86,9 @@ def _level_requests(args: argparse.Namespace, tokenizer, c: int) -> list:
     """The requests of concurrency level c: `--num-prompts`, at least `--prompts-per-slot` x c."""
     n = max(args.num_prompts, args.prompts_per_slot * c)
     return sample_requests(args.dataset, n, tokenizer, args.seed, args.max_new_tokens,
-                           split=args.split)
+                           split=args.split, random_input_len=args.random_input_len,
+                           shared_prefix_len=args.shared_prefix_len,
+                           shared_prefix_groups=args.shared_prefix_groups)
 
 
 def parse_logprobs(text: str) -> tuple[str, int]:
@@ -254,7 +256,7 @@ def plot(results: dict[str, Any], path: Path) -> Path | None:
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", type=parse_config, action="append", required=True,
                    help="LABEL=SERVER ARGS (repeat; the first is the baseline of the ratios)")
@@ -267,6 +269,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dataset", default="sharegpt")
     p.add_argument("--split", default="all")
     p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--random-input-len", type=int, default=256,
+                   help="random: prompt tokens; shared-prefix: question tokens")
+    p.add_argument("--shared-prefix-len", type=int, default=512,
+                   help="shared-prefix: tokens of each group's system prompt")
+    p.add_argument("--shared-prefix-groups", type=int, default=4)
     p.add_argument("--prompts-per-slot", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=1)
@@ -277,6 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", default="results/sweep_serving.json")
     p.add_argument("--report", metavar="JSON", help="print the table of an earlier run's JSON "
                    "and exit (no servers; --config not needed)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     if argv is None:
         argv = sys.argv[1:]
     if "--report" in argv:  # the table of a finished run: no --config required

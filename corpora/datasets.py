@@ -6,6 +6,10 @@
   of the answer that follows is the reference output length (pruned like SGLang's benchmark:
   4 <= prompt <= 1024 tokens, output >= 2, prompt + output <= 2048).
 - `random`: random token ids (`random_input_len`, lengths uniform in [len * ratio, len]).
+- `shared-prefix`: SGLang's "generated-shared-prefix" shape: `shared_prefix_groups` groups,
+  each a system prompt of `shared_prefix_len` random token ids followed by a question of
+  `random_input_len` random ids per request, group after group; outputs `random_output_len`.
+  Requests of one group that arrive together share a long prefix none of them has cached.
 - `custom`: a JSONL file, one `{"prompt": ...}` or `{"messages": [...]}` per line, optional
   `"max_new_tokens"`, `"id"`, `"kind"`.
 - `rewrite`: a ShareGPT passage of 60-400 tokens wrapped in an instruction whose answer copies or
@@ -37,7 +41,7 @@ from corpora import rewrite_prompts, schema_prompts
 
 logger = logging.getLogger(__name__)
 
-DATASETS = ("sharegpt", "random", "custom", "rewrite", "schema")
+DATASETS = ("sharegpt", "random", "custom", "rewrite", "schema", "shared-prefix")
 SPLITS = ("all", "train", "heldout")
 HELDOUT_PERCENT = 10
 SHAREGPT_MIN_PROMPT_LEN, SHAREGPT_MAX_PROMPT_LEN = 4, 1024
@@ -224,6 +228,27 @@ def sample_random(
     return out
 
 
+def sample_shared_prefix(
+    num: int, tokenizer: Tokenizer, rng: random.Random, groups: int, prefix_len: int,
+    question_len: int, output_len: int, max_new_tokens: int | None,
+) -> list[BenchRequest]:
+    if groups < 1 or prefix_len < 1 or question_len < 1:
+        raise DatasetError("shared-prefix needs >= 1 group, prefix token and question token")
+    special = set(tokenizer.all_special_ids)
+    vocab = [i for i in range(len(tokenizer)) if i not in special]
+    per_group = -(-num // groups)
+    out = []
+    for g in range(groups):
+        prefix = [rng.choice(vocab) for _ in range(prefix_len)]
+        for k in range(min(per_group, num - len(out))):
+            ids = prefix + [rng.choice(vocab) for _ in range(question_len)]
+            out.append(BenchRequest(
+                id=f"shared-prefix-{g}-{k}", prompt_len=len(ids), input_ids=ids,
+                kind=f"shared-prefix:{g}", max_new_tokens=_cap(output_len, max_new_tokens),
+            ))
+    return out
+
+
 def load_custom(
     path: str | Path, tokenizer: Tokenizer, max_new_tokens: int | None
 ) -> list[BenchRequest]:
@@ -277,6 +302,8 @@ def sample_requests(
     random_input_len: int = 256,
     random_output_len: int = 128,
     random_range_ratio: float = 0.0,
+    shared_prefix_len: int = 512,
+    shared_prefix_groups: int = 4,
 ) -> list[BenchRequest]:
     """`num` requests of dataset `name`, the same ones for the same seed.
 
@@ -293,6 +320,9 @@ def sample_requests(
     elif name == "random":
         out = sample_random(num, tokenizer, rng, random_input_len, random_output_len,
                             random_range_ratio, max_new_tokens)
+    elif name == "shared-prefix":
+        out = sample_shared_prefix(num, tokenizer, rng, shared_prefix_groups, shared_prefix_len,
+                                   random_input_len, random_output_len, max_new_tokens)
     elif name in ("sharegpt", "rewrite", "schema"):
         conversations = _in_split(load_sharegpt(dataset_path, min_turns=1), split)
         if name == "sharegpt":

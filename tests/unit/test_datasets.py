@@ -243,6 +243,23 @@ def test_random_prompts_respect_lengths_and_avoid_special_tokens() -> None:
     assert {r.prompt_len for r in fixed} == {7}
 
 
+def test_shared_prefix_prompts_share_their_groups_system_prompt() -> None:
+    tok = WordTokenizer()
+    reqs = sample_requests("shared-prefix", 10, tok, seed=2, random_input_len=6,
+                           random_output_len=20, max_new_tokens=15, shared_prefix_len=30,
+                           shared_prefix_groups=3)
+    assert len(reqs) == 10 and all(r.prompt_len == len(r.input_ids) == 36 for r in reqs)
+    assert [r.kind for r in reqs] == ["shared-prefix:0"] * 4 + ["shared-prefix:1"] * 4 + \
+        ["shared-prefix:2"] * 2  # group after group
+    prefixes = [tuple(r.input_ids[:30]) for r in reqs]
+    assert len(set(prefixes)) == 3 and prefixes[:4] == [prefixes[0]] * 4
+    assert len({tuple(r.input_ids[30:]) for r in reqs}) == 10
+    assert {r.max_new_tokens for r in reqs} == {15}
+    assert not {i for r in reqs for i in r.input_ids} & set(tok.all_special_ids)
+    with pytest.raises(DatasetError):
+        sample_requests("shared-prefix", 4, tok, shared_prefix_groups=0)
+
+
 def test_custom_jsonl_reads_prompts_and_messages(tmp_path: Path) -> None:
     path = tmp_path / "c.jsonl"
     path.write_text(

@@ -11,6 +11,14 @@ import pytest
 from benchmark import sweep_serving as sw
 
 
+def sweep_args(**kw) -> argparse.Namespace:
+    """The parser's defaults (every option the sweep reads), with `kw` set."""
+    args = sw.build_parser().parse_args(["--config", "x="])
+    for k, v in kw.items():
+        setattr(args, k, v)
+    return args
+
+
 def test_interleaved_rounds_rotate_flush_and_keep_the_median(monkeypatch, tmp_path):
     events: list[tuple] = []
     started: list[str] = []
@@ -36,8 +44,8 @@ def test_interleaved_rounds_rotate_flush_and_keep_the_median(monkeypatch, tmp_pa
     monkeypatch.setattr(sw, "_flush", lambda url: events.append(("flush", url)))
     monkeypatch.setattr(sw, "load_bench_tokenizer", lambda _: None)
     monkeypatch.setattr(sw, "sample_requests",
-                        lambda ds, n, tok, seed, mx, split: list(range(n)))
-    args = argparse.Namespace(
+                        lambda ds, n, tok, seed, mx, split, **kw: list(range(n)))
+    args = sweep_args(
         config=[("A", ["a"]), ("B", ["b"])], common_args="", concurrency=[1, 4],
         dataset="sharegpt", split="heldout", num_prompts=2, prompts_per_slot=2,
         max_new_tokens=8, seed=1, rounds=3, output=str(tmp_path / "s.json"),
@@ -78,8 +86,8 @@ def test_sequential_sweep_serves_every_level_from_one_server_each(monkeypatch, t
     monkeypatch.setattr(sw, "run_benchmark", fake_bench)
     monkeypatch.setattr(sw, "load_bench_tokenizer", lambda _: None)
     monkeypatch.setattr(sw, "sample_requests",
-                        lambda ds, n, tok, seed, mx, split: list(range(n)))
-    args = argparse.Namespace(
+                        lambda ds, n, tok, seed, mx, split, **kw: list(range(n)))
+    args = sweep_args(
         config=[("A", ["a"]), ("B", ["b"])], common_args="", concurrency=[1, 8],
         dataset="sharegpt", split="heldout", num_prompts=4, prompts_per_slot=2,
         max_new_tokens=8, seed=1, rounds=0, output=str(tmp_path / "s.json"), logprobs={})
