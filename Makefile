@@ -6,6 +6,10 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.specserve-installed
 SERVE_ARGS ?=
+# pytest-xdist workers for `make test`, one test file per worker at a time (0: one process).
+# Two on two cores: half the suite is single-threaded Python, and the engine tests leave cores
+# idle between their bursts; 16 -> 12 minutes on 2 cores (docs/benchmarks.md, "Twenty-sixth").
+TEST_WORKERS ?= 2
 
 .PHONY: install model serve test test-fast lint clean gpu-check
 
@@ -29,10 +33,10 @@ serve: model
 	$(PY) -m launch_server $(SERVE_ARGS)
 
 test: model
-	$(PY) -m pytest -q -ra --durations=15
+	$(PY) -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile
 
 # For the first person with a GPU: the CUDA suite (skipped elsewhere) and a short benchmark.
 gpu-check: model

@@ -34,7 +34,8 @@ setup(
         "gpu": ["flashinfer-python", "sgl-kernel"],
         "bench": ["matplotlib", "aiohttp"],
         # triton: its interpreter runs the CUDA kernels on the CPU in the test suite
-        "dev": ["pytest", "ruff", "openai", "matplotlib", "triton==3.9.0"],
+        # pytest-xdist: `make test` runs the suite in two workers
+        "dev": ["pytest", "pytest-xdist", "ruff", "openai", "matplotlib", "triton==3.9.0"],
         # opt-in: benchmark/fuzz_openapi.py (no torch; the test suite does not need it)
         "fuzz": ["schemathesis==4.32.5"],
     },
