@@ -190,6 +190,9 @@ async def soak(url: str, args: argparse.Namespace, prompts: list[list[int]]) -> 
         "rss_load_by_process_mb": {"warm": mb(rss["warm_load"]), "end": mb(rss["end_load"])},
         "rss_series": series, "flush": flushed,
         "kv_free": info["kv_free"], "kv_capacity": info["kv_capacity"],
+        # how much of the prompts came from the prefix cache, and how many requests waited for
+        # another's prefill of a shared prefix first
+        **{k: info.get(k) for k in ("prompt_tokens", "cached_tokens", "shared_prefill_waits")},
         "ok": not failures and not mismatches and growth < 0.05
         and info["kv_free"] == info["kv_capacity"],
     }
@@ -206,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds between the RSS samples of the time series in the JSON")
     p.add_argument("--streams", type=int, default=64)
     p.add_argument("--num-prompts", type=int, default=48)
+    p.add_argument("--dataset", default="sharegpt", choices=("sharegpt", "rewrite", "schema"),
+                   help="prompts (schema: few-shot prompts sharing long prefixes, so requests "
+                   "also wait for a prompt being prefilled and take it from the cache)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=19)
     p.add_argument("--server-args",
@@ -213,8 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", default="results/soak.json")
     args = p.parse_args(argv)
     tok = load_bench_tokenizer(None)
-    reqs = sample_requests("sharegpt", args.num_prompts, tok, args.seed, args.max_new_tokens)
-    prompts = [r.input_ids or chat_prompt_ids(tok, r.messages) for r in reqs]
+    reqs = sample_requests(args.dataset, args.num_prompts, tok, args.seed, args.max_new_tokens)
+    prompts = [r.input_ids or (chat_prompt_ids(tok, r.messages) if r.messages
+                               else tok.encode(r.prompt, add_special_tokens=False))
+               for r in reqs]
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     with server(shlex.split(args.server_args), Path(args.output).with_suffix(".server.log")) \
             as url:

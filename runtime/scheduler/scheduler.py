@@ -148,7 +148,8 @@ class Scheduler:
         self.released: list[str] = []
         self.batch_id = 0
         self.totals = {"requests": 0, "finished": 0, "aborted": 0, "retracted": 0,
-                       "prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0}
+                       "prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0,
+                       "shared_prefill_waits": 0}  # requests that waited for a shared prefix
         # speculative counters (vLLM names): verify steps, draft tokens, accepted, per position
         self.spec_totals = {"spec_verify_steps": 0, "spec_decode_num_draft_tokens": 0,
                             "spec_decode_num_accepted_tokens": 0, "spec_tokens_from_verify": 0,
@@ -316,6 +317,9 @@ class Scheduler:
             cacheable = self._cacheable(req)
             m = self.cache.match_prefix(req.fill_ids[:cacheable])
             if sharing is not None and sharing(req, m.slots.numel(), cacheable):
+                if not req.waited_for_prefix:
+                    req.waited_for_prefix = True
+                    self.totals["shared_prefill_waits"] += 1
                 deferred.append(self.waiting.popleft())
                 if len(deferred) >= self.cfg.max_running_requests:
                     break  # (bounded work per step on a long queue of one prompt)

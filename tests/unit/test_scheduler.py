@@ -174,6 +174,7 @@ def test_a_burst_behind_one_long_prefix_prefills_it_once(tiny, min_tokens, chunk
     lens = {f"r{i}": len(p) for i, p in enumerate(ps)}
     prefilled = sum(min(len(e.new_token_ids), lens[e.rid] - e.prefix_len)
                     for b in rec.batches for e in b.reqs if e.prefix_len < lens[e.rid])
+    assert h.sched.info()["shared_prefill_waits"] == (3 if min_tokens else 0)
     if min_tokens:
         assert cached == [0, 80, 79, 80, 0]
         first = {}
