@@ -5,7 +5,8 @@ prompt's single-request run, memory must stay flat and the KV must come back.
     python -m benchmark.soak --duration 600 --streams 64 \\
         --server-args "--speculative-algorithm NGRAM --max-running-requests 64"
 
-1. Start the server; run each greedy prompt alone (one at a time): the references.
+1. Start the server; run each greedy prompt alone (one at a time): the references. Then
+   /flush_cache, so the load starts from a cold prefix cache.
 2. `--streams` clients loop for `--duration` seconds; each request is greedy (non-streamed, the
    output compared token for token), sampled (T = 0.8, half seeded), aborted (streamed, then
    /abort_request after its first chunk) or disconnected (streamed, connection dropped).
@@ -106,6 +107,9 @@ async def soak(url: str, args: argparse.Namespace, prompts: list[list[int]]) -> 
         refs = []
         for ids in prompts:  # single-request runs: the references
             refs.append((await generate(client, ids, greedy))["output_ids"])
+        # the load starts from a cold prefix cache, as a fresh server's: its first requests for
+        # one prompt (or a shared few-shot prefix) wait for one prefill of it, not reuse ours
+        await client.post("/flush_cache")
         counts = {k: 0 for k in KINDS}
         failures: list[str] = []
         mismatches: list[int] = []
