@@ -87,10 +87,9 @@ class Engine:
             single = bool(input_ids) and isinstance(input_ids[0], int)
             ids = [list(input_ids)] if single else [list(x) for x in input_ids]
         sp = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(ids)
-        sp = [p or {} for p in sp]
-        n = parallel_samples(sp)  # SGLang's `n`: samples of each prompt, prompt-major
-        params = [SamplingParams.from_dict({k: v for k, v in p.items() if k != "n"},
-                                           self.tm.vocab_size) for p in sp]
+        # SGLang's `n`: samples of each prompt, prompt-major
+        n, sp = parallel_samples([p or {} for p in sp])
+        params = [SamplingParams.from_dict(p, self.tm.vocab_size) for p in sp]
         if n > 1:
             ids = [i for i in ids for _ in range(n)]
             params = [p.for_sample(j) for p in params for j in range(n)]

@@ -84,10 +84,9 @@ def parse_generate(body: GenerateRequest, tm: Any) -> tuple[bool, list[_Item]]:
                                       "lists of token ids")
     params = _per_item(body.sampling_params, "sampling_params", batch, len(prompts), dict, {})
     rids = _per_item(body.rid, "rid", batch, len(prompts), str, None)
-    n = parallel_samples(params)
+    n, params = parallel_samples(params)
     items = []
     for k, (ids, sp, rid) in enumerate(zip(prompts, params, rids)):
-        sp = {key: v for key, v in sp.items() if key != "n"}
         where = f"item {k}: " if batch else ""
         try:
             p = SamplingParams.from_dict(sp, tm.vocab_size)
@@ -110,17 +109,17 @@ def parse_generate(body: GenerateRequest, tm: Any) -> tuple[bool, list[_Item]]:
     return batch or n > 1, items
 
 
-def parallel_samples(params: list[dict]) -> int:
+def parallel_samples(params: list[dict]) -> tuple[int, list[dict]]:
     """SGLang's parallel sampling: `sampling_params.n` samples of every prompt, the same `n`
     for every prompt of a batch; the response is then a list, prompt by prompt, its n samples
-    in a row (SGLang's order)."""
+    in a row (SGLang's order). Returns n and the sampling dicts without "n"."""
     ns = [1 if sp.get("n") is None else sp["n"] for sp in params]
     for n in ns:
         if type(n) is not int or not 1 <= n <= MAX_N:
             raise InvalidRequestError("sampling_params.n", f"must be an integer in [1, {MAX_N}]")
     if len(set(ns)) > 1:
         raise InvalidRequestError("sampling_params.n", "must be the same for every prompt")
-    return ns[0]
+    return ns[0], [{k: v for k, v in sp.items() if k != "n"} for sp in params]
 
 
 def _logprob_options(body: GenerateRequest, prompt_len: int,
