@@ -53,14 +53,17 @@ def test_engine_generate_batch_stream_async_and_shutdown():
             engine.generate("Once", seeded)["output_ids"]
         # SGLang's `n`: a list, prompt by prompt, sample j seeded seed + j; samples after
         # the first take the prompt from the cache (a prompt of 32+ tokens: the scheduler
-        # holds them until the first sample's prompt is cached), a short one prefills n times
+        # holds them until the first sample's prompt is cached); a short one's samples are not
+        # held: those admitted beside its first prefill it again, later ones find it cached
         engine.flush_cache()
         tale = ("Once upon a time, in a small village at the edge of a great forest, there "
                 "lived an old clockmaker who repaired every clock in the valley, and one "
                 "winter night a stranger knocked at his door with")
         samples = engine.generate([tale, "Two plus two is"], {**seeded, "n": 3})
         assert len(samples) == 6
-        assert [s["meta_info"]["cached_tokens"] for s in samples[3:]] == [0] * 3
+        short = samples[3]["meta_info"]["prompt_tokens"]
+        assert samples[3]["meta_info"]["cached_tokens"] == 0
+        assert {s["meta_info"]["cached_tokens"] for s in samples[4:]} <= {0, short - 1}
         assert [s["meta_info"]["cached_tokens"] for s in samples[:3]] == \
             [0] + [samples[0]["meta_info"]["prompt_tokens"] - 1] * 2
         assert samples[0]["output_ids"] == engine.generate(tale, seeded)["output_ids"]
