@@ -109,10 +109,12 @@ class Engine:
         return out
 
     # ---- generation -------------------------------------------------------------------
-    async def _collect(self, ids, params, lp: SglangLogprobs | None = None) -> dict:
+    async def _collect(self, ids, params, lp: SglangLogprobs | None = None,
+                       priority: int = 0) -> dict:
         last = None
         async for chunk in self.tm.generate(ids, params, stream=False,
-                                            logprobs=None if lp is None else lp.options):
+                                            logprobs=None if lp is None else lp.options,
+                                            priority=priority):
             last = chunk
         return chunk_to_dict(last, lp)
 
@@ -121,14 +123,17 @@ class Engine:
         input_ids: list[int] | list[list[int]] | None = None, stream: bool = False,
         return_logprob: bool = False, logprob_start_len: int | None = None,
         top_logprobs_num: int | None = None, return_text_in_logprobs: bool = False,
+        priority: int | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """Generate for one prompt (dict) or several (list of dicts, run concurrently).
 
         With `stream=True` (one prompt), returns an iterator of cumulative chunks. The logprob
         arguments are SGLang's: meta_info then holds `output_token_logprobs` (and
         `input_token_logprobs` from `logprob_start_len` on, the `*_top_logprobs` lists with
-        `top_logprobs_num`); docs/architecture.md, "Logprobs".
+        `top_logprobs_num`); docs/architecture.md, "Logprobs". `priority` is SGLang's (used
+        under --enable-priority-scheduling), for every prompt.
         """
+        priority = self.tm.check_priority(priority)
         ids, params, single = self._inputs(prompt, input_ids, sampling_params)
         self.tm.admit(len(ids), per_request_cap=False)  # --max-queued-requests, if set
         lps = self._logprobs(ids, return_logprob, logprob_start_len, top_logprobs_num,
@@ -136,10 +141,10 @@ class Engine:
         if stream:
             if not single:
                 raise ValueError("stream=True takes a single prompt")
-            return self._stream_sync(ids[0], params[0], lps[0])
+            return self._stream_sync(ids[0], params[0], lps[0], priority)
 
         async def run_all():
-            return await asyncio.gather(*(self._collect(i, p, lp)
+            return await asyncio.gather(*(self._collect(i, p, lp, priority)
                                           for i, p, lp in zip(ids, params, lps)))
 
         outs = self._run(run_all())
@@ -150,9 +155,10 @@ class Engine:
         out = chunk_to_dict(chunk, lp)
         return cursor.cut(out) if self.server_args.incremental_streaming_output else out
 
-    def _stream_sync(self, ids, params, lp: SglangLogprobs | None = None) -> Iterator[dict]:
+    def _stream_sync(self, ids, params, lp: SglangLogprobs | None = None,
+                     priority: int = 0) -> Iterator[dict]:
         agen = self.tm.generate(ids, params, stream=True,
-                                logprobs=None if lp is None else lp.options)
+                                logprobs=None if lp is None else lp.options, priority=priority)
         cursor = StreamCursor()
         try:
             while True:
@@ -169,9 +175,11 @@ class Engine:
         input_ids: list[int] | None = None, stream: bool = False,
         return_logprob: bool = False, logprob_start_len: int | None = None,
         top_logprobs_num: int | None = None, return_text_in_logprobs: bool = False,
+        priority: int | None = None,
     ) -> dict | AsyncIterator[dict]:
         """Awaitable from any event loop; `stream=True` gives an async iterator of chunks.
-        The logprob arguments are `generate`'s."""
+        The logprob and priority arguments are `generate`'s."""
+        priority = self.tm.check_priority(priority)
         ids, params, _ = self._inputs(prompt, input_ids, sampling_params)
         if len(ids) != 1:
             raise ValueError("async_generate takes one prompt and n = 1 (generate takes more)")
@@ -179,15 +187,15 @@ class Engine:
         lp = self._logprobs(ids[:1], return_logprob, logprob_start_len, top_logprobs_num,
                             return_text_in_logprobs)[0]
         if not stream:
-            fut = asyncio.run_coroutine_threadsafe(self._collect(ids[0], params[0], lp),
-                                                   self._loop)
+            fut = asyncio.run_coroutine_threadsafe(
+                self._collect(ids[0], params[0], lp, priority), self._loop)
             return await asyncio.wrap_future(fut)
-        return self._stream_async(ids[0], params[0], lp)
+        return self._stream_async(ids[0], params[0], lp, priority)
 
-    async def _stream_async(self, ids, params, lp: SglangLogprobs | None = None
-                            ) -> AsyncIterator[dict]:
+    async def _stream_async(self, ids, params, lp: SglangLogprobs | None = None,
+                            priority: int = 0) -> AsyncIterator[dict]:
         agen = self.tm.generate(ids, params, stream=True,
-                                logprobs=None if lp is None else lp.options)
+                                logprobs=None if lp is None else lp.options, priority=priority)
         cursor = StreamCursor()
         try:
             while True:

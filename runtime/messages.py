@@ -37,6 +37,7 @@ class GenerateReq(Msg):
     sampling_params: dict  # validated SamplingParams.to_dict()
     stream: bool = False
     logprobs: dict | None = None  # LogprobOptions.to_dict() when the client wants logprobs
+    priority: int = 0  # under --enable-priority-scheduling (validated by the front end)
 
 
 class AbortReq(Msg):

@@ -73,6 +73,21 @@ class BaseServerArgs:
         "doubled ITL p99 at 8-32 streams for no throughput: docs/benchmarks.md) and 512 on CUDA")
     schedule_policy: str = _arg("fcfs", "fcfs (arrival order) or lpm (longest cached prefix "
                                 "first)", ("fcfs", "lpm"))
+    enable_priority_scheduling: bool = _arg(
+        False, "order the queue by each request's `priority` (then arrival), and let a waiting "
+        "request take the seat and KV of running requests less urgent than it by more than "
+        "--priority-scheduling-preemption-threshold (they go back to the queue and resume "
+        "from the prefix cache; outputs unchanged). Off: `priority` is ignored (SGLang's "
+        "options and semantics)")
+    schedule_low_priority_values_first: bool = _arg(
+        False, "with --enable-priority-scheduling: a lower `priority` value is more urgent "
+        "(default: a higher value is, as in SGLang)")
+    priority_scheduling_preemption_threshold: int = _arg(
+        10, "with --enable-priority-scheduling: a waiting request preempts a running one only "
+        "when it is more urgent by more than this many priority levels (SGLang's default)")
+    abort_on_priority_when_disabled: bool = _arg(
+        False, "without --enable-priority-scheduling, refuse (HTTP 400) a request that sets a "
+        "non-zero `priority` instead of ignoring it")
     disable_radix_cache: bool = _arg(False, "do not reuse KV of shared prompt prefixes")
     shared_prefill_min_tokens: int = _arg(
         32, "a waiting request sharing at least this many uncached prompt tokens with a prompt "
@@ -136,7 +151,8 @@ class BaseServerArgs:
                      "max_sequences_per_request"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
-        for name in ("max_queued_requests", "shared_prefill_min_tokens"):
+        for name in ("max_queued_requests", "shared_prefill_min_tokens",
+                     "priority_scheduling_preemption_threshold"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
         if not self.heap_trim_interval >= 0:

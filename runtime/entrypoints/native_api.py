@@ -153,16 +153,18 @@ def _per_item(value: Any, field: str, batch: bool, count: int, kind: type,
 
 async def generate(request: Request, tm: Any, incremental: bool = False) -> Response:
     body = parse_model(GenerateRequest, await read_json(request))
+    priority = tm.check_priority(body.priority)
     batch, items = parse_generate(body, tm)
     tm.admit(len(items))
     text_of = tm.token_texts if body.return_text_in_logprobs else None
     if body.stream:
         gens = await first_chunks(request, [
-            tm.generate(it.input_ids, it.params, True, it.rid, it.logprobs) for it in items])
+            tm.generate(it.input_ids, it.params, True, it.rid, it.logprobs, priority)
+            for it in items])
         return SSEResponse(sse_events(_events(merge(gens), batch, items, text_of,
                                               incremental)))
     finals = await until_disconnect(request, gather_all([
-        last_chunk(tm.generate(it.input_ids, it.params, False, it.rid, it.logprobs))
+        last_chunk(tm.generate(it.input_ids, it.params, False, it.rid, it.logprobs, priority))
         for it in items]))
     out = [chunk_json(chunk, None, it, text_of) for chunk, it in zip(finals, items)]
     return JSONResponse(out if batch else out[0])

@@ -95,6 +95,7 @@ class OpenAIServing:
         body = parse_model(CompletionRequest, await read_json(request))
         self.check_model(body.model)
         body.check_supported()
+        priority = self.tm.check_priority(body.priority)
         prompts = prompt_batch(body.prompt, self.tm.tokenize)
         sampling = body.base_sampling()
         sampling["max_new_tokens"] = 16 if body.max_tokens is None else body.max_tokens
@@ -103,12 +104,13 @@ class OpenAIServing:
                                 {"max_new_tokens": "max_tokens", "input_ids": "prompt"},
                                 max_tokens_given=body.max_tokens is not None, shape=shape)
         return await self._serve(request, "text_completion", prompts, choices, body.stream,
-                                 body.include_usage(), shape)
+                                 body.include_usage(), shape, priority)
 
     async def chat(self, request: Request) -> Response:
         body = parse_model(ChatCompletionRequest, await read_json(request))
         self.check_model(body.model)
         body.check_supported()
+        priority = self.tm.check_priority(body.priority)
         messages = chat_messages(body.messages)
         try:
             ids = self.tm.chat_ids(messages, add_generation_prompt=True)
@@ -126,7 +128,7 @@ class OpenAIServing:
                                  "input_ids": "messages"}, max_tokens_given=limit is not None,
                                 shape=shape)
         return await self._serve(request, "chat.completion", [ids], choices, body.stream,
-                                 body.include_usage(), shape)
+                                 body.include_usage(), shape, priority)
 
     def check_model(self, model: str | None) -> None:
         """404 for a model this server does not serve (OpenAI and vLLM do the same), rather
@@ -155,7 +157,8 @@ class OpenAIServing:
 
     async def _serve(self, request: Request, kind: str, prompts: list[list[int]],
                      job: tuple[str, list[_Choice]], stream: bool | None,
-                     include_usage: bool, shape: _Shape = _Shape()) -> Response:
+                     include_usage: bool, shape: _Shape = _Shape(),
+                     priority: int = 0) -> Response:
         req_id, choices = job
         self.tm.admit(len(choices))
         created = int(time.time())
@@ -163,13 +166,14 @@ class OpenAIServing:
         prompt_tokens = sum(len(ids) for ids in prompts)
         if stream:
             gens = await first_chunks(request, [
-                self.tm.generate(c.input_ids, c.params, True, c.rid, c.logprobs)
+                self.tm.generate(c.input_ids, c.params, True, c.rid, c.logprobs, priority)
                 for c in choices])
             events = self._stream(head, merge(gens), choices, prompt_tokens, include_usage,
                                   shape)
             return SSEResponse(sse_events(events))
         finals = await until_disconnect(request, gather_all([
-            last_chunk(self.tm.generate(c.input_ids, c.params, False, c.rid, c.logprobs))
+            last_chunk(self.tm.generate(c.input_ids, c.params, False, c.rid, c.logprobs,
+                                        priority))
             for c in choices]))
         chat = kind == "chat.completion"
         out = []

@@ -157,6 +157,7 @@ class GenerateRequest(_Body):
     logprob_start_len: int | None = None
     top_logprobs_num: int | None = None
     return_text_in_logprobs: bool | None = None
+    priority: int | None = None  # --enable-priority-scheduling; every prompt of a batch
 
 
 class AbortRequest(_Body):
@@ -189,6 +190,7 @@ class _OpenAISampling(_Body):
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    priority: int | None = None  # vLLM's and SGLang's extension (--enable-priority-scheduling)
 
     def base_sampling(self) -> dict[str, Any]:
         """The SamplingParams fields this body sets (OpenAI names mapped to ours)."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +56,13 @@ class SchedulerConfig:
     max_running_requests: int = 32
     chunked_prefill_size: int = 512
     schedule_policy: str = "fcfs"  # fcfs | lpm
+    # priority scheduling (SGLang's options): the queue is ordered by request priority first
+    # (then by the policy above), and a waiting request more urgent than a running one by
+    # more than `priority_preemption_threshold` levels takes its seat and KV (the running one
+    # is retracted to the queue); by default a higher value is more urgent
+    enable_priority_scheduling: bool = False
+    low_priority_values_first: bool = False
+    priority_preemption_threshold: int = 10
     disable_radix_cache: bool = False
     # a waiting request that shares at least this many uncached prompt tokens with a prompt
     # being prefilled waits until that prompt is cached, then prefills only the rest (SGLang's
@@ -103,6 +110,9 @@ class SchedulerConfig:
             max_running_requests=server_args.max_running_requests,
             chunked_prefill_size=server_args.chunked_prefill_size,
             schedule_policy=server_args.schedule_policy,
+            enable_priority_scheduling=server_args.enable_priority_scheduling,
+            low_priority_values_first=server_args.schedule_low_priority_values_first,
+            priority_preemption_threshold=server_args.priority_scheduling_preemption_threshold,
             disable_radix_cache=server_args.disable_radix_cache,
             shared_prefill_min_tokens=server_args.shared_prefill_min_tokens,
             num_draft_tokens=n,
@@ -149,7 +159,8 @@ class Scheduler:
         self.batch_id = 0
         self.totals = {"requests": 0, "finished": 0, "aborted": 0, "retracted": 0,
                        "prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0,
-                       "shared_prefill_waits": 0}  # requests that waited for a shared prefix
+                       "shared_prefill_waits": 0,  # requests that waited for a shared prefix
+                       "preempted": 0}  # retracted for a more urgent request (priority)
         # speculative counters (vLLM names): verify steps, draft tokens, accepted, per position
         self.spec_totals = {"spec_verify_steps": 0, "spec_decode_num_draft_tokens": 0,
                             "spec_decode_num_accepted_tokens": 0, "spec_tokens_from_verify": 0,
@@ -160,7 +171,8 @@ class Scheduler:
     def handle(self, msg) -> None:
         if isinstance(msg, GenerateReq):
             req = Req(msg.rid, list(msg.input_ids), SamplingParams(**msg.sampling_params),
-                      msg.stream, logprobs=LogprobOptions.from_dict(msg.logprobs))
+                      msg.stream, logprobs=LogprobOptions.from_dict(msg.logprobs),
+                      priority=msg.priority if self.cfg.enable_priority_scheduling else 0)
             if len(req.prompt_ids) >= self.stop.context_length or not req.prompt_ids:
                 self._finish_now(req, {"type": "abort", "message": "prompt length invalid"})
                 return
@@ -171,7 +183,7 @@ class Scheduler:
                                        "message": f"request id {req.rid!r} is still running"})
                 return
             self.totals["requests"] += 1
-            self.waiting.append(req)
+            self._enqueue(req)
         elif isinstance(msg, AbortReq):
             self.abort(msg.rid)
         elif isinstance(msg, FlushCacheReq):
@@ -229,13 +241,15 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> bool:
         """Run one batch if there is work; returns whether anything ran."""
+        preempted = self._preempt() if self.cfg.enable_priority_scheduling else ()
         if self._has_prefill_work():
             # mixed: every decoding request gains one token while prompts are prefilled
             retracted = self.totals["retracted"]
             decode = self._decode_batch(speculate=False)
             # no admission in a step that just retracted: the KV it freed is for the others
             prefill = self._prefill_batch(self.cfg.chunked_prefill_size - len(decode),
-                                          admit=retracted == self.totals["retracted"])
+                                          admit=retracted == self.totals["retracted"],
+                                          held=preempted)
             entries = decode + prefill
             mode = ForwardMode.EXTEND if prefill else ForwardMode.DECODE
         else:
@@ -287,10 +301,12 @@ class Scheduler:
         return any(r.num_pending > 1 for r in self.running) or (
             bool(self.waiting) and len(self.running) < self.cfg.max_running_requests)
 
-    def _prefill_batch(self, budget: int, admit: bool = True) -> list[tuple]:
+    def _prefill_batch(self, budget: int, admit: bool = True,
+                       held: Collection[Req] = ()) -> list[tuple]:
         """Prompt chunks within `budget` tokens: unfinished prefills first, then (if `admit`)
-        new requests while KV headroom lasts. At least one token goes to prefill per step, so
-        a full decode batch cannot starve the queue."""
+        new requests while KV headroom lasts, up to the first of `held` (requests preempted
+        for this step's). At least one token goes to prefill per step, so a full decode batch
+        cannot starve the queue."""
         budget = max(budget, 1)
         entries = []
         for req in self.running:  # unfinished chunked prefills first
@@ -302,9 +318,10 @@ class Scheduler:
                 entries.append(self._entry(req, chunk, slots))
                 budget -= chunk
         if self.cfg.schedule_policy == "lpm" and len(self.waiting) > 1:
-            # longest cached prefix first: reuse KV before it is evicted
-            order = sorted(self.waiting, key=lambda r: -len(self.cache.match_prefix(
-                r.fill_ids[:-1]).slots))
+            # longest cached prefix first (within a priority level): reuse KV before it is
+            # evicted
+            order = sorted(self.waiting, key=lambda r: (self._rank(r), -len(
+                self.cache.match_prefix(r.fill_ids[:-1]).slots)))
             self.waiting = deque(order)
         # prompts being prefilled: a waiting request that shares a long uncached prefix with
         # one waits (keeping its place) and takes that prefix from the cache a step later
@@ -313,6 +330,8 @@ class Scheduler:
         while admit and self.waiting and budget > 0 and \
                 len(self.running) < self.cfg.max_running_requests:
             req = self.waiting[0]
+            if req in held:
+                break  # (what it gave up is for the requests ahead of it)
             # keep >= 1 token to compute; prompt logprobs need their rows computed, not cached
             cacheable = self._cacheable(req)
             m = self.cache.match_prefix(req.fill_ids[:cacheable])
@@ -397,7 +416,8 @@ class Scheduler:
             len(decoding) * tokens_per_req > self.allocator.num_free + self.cache.evictable_size
             and len(decoding) > 1
         ):
-            victim = max(decoding, key=lambda r: r.arrival)  # latest arrival loses least work
+            # the least urgent, then the latest arrival (it loses least work)
+            victim = max(decoding, key=lambda r: (self._rank(r), r.arrival))
             decoding.remove(victim)
             self._retract(victim)
         entries = []
@@ -423,15 +443,80 @@ class Scheduler:
             entries.append(self._entry(req, 1, slots))
         return entries
 
-    def _retract(self, req: Req) -> None:
-        logger.info("KV cache full: retracting %s (%d tokens) to the queue", req.rid, req.kv_len)
+    def _retract(self, req: Req, why: str = "KV cache full") -> None:
+        logger.info("%s: retracting %s (%d tokens) to the queue", why, req.rid, req.kv_len)
         self.totals["retracted"] += 1
         self.running.remove(req)
         self._free_kv(req)
         req.runner_kv_len = 0  # its slots are gone; re-admission ships the whole new list
         req.prompt_cached = False
         req.num_retractions += 1
-        self.waiting.appendleft(req)
+        self._enqueue(req, front=True)
+
+    # ---- priority ------------------------------------------------------------------------
+    def _rank(self, req: Req) -> int:
+        """Urgency as a sort key: smaller runs first (0 for all without priority scheduling)."""
+        return req.priority if self.cfg.low_priority_values_first else -req.priority
+
+    def _enqueue(self, req: Req, front: bool = False) -> None:
+        """Queue `req`: behind its priority level's requests, or (`front`, a retracted request:
+        it arrived before them) ahead of them. Without priority scheduling every request has
+        one level, so that is the back or the front of the queue."""
+        if not self.cfg.enable_priority_scheduling:
+            (self.waiting.appendleft if front else self.waiting.append)(req)
+            return
+        rank = self._rank(req)
+        for i, other in enumerate(self.waiting):
+            if self._rank(other) > rank or (front and self._rank(other) == rank):
+                self.waiting.insert(i, req)
+                return
+        self.waiting.append(req)
+
+    def _preempt(self) -> list[Req]:
+        """Priority preemption (SGLang's): before a step is built, retract running requests
+        that the queue's most urgent requests outrank by more than the threshold, the least
+        urgent (then the latest) first, so that those requests are admitted in this step.
+
+        The queue is walked in order, as admission will walk it, with the step's prefill
+        budget: a request that a free seat and free KV already admit takes them; one that
+        does not takes victims' seats and KV while it outranks them, and nothing is retracted
+        for a request that victims cannot make room for (nor for any behind it). A retracted
+        request keeps its outputs and resumes from the prefix cache, which holds its KV; it is
+        not re-admitted in the step it gave its room up for. Returns the retracted requests."""
+        if not self.waiting or not self.running:
+            return []
+        threshold = self.cfg.priority_preemption_threshold
+        candidates = sorted(self.running, key=lambda r: (self._rank(r), r.arrival))
+        seats = self.cfg.max_running_requests - len(self.running)
+        headroom = self.allocator.num_free + self.cache.evictable_size - self._reserved()
+        budget = self.cfg.chunked_prefill_size - len(self.running)
+        victims: list[Req] = []
+        for req in self.waiting:
+            if budget <= 0:
+                break
+            # what admission would allocate: the uncached part, within the step's budget
+            cached = self.cache.match_prefix(req.fill_ids[:self._cacheable(req)]).slots.numel()
+            need = min(len(req.fill_ids) - cached, max(budget, 1))
+            chosen: list[Req] = []
+            while (seats < 1 or need > headroom) and candidates and \
+                    self._rank(candidates[-1]) - self._rank(req) > threshold:
+                v = candidates.pop()
+                chosen.append(v)
+                seats += 1
+                # its KV goes to the cache (evictable) and its reserve is released
+                headroom += v.kv_len - v.cache_len + int(
+                    (v.params.max_new_tokens - len(v.output_ids)) * self.cfg.decode_reserve_ratio)
+            if seats < 1 or need > headroom:
+                candidates.extend(reversed(chosen))  # no room even so: leave them running
+                break
+            victims += chosen
+            seats -= 1
+            headroom -= need
+            budget -= need
+        for v in victims:
+            self.totals["preempted"] += 1
+            self._retract(v, why=f"priority {v.priority} preempted")
+        return victims
 
     def _free_kv(self, req: Req) -> None:
         fill = req.fill_ids

@@ -40,6 +40,9 @@ from runtime.tokenizer.metrics import ServingMetrics
 
 logger = logging.getLogger(__name__)
 
+# a request's `priority` (int32, as vLLM and SGLang carry it)
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
+
 
 class BackendDeadError(SpecserveError):
     """A server process died; requests in flight cannot complete."""
@@ -212,6 +215,22 @@ class TokenizerManager:
                 "of tokens in the input messages or the completion to fit within the limit.")
         params.max_new_tokens = min(params.max_new_tokens, self.context_length - len(input_ids))
 
+    def check_priority(self, priority: int | None) -> int:
+        """The priority to schedule a request at. Under --enable-priority-scheduling, the
+        client's (0 when it gave none); otherwise 0, and a non-zero priority is ignored, as
+        SGLang does, or refused with --abort-on-priority-when-disabled."""
+        if priority is None:
+            return 0
+        if type(priority) is not int or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+            raise InvalidRequestError("priority", f"must be an integer in [{PRIORITY_MIN}, "
+                                      f"{PRIORITY_MAX}]")
+        if self.server_args.enable_priority_scheduling:
+            return priority
+        if priority != 0 and self.server_args.abort_on_priority_when_disabled:
+            raise InvalidRequestError("priority", "this server does not schedule by priority "
+                                      "(start it with --enable-priority-scheduling)")
+        return 0
+
     # ---- admission ---------------------------------------------------------------------
     def admit(self, count: int, per_request_cap: bool = True) -> None:
         """Refuse, before any of them starts, a request of `count` sequences that is larger
@@ -236,10 +255,11 @@ class TokenizerManager:
     # ---- requests ----------------------------------------------------------------------
     async def generate(
         self, input_ids: list[int], params: SamplingParams, stream: bool = False,
-        rid: str | None = None, logprobs: LogprobOptions | None = None,
+        rid: str | None = None, logprobs: LogprobOptions | None = None, priority: int = 0,
     ) -> AsyncIterator[GenerateChunk]:
         """Yield chunks (each new step when `stream`, else only the final one); with
-        `logprobs`, each chunk carries the logprobs so far.
+        `logprobs`, each chunk carries the logprobs so far. `priority` as `check_priority`
+        returned it.
 
         If the consumer stops early (client disconnect → cancellation), the request is aborted
         on the scheduler and its KV freed.
@@ -258,6 +278,7 @@ class TokenizerManager:
         self._send.send(self._enc.encode(GenerateReq(
             rid=rid, input_ids=list(input_ids), sampling_params=params.to_dict(),
             stream=stream, logprobs=None if logprobs is None else logprobs.to_dict(),
+            priority=priority,
         )))
         try:
             while True:

@@ -191,7 +191,9 @@ def test_engine_batches_skip_the_per_request_cap_but_not_the_queue(env):
 
 @pytest.mark.parametrize(("field", "value"), [("max_queued_requests", -1),
                                               ("max_sequences_per_request", 0),
-                                              ("shared_prefill_min_tokens", -1)])
+                                              ("shared_prefill_min_tokens", -1),
+                                              ("priority_scheduling_preemption_threshold",
+                                               -1)])
 def test_admission_limits_are_checked_at_start(tmp_path, field, value):
     with pytest.raises(ValueError, match=field.replace("_", "-")):
         ServerArgs(model_path=str(tmp_path), **{field: value}).resolve()

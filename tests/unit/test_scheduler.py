@@ -48,9 +48,14 @@ class Harness:
                     self.finish[rid] = fin
                     self.meta[rid] = meta
 
-    def submit(self, rid, ids, **params):
+    def submit(self, rid, ids, priority=0, **params):
         p = SamplingParams(**{"temperature": 0.0, "max_new_tokens": 12, **params})
-        self.sched.handle(GenerateReq(rid=rid, input_ids=ids, sampling_params=p.to_dict()))
+        self.sched.handle(GenerateReq(rid=rid, input_ids=ids, sampling_params=p.to_dict(),
+                                      priority=priority))
+
+    @property
+    def finished_order(self) -> list[str]:
+        return list(self.finish)  # (dicts keep insertion order: the order requests finished)
 
     def run(self, max_steps=10_000):
         for _ in range(max_steps):
@@ -190,6 +195,104 @@ def test_a_burst_behind_one_long_prefix_prefills_it_once(tiny, min_tokens, chunk
     h.sched.check_no_leak()
     h.sched.handle(FlushCacheReq(req_id="f"))
     assert h.sched.allocator.num_free == h.sched.allocator.capacity
+
+
+def _ran_in(rec: Recorder, rid: str) -> list[int]:
+    return [k for k, b in enumerate(rec.batches) if any(e.rid == rid for e in b.reqs)]
+
+
+@pytest.mark.parametrize("low_first", [False, True])
+def test_priority_preempts_the_least_urgent_running_request(tiny, low_first):
+    """Two long low-priority requests fill both seats; a request 20 levels more urgent arrives
+    and is admitted in the very next step, in the seat of the later low one, which goes back to
+    the queue and resumes (from the prefix cache) when a seat frees. Every output is what it
+    is alone; nothing leaks. `low_first`: the same with SGLang's
+    --schedule-low-priority-values-first (-20 is then the more urgent)."""
+    ps = prompts(3, seed=11)
+    ref = reference(tiny, ps, ignore_eos=True, max_new_tokens=30)
+    sign = -1 if low_first else 1
+    h = Harness(tiny, max_running_requests=2, chunked_prefill_size=64,
+                enable_priority_scheduling=True, low_priority_values_first=low_first)
+    rec = Recorder(h)
+    h.submit("low0", ps[0], ignore_eos=True, max_new_tokens=30)
+    h.submit("low1", ps[1], ignore_eos=True, max_new_tokens=30)
+    for _ in range(4):
+        h.sched.step()
+    assert len(h.outputs["low1"]) >= 2
+    h.submit("high", ps[2], priority=20 * sign, ignore_eos=True, max_new_tokens=30)
+    arrived = len(rec.batches)
+    h.sched.step()
+    assert _ran_in(rec, "high")[0] == arrived  # admitted at once
+    assert {r.rid for r in h.sched.running} == {"low0", "high"}
+    assert [r.rid for r in h.sched.waiting] == ["low1"]
+    h.run()
+    assert [h.outputs[r] for r in ("low0", "low1", "high")] == ref
+    assert h.sched.totals["preempted"] == 1 and h.sched.totals["retracted"] == 1
+    assert h.finished_order.index("high") < h.finished_order.index("low1")
+    assert h.meta["low1"]["cached_tokens"] == 0  # (reported for its first admission only)
+    h.sched.check_no_leak()
+    h.sched.handle(FlushCacheReq(req_id="f"))
+    assert h.sched.allocator.num_free == h.sched.allocator.capacity
+
+
+def test_priority_orders_the_queue_and_preempts_only_past_the_threshold(tiny):
+    """One seat. A request 10 levels more urgent (not more than the threshold of 10) does not
+    preempt the running one but goes ahead of the queue; one 11 levels more urgent preempts."""
+    ps = prompts(4, seed=12)
+    ref = reference(tiny, ps, ignore_eos=True, max_new_tokens=16)
+    h = Harness(tiny, max_running_requests=1, enable_priority_scheduling=True)
+    h.submit("a", ps[0], ignore_eos=True, max_new_tokens=16)
+    h.sched.step()
+    h.submit("b", ps[1], ignore_eos=True, max_new_tokens=16)
+    h.submit("c", ps[2], priority=10, ignore_eos=True, max_new_tokens=16)
+    h.sched.step()
+    assert [r.rid for r in h.sched.running] == ["a"]
+    assert [r.rid for r in h.sched.waiting] == ["c", "b"]
+    h.submit("d", ps[3], priority=11, ignore_eos=True, max_new_tokens=16)
+    h.sched.step()
+    assert [r.rid for r in h.sched.running] == ["d"]
+    # a (retracted, arrived first) heads its level again; c stays ahead of both
+    assert [r.rid for r in h.sched.waiting] == ["c", "a", "b"]
+    h.run()
+    assert h.finished_order == ["d", "c", "a", "b"]
+    assert [h.outputs[r] for r in "abcd"] == ref
+    assert h.sched.totals["preempted"] == 1
+    h.sched.check_no_leak()
+
+
+def test_priority_preemption_frees_kv_for_an_urgent_prompt(tiny):
+    """Seats are free but KV is not: the urgent request takes the KV of the least urgent
+    running request (retracted), is admitted at once, and every output is as alone."""
+    rng = random.Random(13)
+    ps = [[rng.randrange(3, 300) for _ in range(50)] for _ in range(3)]
+    ref = reference(tiny, ps, ignore_eos=True, max_new_tokens=40)
+    h = Harness(tiny, capacity=200, chunked_prefill_size=64, decode_reserve_ratio=0.0,
+                enable_priority_scheduling=True, disable_radix_cache=True)
+    rec = Recorder(h)
+    h.submit("low0", ps[0], priority=-5, ignore_eos=True, max_new_tokens=40)
+    h.submit("low1", ps[1], priority=-20, ignore_eos=True, max_new_tokens=40)
+    while h.sched.allocator.num_free >= 50:
+        h.sched.step()
+    h.submit("high", ps[2], priority=10, ignore_eos=True, max_new_tokens=40)
+    arrived = len(rec.batches)
+    h.sched.step()
+    assert _ran_in(rec, "high")[0] == arrived
+    assert [r.rid for r in h.sched.waiting] == ["low1"]  # the least urgent, not the latest
+    h.run()
+    assert [h.outputs[r] for r in ("low0", "low1", "high")] == ref
+    assert h.sched.totals["preempted"] >= 1
+    h.sched.check_no_leak()
+
+
+def test_without_priority_scheduling_priorities_change_nothing(tiny):
+    ps = prompts(3, seed=14)
+    h = Harness(tiny, max_running_requests=1)
+    h.submit("a", ps[0])
+    h.submit("b", ps[1], priority=-100)
+    h.submit("c", ps[2], priority=100)
+    h.run()
+    assert h.finished_order == ["a", "b", "c"]
+    assert h.sched.totals["preempted"] == 0
 
 
 def test_abort_waiting_and_running_frees_kv(tiny):

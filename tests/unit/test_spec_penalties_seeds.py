@@ -84,8 +84,10 @@ def plain(runner, ps: list[list[int]], params: dict, seeds: bool) -> list[list[i
     return [r.output_ids for r in gen.generate(ps, sp)]
 
 
-def spec_run(tiny_vocab, heads, algo, ps, params, seeds, ref, **cfg):  # noqa: F811
-    """(outputs, scheduler info, drafter) of `ps` through the scheduler with speculation."""
+def spec_run(tiny_vocab, heads, algo, ps, params, seeds, ref,  # noqa: F811
+             priorities=None, late=(), **cfg):
+    """(outputs, scheduler info, drafter) of `ps` through the scheduler with speculation;
+    the requests numbered in `late` arrive after 4 steps, `priorities` one per request."""
     runner = tiny_vocab[1]
     n = 6
     if algo == "ORACLE":
@@ -102,9 +104,20 @@ def spec_run(tiny_vocab, heads, algo, ps, params, seeds, ref, **cfg):  # noqa: F
     h = Harness(tiny_vocab, num_draft_tokens=n, **cfg)
     h.worker = RunnerWorker(runner, SpeculativeWorker(spec, drafter, runner))
     h.sched.run_batch = h.worker.run
-    for i, p in enumerate(ps):
-        h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=NEW_TOKENS, **params,
+
+    def submit(i):
+        h.submit(f"r{i}", ps[i], ignore_eos=True, max_new_tokens=NEW_TOKENS, **params,
+                 priority=0 if priorities is None else priorities[i],
                  **({"seed": 1000 + i} if seeds else {}))
+
+    for i in range(len(ps)):
+        if i not in late:
+            submit(i)
+    if late:
+        for _ in range(4):
+            h.sched.step()
+        for i in late:
+            submit(i)
     h.run()
     h.sched.check_no_leak()
     return [h.outputs[f"r{i}"] for i in range(len(ps))], h.sched.info(), drafter
@@ -144,6 +157,25 @@ def test_retraction_under_speculation_keeps_outputs(tiny_vocab, heads, algo, kin
     out, info, _ = spec_run(tiny_vocab, heads, algo, ps, params, seeds, ref, capacity=150,
                             decode_reserve_ratio=0.0)
     assert info["retracted"] > 0, "capacity was meant to force retractions"
+    assert info["spec_decode_num_accepted_tokens"] > 0
+    assert out == ref
+
+
+@pytest.mark.parametrize("algo", ["NGRAM", "EAGLE3"])
+@pytest.mark.parametrize("kind", ["greedy_repetition", "seeded"])
+def test_priority_preemption_under_speculation_keeps_outputs(tiny_vocab, heads, algo,  # noqa: F811
+                                                             kind):
+    """Three urgent requests arrive while four less urgent ones hold every seat: three are
+    preempted mid-speculation (their trees' slots freed), resume later, and every output is
+    still plain decoding's."""
+    params = PARAMS[kind]
+    seeds = kind.startswith("seeded")
+    ps = copy_heavy(7, seed=21)
+    ref = plain(tiny_vocab[1], ps, params, seeds)
+    out, info, _ = spec_run(tiny_vocab, heads, algo, ps, params, seeds, ref,
+                            priorities=[0, 0, 0, 0, 50, 50, 50], late=(4, 5, 6),
+                            max_running_requests=4, enable_priority_scheduling=True)
+    assert info["preempted"] == 3 and info["retracted"] == 3
     assert info["spec_decode_num_accepted_tokens"] > 0
     assert out == ref
 
