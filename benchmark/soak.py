@@ -77,15 +77,22 @@ def tree_rss_kb(url_port: int) -> dict[str, int]:
     return out
 
 
-async def generate(client: httpx.AsyncClient, ids: list[int], params: dict) -> dict:
-    r = await client.post("/generate", json={"input_ids": ids, "sampling_params": params})
+async def generate(client: httpx.AsyncClient, ids: list[int], params: dict,
+                   priority: int | None = None) -> dict:
+    body = {"input_ids": ids, "sampling_params": params}
+    if priority is not None:
+        body["priority"] = priority
+    r = await client.post("/generate", json=body)
     r.raise_for_status()
     return r.json()
 
 
-async def streamed(client: httpx.AsyncClient, ids: list[int], params: dict, kind: str) -> None:
+async def streamed(client: httpx.AsyncClient, ids: list[int], params: dict, kind: str,
+                   priority: int | None = None) -> None:
     rid = f"soak-{uuid.uuid4().hex}"
     body = {"input_ids": ids, "sampling_params": params, "stream": True, "rid": rid}
+    if priority is not None:
+        body["priority"] = priority
     async with client.stream("POST", "/generate", json=body) as r:
         r.raise_for_status()
         lines = r.aiter_lines()  # one iterator: a response's stream can be read only once
@@ -142,18 +149,19 @@ async def soak(url: str, args: argparse.Namespace, prompts: list[list[int]]) -> 
                 await go.wait()
                 i = rng.randrange(len(prompts))
                 kind = rng.choices(KINDS, WEIGHTS)[0]
+                prio = rng.randrange(args.priority_levels) if args.priority_levels else None
                 try:
                     if kind == "greedy":
-                        out = await generate(client, prompts[i], greedy)
+                        out = await generate(client, prompts[i], greedy, prio)
                         if out["output_ids"] != refs[i]:
                             mismatches.append(i)
                     elif kind == "sampled":
                         p = {"temperature": 0.8, "max_new_tokens": args.max_new_tokens}
                         if rng.random() < 0.5:
                             p["seed"] = rng.randrange(2**32)
-                        await generate(client, prompts[i], p)
+                        await generate(client, prompts[i], p, prio)
                     else:
-                        await streamed(client, prompts[i], greedy, kind)
+                        await streamed(client, prompts[i], greedy, kind, prio)
                     counts[kind] += 1
                 except Exception as exc:  # noqa: BLE001 - every failure is counted and shown
                     failures.append(f"{kind}: {exc!r}")
@@ -197,6 +205,8 @@ async def soak(url: str, args: argparse.Namespace, prompts: list[list[int]]) -> 
         # how much of the prompts came from the prefix cache, and how many requests waited for
         # another's prefill of a shared prefix first
         **{k: info.get(k) for k in ("prompt_tokens", "cached_tokens", "shared_prefill_waits")},
+        # requests sent back to the queue: for KV, or (priority scheduling) for a more urgent one
+        **{k: info.get(k) for k in ("retracted", "preempted")},
         "ok": not failures and not mismatches and growth < 0.05
         and info["kv_free"] == info["kv_capacity"],
     }
@@ -217,6 +227,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="prompts (schema: few-shot prompts sharing long prefixes, so requests "
                    "also wait for a prompt being prefilled and take it from the cache)")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--priority-levels", type=int, default=0,
+                   help="each request gets a random `priority` in [0, N) (0: none); with "
+                   "--enable-priority-scheduling in --server-args and fewer seats than "
+                   "streams, urgent requests preempt running ones, whose greedy outputs are "
+                   "still checked")
     p.add_argument("--seed", type=int, default=19)
     p.add_argument("--server-args",
                    default="--speculative-algorithm NGRAM --max-running-requests 64")

@@ -489,7 +489,7 @@ class Scheduler:
         candidates = sorted(self.running, key=lambda r: (self._rank(r), r.arrival))
         seats = self.cfg.max_running_requests - len(self.running)
         headroom = self.allocator.num_free + self.cache.evictable_size - self._reserved()
-        budget = self.cfg.chunked_prefill_size - len(self.running)
+        budget = max(self.cfg.chunked_prefill_size - len(self.running), 1)  # (as admission's)
         victims: list[Req] = []
         for req in self.waiting:
             if budget <= 0:

@@ -48,6 +48,11 @@ def test_engine_generate_batch_stream_async_and_shutdown():
         assert [t for d in deltas for t in d["output_ids"]] == one["output_ids"]
         with pytest.raises(InvalidRequestError, match="temperature"):
             engine.generate("hi", {"temperature": -1})
+        # `priority` (ignored without --enable-priority-scheduling) reaches the same path
+        assert engine.generate("The capital of France is", greedy, priority=7)["output_ids"] \
+            == one["output_ids"]
+        with pytest.raises(InvalidRequestError, match="priority"):
+            engine.generate("hi", greedy, priority=2**31)
         seeded = {"max_new_tokens": 16, "temperature": 0.9, "seed": 123}
         assert engine.generate("Once", seeded)["output_ids"] == \
             engine.generate("Once", seeded)["output_ids"]
