@@ -110,7 +110,7 @@ class Engine:
 
     # ---- generation -------------------------------------------------------------------
     async def _collect(self, ids, params, lp: SglangLogprobs | None = None,
-                       priority: int = 0) -> dict:
+                       priority: int | None = None) -> dict:
         last = None
         async for chunk in self.tm.generate(ids, params, stream=False,
                                             logprobs=None if lp is None else lp.options,
@@ -156,7 +156,7 @@ class Engine:
         return cursor.cut(out) if self.server_args.incremental_streaming_output else out
 
     def _stream_sync(self, ids, params, lp: SglangLogprobs | None = None,
-                     priority: int = 0) -> Iterator[dict]:
+                     priority: int | None = None) -> Iterator[dict]:
         agen = self.tm.generate(ids, params, stream=True,
                                 logprobs=None if lp is None else lp.options, priority=priority)
         cursor = StreamCursor()
@@ -193,7 +193,7 @@ class Engine:
         return self._stream_async(ids[0], params[0], lp, priority)
 
     async def _stream_async(self, ids, params, lp: SglangLogprobs | None = None,
-                            priority: int = 0) -> AsyncIterator[dict]:
+                            priority: int | None = None) -> AsyncIterator[dict]:
         agen = self.tm.generate(ids, params, stream=True,
                                 logprobs=None if lp is None else lp.options, priority=priority)
         cursor = StreamCursor()

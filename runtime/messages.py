@@ -37,7 +37,9 @@ class GenerateReq(Msg):
     sampling_params: dict  # validated SamplingParams.to_dict()
     stream: bool = False
     logprobs: dict | None = None  # LogprobOptions.to_dict() when the client wants logprobs
-    priority: int = 0  # under --enable-priority-scheduling (validated by the front end)
+    # under --enable-priority-scheduling (validated by the front end); None: the client gave
+    # none (the least urgent, as SGLang)
+    priority: int | None = None
 
 
 class AbortReq(Msg):

@@ -74,7 +74,8 @@ class BaseServerArgs:
     schedule_policy: str = _arg("fcfs", "fcfs (arrival order) or lpm (longest cached prefix "
                                 "first)", ("fcfs", "lpm"))
     enable_priority_scheduling: bool = _arg(
-        False, "order the queue by each request's `priority` (then arrival), and let a waiting "
+        False, "order the queue by each request's `priority` (then arrival; a request without "
+        "one comes last), and let a waiting "
         "request take the seat and KV of running requests less urgent than it by more than "
         "--priority-scheduling-preemption-threshold (they go back to the queue and resume "
         "from the prefix cache; outputs unchanged). Off: `priority` is ignored (SGLang's "
@@ -87,7 +88,7 @@ class BaseServerArgs:
         "when it is more urgent by more than this many priority levels (SGLang's default)")
     abort_on_priority_when_disabled: bool = _arg(
         False, "without --enable-priority-scheduling, refuse (HTTP 400) a request that sets a "
-        "non-zero `priority` instead of ignoring it")
+        "`priority` instead of ignoring it (SGLang's option)")
     disable_radix_cache: bool = _arg(False, "do not reuse KV of shared prompt prefixes")
     shared_prefill_min_tokens: int = _arg(
         32, "a waiting request sharing at least this many uncached prompt tokens with a prompt "

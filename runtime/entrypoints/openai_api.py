@@ -158,7 +158,7 @@ class OpenAIServing:
     async def _serve(self, request: Request, kind: str, prompts: list[list[int]],
                      job: tuple[str, list[_Choice]], stream: bool | None,
                      include_usage: bool, shape: _Shape = _Shape(),
-                     priority: int = 0) -> Response:
+                     priority: int | None = None) -> Response:
         req_id, choices = job
         self.tm.admit(len(choices))
         created = int(time.time())

@@ -32,7 +32,7 @@ class Req:
     num_retractions: int = 0
     prompt_cached: bool = False  # the prompt's KV went to the radix cache once prefilled
     waited_for_prefix: bool = False  # waited for another's prefill of a shared prefix
-    priority: int = 0  # (priority scheduling) the client's; 0 when it is off
+    priority: int | None = None  # (priority scheduling) the client's; None: least urgent
     spec_verify_ct: int = 0
     spec_drafted: int = 0
     spec_accept_hist: list[int] = field(default_factory=list)  # [k] = steps accepting k drafts

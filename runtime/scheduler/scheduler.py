@@ -19,6 +19,7 @@ requests' lengths.
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -172,7 +173,7 @@ class Scheduler:
         if isinstance(msg, GenerateReq):
             req = Req(msg.rid, list(msg.input_ids), SamplingParams(**msg.sampling_params),
                       msg.stream, logprobs=LogprobOptions.from_dict(msg.logprobs),
-                      priority=msg.priority if self.cfg.enable_priority_scheduling else 0)
+                      priority=msg.priority if self.cfg.enable_priority_scheduling else None)
             if len(req.prompt_ids) >= self.stop.context_length or not req.prompt_ids:
                 self._finish_now(req, {"type": "abort", "message": "prompt length invalid"})
                 return
@@ -454,8 +455,12 @@ class Scheduler:
         self._enqueue(req, front=True)
 
     # ---- priority ------------------------------------------------------------------------
-    def _rank(self, req: Req) -> int:
-        """Urgency as a sort key: smaller runs first (0 for all without priority scheduling)."""
+    def _rank(self, req: Req) -> float:
+        """Urgency as a sort key: smaller runs first. A request without a priority (every
+        request without priority scheduling) ranks last, as SGLang ranks it: behind every
+        priority, and preempted by any request that has one."""
+        if req.priority is None:
+            return math.inf
         return req.priority if self.cfg.low_priority_values_first else -req.priority
 
     def _enqueue(self, req: Req, front: bool = False) -> None:

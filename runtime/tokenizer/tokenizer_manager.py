@@ -215,21 +215,23 @@ class TokenizerManager:
                 "of tokens in the input messages or the completion to fit within the limit.")
         params.max_new_tokens = min(params.max_new_tokens, self.context_length - len(input_ids))
 
-    def check_priority(self, priority: int | None) -> int:
-        """The priority to schedule a request at. Under --enable-priority-scheduling, the
-        client's (0 when it gave none); otherwise 0, and a non-zero priority is ignored, as
-        SGLang does, or refused with --abort-on-priority-when-disabled."""
+    def check_priority(self, priority: int | None) -> int | None:
+        """The priority to schedule a request at: under --enable-priority-scheduling the
+        client's, None when it gave none (the scheduler ranks those last, as SGLang does).
+        Without it, None: a priority is ignored, as SGLang does, or refused with
+        --abort-on-priority-when-disabled."""
         if priority is None:
-            return 0
+            return None
         if type(priority) is not int or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
             raise InvalidRequestError("priority", f"must be an integer in [{PRIORITY_MIN}, "
                                       f"{PRIORITY_MAX}]")
         if self.server_args.enable_priority_scheduling:
             return priority
-        if priority != 0 and self.server_args.abort_on_priority_when_disabled:
+        if self.server_args.abort_on_priority_when_disabled:
             raise InvalidRequestError("priority", "this server does not schedule by priority "
-                                      "(start it with --enable-priority-scheduling)")
-        return 0
+                                      "(start it with --enable-priority-scheduling); send the "
+                                      "request without one")
+        return None
 
     # ---- admission ---------------------------------------------------------------------
     def admit(self, count: int, per_request_cap: bool = True) -> None:
@@ -255,7 +257,8 @@ class TokenizerManager:
     # ---- requests ----------------------------------------------------------------------
     async def generate(
         self, input_ids: list[int], params: SamplingParams, stream: bool = False,
-        rid: str | None = None, logprobs: LogprobOptions | None = None, priority: int = 0,
+        rid: str | None = None, logprobs: LogprobOptions | None = None,
+        priority: int | None = None,
     ) -> AsyncIterator[GenerateChunk]:
         """Yield chunks (each new step when `stream`, else only the final one); with
         `logprobs`, each chunk carries the logprobs so far. `priority` as `check_priority`

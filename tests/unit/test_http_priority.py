@@ -41,8 +41,8 @@ def test_priority_reaches_the_scheduler_when_priority_scheduling_is_on(servers, 
         r = client.post(path, json={**BODIES[path], "priority": priority})
         assert r.status_code == 200, r.text
         assert sched.requests[-1].priority == priority
-    r = client.post(path, json=BODIES[path])
-    assert r.status_code == 200 and sched.requests[-1].priority == 0
+    r = client.post(path, json=BODIES[path])  # none given: None, the scheduler's last rank
+    assert r.status_code == 200 and sched.requests[-1].priority is None
 
 
 def test_every_sequence_of_a_batch_gets_the_requests_priority(servers):
@@ -69,13 +69,13 @@ def test_without_priority_scheduling_a_priority_is_ignored_or_refused(servers, p
     client, sched = servers["off"]
     r = client.post(path, json={**BODIES[path], "priority": 9})
     assert r.status_code == 200, r.text
-    assert sched.requests[-1].priority == 0
+    assert sched.requests[-1].priority is None
     client, sched = servers["refuse"]
     seen = len(sched.requests)
     r = client.post(path, json={**BODIES[path], "priority": 9})
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["param"] == "priority" and "--enable-priority-scheduling" in err["message"]
+    assert client.post(path, json={**BODIES[path], "priority": 0}).status_code == 400
     assert len(sched.requests) == seen
-    # 0 is everyone's priority: never refused
-    assert client.post(path, json={**BODIES[path], "priority": 0}).status_code == 200
+    assert client.post(path, json=BODIES[path]).status_code == 200

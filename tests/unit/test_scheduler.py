@@ -48,7 +48,7 @@ class Harness:
                     self.finish[rid] = fin
                     self.meta[rid] = meta
 
-    def submit(self, rid, ids, priority=0, **params):
+    def submit(self, rid, ids, priority=None, **params):
         p = SamplingParams(**{"temperature": 0.0, "max_new_tokens": 12, **params})
         self.sched.handle(GenerateReq(rid=rid, input_ids=ids, sampling_params=p.to_dict(),
                                       priority=priority))
@@ -214,8 +214,8 @@ def test_priority_preempts_the_least_urgent_running_request(tiny, low_first):
     h = Harness(tiny, max_running_requests=2, chunked_prefill_size=64,
                 enable_priority_scheduling=True, low_priority_values_first=low_first)
     rec = Recorder(h)
-    h.submit("low0", ps[0], ignore_eos=True, max_new_tokens=30)
-    h.submit("low1", ps[1], ignore_eos=True, max_new_tokens=30)
+    h.submit("low0", ps[0], priority=0, ignore_eos=True, max_new_tokens=30)
+    h.submit("low1", ps[1], priority=0, ignore_eos=True, max_new_tokens=30)
     for _ in range(4):
         h.sched.step()
     assert len(h.outputs["low1"]) >= 2
@@ -241,9 +241,9 @@ def test_priority_orders_the_queue_and_preempts_only_past_the_threshold(tiny):
     ps = prompts(4, seed=12)
     ref = reference(tiny, ps, ignore_eos=True, max_new_tokens=16)
     h = Harness(tiny, max_running_requests=1, enable_priority_scheduling=True)
-    h.submit("a", ps[0], ignore_eos=True, max_new_tokens=16)
+    h.submit("a", ps[0], priority=0, ignore_eos=True, max_new_tokens=16)
     h.sched.step()
-    h.submit("b", ps[1], ignore_eos=True, max_new_tokens=16)
+    h.submit("b", ps[1], priority=0, ignore_eos=True, max_new_tokens=16)
     h.submit("c", ps[2], priority=10, ignore_eos=True, max_new_tokens=16)
     h.sched.step()
     assert [r.rid for r in h.sched.running] == ["a"]
@@ -281,6 +281,27 @@ def test_priority_preemption_frees_kv_for_an_urgent_prompt(tiny):
     h.run()
     assert [h.outputs[r] for r in ("low0", "low1", "high")] == ref
     assert h.sched.totals["preempted"] >= 1
+    h.sched.check_no_leak()
+
+
+def test_a_request_without_a_priority_ranks_last(tiny):
+    """As SGLang ranks it: behind every request that has a priority, and preempted by any of
+    them, however low; but not by another request without one."""
+    ps = prompts(4, seed=15)
+    ref = reference(tiny, ps, ignore_eos=True, max_new_tokens=16)
+    h = Harness(tiny, max_running_requests=1, enable_priority_scheduling=True)
+    h.submit("none0", ps[0], ignore_eos=True, max_new_tokens=16)
+    h.sched.step()
+    h.submit("none1", ps[1], ignore_eos=True, max_new_tokens=16)
+    h.sched.step()
+    assert [r.rid for r in h.sched.running] == ["none0"]
+    h.submit("low", ps[2], priority=-(2**31), ignore_eos=True, max_new_tokens=16)
+    h.sched.step()
+    assert [r.rid for r in h.sched.running] == ["low"]
+    assert [r.rid for r in h.sched.waiting] == ["none0", "none1"]
+    h.run()
+    assert [h.outputs[r] for r in ("none0", "none1", "low")] == ref[:3]
+    assert h.finished_order == ["low", "none0", "none1"]
     h.sched.check_no_leak()
 
 
