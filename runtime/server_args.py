@@ -105,7 +105,10 @@ class BaseServerArgs:
     max_queued_requests: int | None = _arg(
         None, "most requests waiting for a running slot (beyond --max-running-requests); a "
         "request, or a batch, that would queue more is refused at once with HTTP 503 \"The "
-        "request queue is full.\" (SGLang's option). Default: no limit")
+        "request queue is full.\" (SGLang's option). Under --enable-priority-scheduling the "
+        "scheduler applies it per sequence, and a request more urgent than the least urgent "
+        "queued one takes its place (that one ends as an abort, SGLang's rule). Default: no "
+        "limit")
     max_sequences_per_request: int = _arg(
         1024, "most sequences (prompts x n) one HTTP request may ask for (400 above): one "
         "request's batch queues ahead of every request that comes after it")

@@ -64,6 +64,10 @@ class SchedulerConfig:
     enable_priority_scheduling: bool = False
     low_priority_values_first: bool = False
     priority_preemption_threshold: int = 10
+    # --max-queued-requests, enforced here under priority scheduling (SGLang's rule: a full
+    # queue drops its least urgent request for a more urgent newcomer); otherwise the front
+    # end bounds the queue, refusing whole requests before they start
+    max_queued_requests: int | None = None
     disable_radix_cache: bool = False
     # a waiting request that shares at least this many uncached prompt tokens with a prompt
     # being prefilled waits until that prompt is cached, then prefills only the rest (SGLang's
@@ -114,6 +118,7 @@ class SchedulerConfig:
             enable_priority_scheduling=server_args.enable_priority_scheduling,
             low_priority_values_first=server_args.schedule_low_priority_values_first,
             priority_preemption_threshold=server_args.priority_scheduling_preemption_threshold,
+            max_queued_requests=server_args.max_queued_requests,
             disable_radix_cache=server_args.disable_radix_cache,
             shared_prefill_min_tokens=server_args.shared_prefill_min_tokens,
             num_draft_tokens=n,
@@ -161,7 +166,8 @@ class Scheduler:
         self.totals = {"requests": 0, "finished": 0, "aborted": 0, "retracted": 0,
                        "prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0,
                        "shared_prefill_waits": 0,  # requests that waited for a shared prefix
-                       "preempted": 0}  # retracted for a more urgent request (priority)
+                       "preempted": 0,  # retracted for a more urgent request (priority)
+                       "rejected": 0}  # refused by a full queue (priority scheduling)
         # speculative counters (vLLM names): verify steps, draft tokens, accepted, per position
         self.spec_totals = {"spec_verify_steps": 0, "spec_decode_num_draft_tokens": 0,
                             "spec_decode_num_accepted_tokens": 0, "spec_tokens_from_verify": 0,
@@ -182,6 +188,8 @@ class Scheduler:
                 # two live requests must never share an id: the runner keys its state by it
                 self._finish_now(req, {"type": "abort",
                                        "message": f"request id {req.rid!r} is still running"})
+                return
+            if not self._queue_admits(req):
                 return
             self.totals["requests"] += 1
             self._enqueue(req)
@@ -208,10 +216,7 @@ class Scheduler:
     def abort(self, rid: str) -> None:
         for req in list(self.waiting):
             if req.rid == rid:
-                self.waiting.remove(req)
-                self._release(req)
-                self.totals["aborted"] += 1
-                self._finish_now(req, {"type": "abort"})
+                self._abort_waiting(req, {"type": "abort"})
                 return
         for req in self.running:
             if req.rid == rid:
@@ -476,6 +481,36 @@ class Scheduler:
                 self.waiting.insert(i, req)
                 return
         self.waiting.append(req)
+
+    def _abort_waiting(self, req: Req, reason: dict) -> None:
+        self.waiting.remove(req)
+        self._release(req)
+        self.totals["aborted"] += 1
+        self._finish_now(req, reason)
+
+    def _queue_admits(self, req: Req) -> bool:
+        """--max-queued-requests under priority scheduling, as SGLang applies it: when the
+        queue beyond the free seats is full, the least urgent waiting request (the latest of
+        them) is aborted for a strictly more urgent newcomer, else the newcomer is refused.
+        Either finishes as an abort with status 503 and SGLang's message; the front end
+        answers a refusal with HTTP 503 "The request queue is full."."""
+        limit = self.cfg.max_queued_requests
+        if not self.cfg.enable_priority_scheduling or limit is None:
+            return True
+        free_seats = max(self.cfg.max_running_requests - len(self.running), 0)
+        if len(self.waiting) - free_seats < limit:
+            return True
+        victim = max(self.waiting, key=lambda r: (self._rank(r), r.arrival), default=None)
+        if victim is not None and self._rank(req) < self._rank(victim):
+            logger.info("queue full: %s (priority %s) aborted for %s (priority %s)",
+                        victim.rid, victim.priority, req.rid, req.priority)
+            self._abort_waiting(victim, {"type": "abort", "status_code": 503, "message":
+                                         "The request is aborted by a higher priority request."})
+            return True
+        self.totals["rejected"] += 1
+        self._finish_now(req, {"type": "abort", "status_code": 503,
+                               "message": "The request queue is full."})
+        return False
 
     def _preempt(self) -> list[Req]:
         """Priority preemption (SGLang's): before a step is built, retract running requests

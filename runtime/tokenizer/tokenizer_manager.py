@@ -165,6 +165,9 @@ class TokenizerManager:
 
     def _count_finished(self, st: _ReqState, now: float) -> None:
         m = self.metrics
+        if _refusal(st) is not None:
+            m.rejected.inc()
+            return
         if st.finish_reason.get("type") == "abort":
             m.aborted.inc()
             return
@@ -241,13 +244,17 @@ class TokenizerManager:
         `--max-queued-requests` requests behind the running ones (a 503). Every request in
         flight is running or queued, so the queue is what is in flight beyond
         `--max-running-requests`; the scheduler can run fewer when KV is short, so this
-        bounds the queue from below, as SGLang's check at admission does."""
+        bounds the queue from below, as SGLang's check at admission does. Under
+        --enable-priority-scheduling the scheduler bounds the queue instead, per sequence:
+        a more urgent request may take the place of a queued one there (SGLang's rule)."""
         cap = self.server_args.max_sequences_per_request
         if per_request_cap and count > cap:
             raise InvalidRequestError(
                 "prompt", f"this request asks for {count} sequences (prompts x n); this server "
                 f"takes at most {cap} in one request (--max-sequences-per-request)")
         limit = self.server_args.max_queued_requests
+        if self.server_args.enable_priority_scheduling:
+            limit = None  # (the scheduler's check: Scheduler._queue_admits)
         in_flight = len(self._states)
         if limit is not None and \
                 in_flight + count - self.server_args.max_running_requests > limit:
@@ -290,6 +297,9 @@ class TokenizerManager:
                 if st.error is not None:
                     raise BackendDeadError(st.error)
                 if st.finished:
+                    refusal = _refusal(st)
+                    if refusal is not None:  # (counted as rejected by _count_finished)
+                        raise QueueFullError(refusal)
                     yield self._chunk(st, final=True)
                     return
                 if stream:
@@ -333,6 +343,15 @@ class TokenizerManager:
         info = await self._ask(GetInfoReq(req_id=req_id), req_id)
         self.metrics.update_from_server_info(info)
         return info
+
+
+def _refusal(st: _ReqState) -> str | None:
+    """The scheduler's message when it refused the request before it produced anything (a
+    full queue under priority scheduling: an abort with status 503), else None."""
+    r = st.finish_reason
+    if r is None or r.get("type") != "abort" or r.get("status_code") != 503 or st.detok.ids:
+        return None
+    return r.get("message") or "The request queue is full."
 
 
 def _read_template(value: str | None) -> str | None:

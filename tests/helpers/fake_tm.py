@@ -48,6 +48,7 @@ class FakeScheduler:
         self.extra_meta: dict = {"spec_accept_length": 2.5, "spec_verify_ct": 3}
         self.flush_ok = True
         self.die_after_tokens: int | None = None  # then the "processes die" (tm.mark_dead)
+        self.refusal: dict | None = None  # set: every new request finishes at once with it
         self.requests: list[GenerateReq] = []
         self.aborted: list[str] = []
         self._dec = msgspec.msgpack.Decoder(TO_SCHEDULER)
@@ -66,6 +67,9 @@ class FakeScheduler:
         if isinstance(msg, GenerateReq):
             self.requests.append(msg)
             self._outputs[msg.rid] = (msg, [])
+            if self.refusal is not None:  # as the scheduler refuses at a full queue
+                loop.call_soon(self._emit, msg.rid, [], dict(self.refusal))
+                return
             self._tasks[msg.rid] = loop.create_task(self._run(msg))
         elif isinstance(msg, AbortReq):
             self.aborted.append(msg.rid)

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from runtime.entrypoints.http_server import create_app
+from runtime.errors import QueueFullError
 from tests.helpers.fake_tm import make_fake_tm
 from tests.helpers.live_server import live_server
 
@@ -79,3 +80,33 @@ def test_without_priority_scheduling_a_priority_is_ignored_or_refused(servers, p
     assert client.post(path, json={**BODIES[path], "priority": 0}).status_code == 400
     assert len(sched.requests) == seen
     assert client.post(path, json=BODIES[path]).status_code == 200
+
+
+@pytest.mark.parametrize("path", list(BODIES))
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_the_scheduler_refuses_at_a_full_queue_is_a_503(servers, path, stream):
+    """Under priority scheduling the scheduler bounds the queue; its refusal (an abort with
+    status 503 before any token) is answered as the front end's own: HTTP 503, SGLang's
+    message, counted as rejected."""
+    client, sched = servers["on"]
+    sched.refusal = {"type": "abort", "status_code": 503,
+                     "message": "The request queue is full."}
+    try:
+        r = client.post(path, json={**BODIES[path], "priority": 1, "stream": stream})
+    finally:
+        sched.refusal = None
+    assert r.status_code == 503, r.text
+    err = r.json()["error"]
+    assert err["message"] == "The request queue is full."
+    assert err["type"] == "service_unavailable_error"
+    assert client.post(path, json=BODIES[path]).status_code == 200  # the server serves on
+
+
+def test_under_priority_scheduling_the_front_end_leaves_the_queue_bound_to_the_scheduler(
+        tmp_path):
+    tm, _ = make_fake_tm(tmp_path, max_running_requests=1, max_queued_requests=0,
+                         enable_priority_scheduling=True)
+    tm.admit(5)  # no refusal by count: the scheduler may drop a less urgent queued request
+    tm, _ = make_fake_tm(tmp_path, max_running_requests=1, max_queued_requests=0)
+    with pytest.raises(QueueFullError):
+        tm.admit(2)

@@ -305,6 +305,36 @@ def test_a_request_without_a_priority_ranks_last(tiny):
     h.sched.check_no_leak()
 
 
+def test_a_full_queue_drops_its_least_urgent_request_for_a_more_urgent_one(tiny):
+    """--max-queued-requests 2 under priority scheduling (SGLang's rule): a newcomer more
+    urgent than the least urgent queued request (the latest of equals) takes its place, which
+    ends as an abort with status 503; one that is not is refused the same way. The others run
+    as alone."""
+    ps = prompts(6, seed=16)
+    ref = reference(tiny, ps, ignore_eos=True, max_new_tokens=8)
+    h = Harness(tiny, max_running_requests=1, enable_priority_scheduling=True,
+                max_queued_requests=2)
+    h.submit("run", ps[0], priority=50, ignore_eos=True, max_new_tokens=8)
+    h.sched.step()
+    h.submit("a", ps[1], priority=0, ignore_eos=True, max_new_tokens=8)
+    h.submit("b", ps[2], priority=0, ignore_eos=True, max_new_tokens=8)
+    h.submit("c", ps[3], priority=1, ignore_eos=True, max_new_tokens=8)  # b (later) goes
+    assert h.finish["b"] == {"type": "abort", "status_code": 503,
+                             "message": "The request is aborted by a higher priority request."}
+    h.submit("d", ps[4], priority=0, ignore_eos=True, max_new_tokens=8)  # not above a: refused
+    assert h.finish["d"] == {"type": "abort", "status_code": 503,
+                             "message": "The request queue is full."}
+    h.submit("e", ps[5], ignore_eos=True, max_new_tokens=8)  # no priority: last, refused
+    assert h.finish["e"]["message"] == "The request queue is full."
+    assert [r.rid for r in h.sched.waiting] == ["c", "a"]
+    h.run()
+    assert [h.outputs.get(r, []) for r in ("run", "a", "c")] == [ref[0], ref[1], ref[3]]
+    assert all(not h.outputs.get(r) for r in "bde")
+    info = h.sched.info()
+    assert (info["rejected"], info["aborted"]) == (2, 1)
+    h.sched.check_no_leak()
+
+
 def test_without_priority_scheduling_priorities_change_nothing(tiny):
     ps = prompts(3, seed=14)
     h = Harness(tiny, max_running_requests=1)
