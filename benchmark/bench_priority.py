@@ -16,6 +16,8 @@ window; the run ends when the last probe finishes, the background clients discon
 aborts their requests) and the server drains. Every configuration receives the same requests,
 priority fields included: a server without --enable-priority-scheduling ignores them.
 
+A probe the server refuses (a 503 at a full `--max-queued-requests` queue) counts as failed;
+latencies are of the probes served. A refused background client retries after 0.5 s.
 Prints a table last (each configuration's median round, by probe TTFT p50; every round's
 figures are in the JSON) and writes JSON.
 """
@@ -157,6 +159,8 @@ def report(results: dict[str, Any]) -> str:
             if base["background_tok_s"] else "-",
             " / ".join(f"{r['probe_metrics']['ttft_ms']['median']:.0f}" for r in cell["rounds"]),
             " / ".join(str(r["preempted"]) for r in cell["rounds"]),
+            " / ".join(str(r.get("failed_probes", 0)) for r in cell["rounds"]),
+            " / ".join(str(r.get("background_errors", 0)) for r in cell["rounds"]),
         ])
     a = results["args"]
     head = (f"{a['probes']} probes ({a['probe_tokens']} new tokens, priority "
@@ -167,7 +171,8 @@ def report(results: dict[str, Any]) -> str:
     return head + "\n" + format_table(
         ["config", "probe TTFT p50", "p90", "p99", "probe e2e p50", "probe TPOT p50",
          "background tok/s", f"TTFT gain vs {labels[0]}", f"background vs {labels[0]}",
-         "TTFT p50 by round", "preempted by round"], rows)
+         "TTFT p50 by round", "preempted by round", "probes refused by round",
+         "background refusals by round"], rows)
 
 
 def build_parser() -> argparse.ArgumentParser:

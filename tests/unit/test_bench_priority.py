@@ -15,20 +15,22 @@ def test_every_request_carries_its_priority_and_ignores_eos():
     assert all(c.payload["sampling_params"]["ignore_eos"] for c in calls)
 
 
-def _run(ttft_p50: float, bg: float, preempted: int) -> dict:
+def _run(ttft_p50: float, bg: float, preempted: int, failed: int = 0) -> dict:
     dist = {"median": ttft_p50, "p90": ttft_p50 * 2, "p99": ttft_p50 * 3, "mean": ttft_p50}
     return {"probe_metrics": {"ttft_ms": dist, "e2e_ms": dist, "tpot_ms": dist},
-            "background_tok_s": bg, "preempted": preempted}
+            "background_tok_s": bg, "preempted": preempted, "failed_probes": failed,
+            "background_errors": 2 * failed}
 
 
 def test_report_gives_each_config_its_gain_over_the_first():
     args = vars(build_parser().parse_args([]))
     results = {"args": args, "configs": {
-        "fcfs": {"median": _run(5000, 200.0, 0), "rounds": [_run(5000, 200.0, 0)] * 2},
+        "fcfs": {"median": _run(5000, 200.0, 0, 3), "rounds": [_run(5000, 200.0, 0, 3)] * 2},
         "priority": {"median": _run(250, 190.0, 14),
                      "rounds": [_run(250, 190.0, 14), _run(300, 195.0, 15)]},
     }}
     lines = report(results).splitlines()
     row = next(line for line in lines if line.strip().startswith("priority"))
     assert "20.0x" in row and "0.95x" in row and "250 / 300" in row and "14 / 15" in row
-    assert "1.0x" in next(line for line in lines if line.strip().startswith("fcfs"))
+    fcfs = next(line for line in lines if line.strip().startswith("fcfs"))
+    assert "1.0x" in fcfs and "3 / 3" in fcfs and "6 / 6" in fcfs
