@@ -476,6 +476,13 @@ class Scheduler:
             (self.waiting.appendleft if front else self.waiting.append)(req)
             return
         rank = self._rank(req)
+        q = self.waiting
+        if not q or (not front and self._rank(q[-1]) <= rank):
+            q.append(req)  # (the common case, in O(1): a batch's sequences arrive in a row)
+            return
+        if front and self._rank(q[0]) >= rank:
+            q.appendleft(req)
+            return
         for i, other in enumerate(self.waiting):
             if self._rank(other) > rank or (front and self._rank(other) == rank):
                 self.waiting.insert(i, req)
