@@ -161,6 +161,7 @@ class Scheduler:
         self.emit = emit
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
+        self.live: dict[str, Req] = {}  # every waiting or running request, by id
         self.released: list[str] = []
         self.batch_id = 0
         self.totals = {"requests": 0, "finished": 0, "aborted": 0, "retracted": 0,
@@ -183,8 +184,7 @@ class Scheduler:
             if len(req.prompt_ids) >= self.stop.context_length or not req.prompt_ids:
                 self._finish_now(req, {"type": "abort", "message": "prompt length invalid"})
                 return
-            if any(r.rid == req.rid for r in self.running) or any(
-                    r.rid == req.rid for r in self.waiting):
+            if req.rid in self.live:
                 # two live requests must never share an id: the runner keys its state by it
                 self._finish_now(req, {"type": "abort",
                                        "message": f"request id {req.rid!r} is still running"})
@@ -192,6 +192,7 @@ class Scheduler:
             if not self._queue_admits(req):
                 return
             self.totals["requests"] += 1
+            self.live[req.rid] = req
             self._enqueue(req)
         elif isinstance(msg, AbortReq):
             self.abort(msg.rid)
@@ -214,16 +215,15 @@ class Scheduler:
         return not self.waiting and not self.running
 
     def abort(self, rid: str) -> None:
-        for req in list(self.waiting):
-            if req.rid == rid:
-                self._abort_waiting(req, {"type": "abort"})
-                return
-        for req in self.running:
-            if req.rid == rid:
-                req.finish_reason = {"type": "abort"}
-                self._retire(req)
-                self.emit(self._token_out([req], {rid: 0}))
-                return
+        req = self.live.get(rid)
+        if req is None:
+            return  # finished already (or never known)
+        if req not in self.running:
+            self._abort_waiting(req, {"type": "abort"})
+            return
+        req.finish_reason = {"type": "abort"}
+        self._retire(req)
+        self.emit(self._token_out([req], {rid: 0}))
 
     def info(self) -> dict:
         return {
@@ -491,6 +491,7 @@ class Scheduler:
 
     def _abort_waiting(self, req: Req, reason: dict) -> None:
         self.waiting.remove(req)
+        del self.live[req.rid]
         self._release(req)
         self.totals["aborted"] += 1
         self._finish_now(req, reason)
@@ -664,6 +665,7 @@ class Scheduler:
 
     def _retire(self, req: Req) -> None:
         self.running.remove(req)
+        del self.live[req.rid]
         self._free_kv(req)
         self._release(req)
         self.totals["aborted" if req.finish_reason["type"] == "abort" else "finished"] += 1
@@ -714,7 +716,7 @@ class Scheduler:
 
     def check_no_leak(self) -> None:
         """Idle invariant: every slot is free or held by the radix cache."""
-        assert self.idle, "requests still running"
+        assert self.idle and not self.live, "requests still running"
         self.cache.check_integrity()
         assert self.allocator.num_free + self.cache.total_size == self.allocator.capacity, (
             f"KV leak: {self.allocator.num_free} free + {self.cache.total_size} cached "
