@@ -535,6 +535,8 @@ class Scheduler:
             return []
         threshold = self.cfg.priority_preemption_threshold
         candidates = sorted(self.running, key=lambda r: (self._rank(r), r.arrival))
+        if not self._rank(candidates[-1]) - self._rank(self.waiting[0]) > threshold:
+            return []  # the most urgent waiting request outranks no one: no one behind it does
         seats = self.cfg.max_running_requests - len(self.running)
         headroom = self.allocator.num_free + self.cache.evictable_size - self._reserved()
         budget = max(self.cfg.chunked_prefill_size - len(self.running), 1)  # (as admission's)
