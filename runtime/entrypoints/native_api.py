@@ -12,6 +12,7 @@ from runtime.entrypoints.logprob_format import SglangLogprobs, TokenTexts
 from runtime.entrypoints.protocol import (
     MAX_N,
     GenerateRequest,
+    int_ids,
     is_int_list,
     is_str_list,
     parse_model,
@@ -29,7 +30,7 @@ from runtime.entrypoints.streaming import (
 )
 from runtime.errors import InvalidRequestError
 from runtime.sampling.logprobs import LogprobOptions
-from runtime.sampling.sampling_params import SamplingParams
+from runtime.sampling.sampling_params import SamplingParams, integral
 
 
 class _Item:
@@ -76,9 +77,9 @@ def parse_generate(body: GenerateRequest, tm: Any) -> tuple[bool, list[_Item]]:
     else:
         field, ids = "input_ids", body.input_ids
         if is_int_list(ids):
-            batch, prompts = False, [list(ids)]
+            batch, prompts = False, [int_ids(ids)]
         elif isinstance(ids, list) and all(is_int_list(p) for p in ids):
-            batch, prompts = True, [list(p) for p in ids]
+            batch, prompts = True, [int_ids(p) for p in ids]
         else:
             raise InvalidRequestError("input_ids", "must be a list of token ids or a list of "
                                       "lists of token ids")
@@ -113,7 +114,7 @@ def parallel_samples(params: list[dict]) -> tuple[int, list[dict]]:
     """SGLang's parallel sampling: `sampling_params.n` samples of every prompt, the same `n`
     for every prompt of a batch; the response is then a list, prompt by prompt, its n samples
     in a row (SGLang's order). Returns n and the sampling dicts without "n"."""
-    ns = [1 if sp.get("n") is None else sp["n"] for sp in params]
+    ns = [1 if sp.get("n") is None else integral(sp["n"]) for sp in params]
     for n in ns:
         if type(n) is not int or not 1 <= n <= MAX_N:
             raise InvalidRequestError("sampling_params.n", f"must be an integer in [1, {MAX_N}]")

@@ -2,7 +2,8 @@
 
 Everything here turns bad input into `InvalidRequestError(field, message)`, which the server
 answers with a 400 naming the field. Bodies are pydantic models in strict mode (no "10" for 10,
-no `true` for 1) with `extra="forbid"`, so a misspelt parameter is an error, not silently ignored.
+no `true` for 1; 10.0, the JSON number, is 10) with `extra="forbid"`, so a misspelt parameter is
+an error, not silently ignored.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ import asyncio
 import json
 from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError, WithJsonSchema
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, WithJsonSchema
 from starlette.requests import Request
 
 from runtime.errors import InvalidRequestError, ModelNotFoundError, QueueFullError
 from runtime.sampling.logprobs import MAX_TOP_LOGPROBS
+from runtime.sampling.sampling_params import integral
 from runtime.tokenizer.tokenizer_manager import BackendDeadError
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -128,9 +130,15 @@ def openapi_body(cls: type[BaseModel]) -> dict[str, Any]:
 _STR = {"type": "string"}
 _IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
 _STR_OR_LIST = {"anyOf": [_STR, {"type": "array", "items": _STR}, {"type": "null"}]}
+# an integer field: strict (no "10", no true), but a JSON number without a fractional part
+# (10.0) is the integer it spells, as JSON Schema and SGLang's parser have it
+Int = Annotated[int, BeforeValidator(integral)]
 Text = Annotated[Any, WithJsonSchema(_STR_OR_LIST)]
+# /generate's prompt: one of `text` and `input_ids` (the model's `oneOf`), never null
+PromptText = Annotated[Any, WithJsonSchema(
+    {"anyOf": [{**_STR, "minLength": 1}, {"type": "array", "items": _STR, "minItems": 1}]})]
 TokenIds = Annotated[Any, WithJsonSchema(
-    {"anyOf": [_IDS, {"type": "array", "items": _IDS}, {"type": "null"}]})]
+    {"anyOf": [{**_IDS, "minItems": 1}, {"type": "array", "items": _IDS, "minItems": 1}]})]
 SamplingDict = Annotated[Any, WithJsonSchema(
     {"anyOf": [{"type": "object"}, {"type": "array", "items": {"type": "object"}},
                {"type": "null"}]})]
@@ -145,19 +153,28 @@ Messages = Annotated[Any, WithJsonSchema({"type": "array", "minItems": 1, "items
                    "content": _STR, "name": _STR}}})]
 
 
+def _schema_requires(extra: dict[str, Any]) -> ConfigDict:
+    """The body's model config, with JSON-schema-only constraints (the checks themselves are
+    ours, with our messages): what the spec tells clients and schema fuzzers."""
+    return ConfigDict(extra="forbid", strict=True, json_schema_extra=extra)
+
+
 class GenerateRequest(_Body):
     """SGLang's /generate body."""
 
-    text: Text = None  # str | list[str]
+    model_config = _schema_requires({"oneOf": [{"required": ["text"]},
+                                               {"required": ["input_ids"]}]})
+
+    text: PromptText = None  # str | list[str]
     input_ids: TokenIds = None  # list[int] | list[list[int]]
     sampling_params: SamplingDict = None  # dict | list[dict]
     stream: bool = False
     rid: Text = None  # str | list[str]
     return_logprob: bool = False
-    logprob_start_len: int | None = None
-    top_logprobs_num: int | None = None
+    logprob_start_len: Int | None = None
+    top_logprobs_num: Int | None = None
     return_text_in_logprobs: bool | None = None
-    priority: int | None = None  # --enable-priority-scheduling; every prompt of a batch
+    priority: Int | None = None  # --enable-priority-scheduling; every prompt of a batch
 
 
 class AbortRequest(_Body):
@@ -174,9 +191,9 @@ class _OpenAISampling(_Body):
     the extensions SGLang and vLLM accept."""
 
     model: str | None = None
-    n: int | None = None
+    n: Int | None = None
     stop: Text = None  # str | list[str]; checked by SamplingParams
-    seed: int | None = None
+    seed: Int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     temperature: float | None = None
@@ -185,12 +202,12 @@ class _OpenAISampling(_Body):
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    top_k: int | None = None
+    top_k: Int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
-    priority: int | None = None  # vLLM's and SGLang's extension (--enable-priority-scheduling)
+    stop_token_ids: list[Int] | None = None
+    priority: Int | None = None  # vLLM's and SGLang's extension (--enable-priority-scheduling)
 
     def base_sampling(self) -> dict[str, Any]:
         """The SamplingParams fields this body sets (OpenAI names mapped to ours)."""
@@ -213,11 +230,13 @@ class _OpenAISampling(_Body):
 
 
 class CompletionRequest(_OpenAISampling):
+    model_config = _schema_requires({"required": ["prompt"]})
+
     prompt: Prompt = None  # str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for completions
+    max_tokens: Int | None = 16  # OpenAI's default for completions
     logprobs: TopLogprobs = None  # int in [0, MAX_TOP_LOGPROBS]; checked by top_logprobs()
     echo: bool | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
     suffix: str | None = None
 
     def check_supported(self) -> None:
@@ -232,7 +251,7 @@ class CompletionRequest(_OpenAISampling):
     def top_logprobs(self) -> int | None:
         """Alternatives per position when logprobs are wanted (0: only the chosen token's),
         None when not: OpenAI's integer `logprobs`."""
-        lp = self.logprobs
+        lp = integral(self.logprobs)
         if lp is None or lp is False:
             return None
         if type(lp) is not int or not 0 <= lp <= MAX_TOP_LOGPROBS:
@@ -242,11 +261,13 @@ class CompletionRequest(_OpenAISampling):
 
 
 class ChatCompletionRequest(_OpenAISampling):
+    model_config = _schema_requires({"required": ["messages"]})
+
     messages: Messages = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -303,9 +324,16 @@ def unsupported(field: str, detail: str = "") -> None:
 
 
 def is_int_list(x: Any) -> bool:
+    """A list of JSON integers (2 or 2.0; not true, not "2"): `int_ids` makes them ints."""
     return isinstance(x, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in x
+        (isinstance(t, int) and not isinstance(t, bool)) or (type(t) is float and t.is_integer())
+        for t in x
     )
+
+
+def int_ids(x: list) -> list[int]:
+    """The ints of a list that `is_int_list` accepted (a new list)."""
+    return [int(t) for t in x]
 
 
 def is_str_list(x: Any) -> bool:
@@ -369,9 +397,9 @@ def prompt_batch(prompt: Any, tokenize, field: str = "prompt") -> list[list[int]
         if is_str_list(prompt):
             return [tokenize(p) for p in prompt]
         if is_int_list(prompt):
-            return [list(prompt)]
+            return [int_ids(prompt)]
         if all(is_int_list(p) for p in prompt):
-            return [list(p) for p in prompt]
+            return [int_ids(p) for p in prompt]
     if isinstance(prompt, list) and not prompt:
         raise InvalidRequestError(field, "must not be empty")
     raise InvalidRequestError(field, "must be a string, a list of strings, a list of token ids "

@@ -15,6 +15,7 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 _MAX_SEED = 2**64  # torch.Generator.manual_seed accepts [0, 2**64)
 
 _INT_FIELDS = ("max_new_tokens", "top_k")
+_INT_KEYS = (*_INT_FIELDS, "seed")  # integers in a request's sampling dict
 _FLOAT_FIELDS = (
     "temperature",
     "top_p",
@@ -28,6 +29,16 @@ _FLOAT_FIELDS = (
 def _is_int(x: Any) -> bool:
     # bool is an int subclass in Python; `"top_k": true` is a client bug, not a 1.
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def integral(x: Any) -> Any:
+    """A JSON number with no fractional part as an int (`2.0` -> 2): JSON has one number type,
+    JSON Schema's "integer" includes 2.0, and SGLang's and vLLM's parsers take it. Anything
+    else is returned as it is, for the type checks to judge (`2.5`, `true`, `"2"` stay
+    errors)."""
+    if type(x) is float and x.is_integer():
+        return int(x)
+    return x
 
 
 def _is_number(x: Any) -> bool:
@@ -149,6 +160,9 @@ class SamplingParams:
         for key in d:
             if key not in known:
                 _fail(str(key), "unknown sampling parameter")
+        d = {k: integral(v) if k in _INT_KEYS else v for k, v in d.items()}
+        if isinstance(d.get("stop_token_ids"), list):
+            d["stop_token_ids"] = [integral(t) for t in d["stop_token_ids"]]
         params = cls(**d)
         params.validate(vocab_size)
         return params

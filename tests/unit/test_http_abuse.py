@@ -132,6 +132,12 @@ def test_openapi_spec_is_served_with_request_body_schemas(env):
     chat = spec["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"][
         "application/json"]["schema"]["properties"]
     assert chat["messages"]["type"] == "array"
+    # what a body must hold, told to clients and fuzzers (the checks are the server's own)
+    body = {path: spec["paths"][path]["post"]["requestBody"]["content"]["application/json"][
+        "schema"] for path in ("/generate", "/v1/completions", "/v1/chat/completions")}
+    assert body["/v1/completions"]["required"] == ["prompt"]
+    assert body["/v1/chat/completions"]["required"] == ["messages"]
+    assert body["/generate"]["oneOf"] == [{"required": ["text"]}, {"required": ["input_ids"]}]
     assert chat["stream_options"]["anyOf"][0]["properties"]["include_usage"]
     assert client.get("/docs").status_code == 200
 

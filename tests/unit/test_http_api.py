@@ -409,3 +409,39 @@ def test_sse_response_closes_an_iterator_left_suspended_by_a_disconnect():
         return closed.is_set()
 
     assert asyncio.run(main())
+
+
+def test_integer_fields_take_json_numbers_without_a_fraction(env):
+    """`"n": 2.0` is the integer 2 (JSON Schema's "integer"; SGLang's parser takes it), on the
+    typed OpenAI fields and in /generate's sampling dict alike; 2.5 and "2" stay 400s."""
+    client, _, sched = env
+    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3.0, "n": 2.0,
+                                             "seed": 5.0, "top_k": 4.0,
+                                             "logprobs": 1.0, "stop_token_ids": [7.0]})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 2
+    req = sched.requests[-1]
+    assert req.sampling_params["max_new_tokens"] == 3
+    assert sorted(q.sampling_params["seed"] for q in sched.requests[-2:]) == [5, 6]  # seed + j
+    assert req.sampling_params["top_k"] == 4 and req.sampling_params["stop_token_ids"] == [7]
+    r = client.post("/generate", json={"text": "hi", "sampling_params": {
+        "max_new_tokens": 2.0, "n": 2.0, "seed": 1.0}})
+    assert r.status_code == 200, r.text
+    assert len(r.json()) == 2 and sched.requests[-1].sampling_params["max_new_tokens"] == 2
+    r = client.post("/generate", json={"input_ids": [5.0, 6], "sampling_params": {
+        "max_new_tokens": 1}})
+    assert r.status_code == 200 and sched.requests[-1].input_ids == [5, 6]
+    r = client.post("/v1/completions", json={"prompt": [[5.0], [6]], "max_tokens": 1})
+    assert r.status_code == 200 and [q.input_ids for q in sched.requests[-2:]] == [[5], [6]]
+    for path, body, param in (
+            ("/generate", {"input_ids": [5.5]}, "input_ids"),
+            ("/v1/completions", {"prompt": [True]}, "prompt"),
+            ("/v1/completions", {"prompt": "hi", "n": 2.5}, "n"),
+            ("/v1/completions", {"prompt": "hi", "max_tokens": "3"}, "max_tokens"),
+            ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2.5}},
+             "sampling_params.max_new_tokens"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                      "max_tokens": True}, "max_tokens")):
+        r = client.post(path, json=body)
+        assert r.status_code == 400, (path, body, r.text)
+        assert r.json()["error"]["param"] == param

@@ -38,10 +38,11 @@ def servers(tmp_path_factory):
 @pytest.mark.parametrize("path", list(BODIES))
 def test_priority_reaches_the_scheduler_when_priority_scheduling_is_on(servers, path):
     client, sched = servers["on"]
-    for priority in (7, -3, 2**31 - 1):
+    for priority in (7, -3, 2**31 - 1, 6.0):  # (6.0: a JSON number that is the integer 6)
         r = client.post(path, json={**BODIES[path], "priority": priority})
         assert r.status_code == 200, r.text
         assert sched.requests[-1].priority == priority
+        assert type(sched.requests[-1].priority) is int
     r = client.post(path, json=BODIES[path])  # none given: None, the scheduler's last rank
     assert r.status_code == 200 and sched.requests[-1].priority is None
 
@@ -110,3 +111,4 @@ def test_under_priority_scheduling_the_front_end_leaves_the_queue_bound_to_the_s
     tm, _ = make_fake_tm(tmp_path, max_running_requests=1, max_queued_requests=0)
     with pytest.raises(QueueFullError):
         tm.admit(2)
+

@@ -149,3 +149,17 @@ def test_for_sample_copies_and_offsets_the_seed():
     s1.stop_token_ids.append(6)
     assert base.stop == ["x"] and base.stop_token_ids == [5]  # its own lists
     assert SamplingParams().for_sample(3).seed is None
+
+
+def test_from_dict_takes_a_json_number_without_a_fraction_as_the_integer_it_spells() -> None:
+    """JSON has one number type and JSON Schema's "integer" includes 10.0 (SGLang's parser
+    takes it too); 10.5, "10" and true stay errors."""
+    p = SamplingParams.from_dict({"max_new_tokens": 10.0, "top_k": 5.0, "seed": 7.0,
+                                  "stop_token_ids": [3.0, 4]}, vocab_size=VOCAB)
+    assert (p.max_new_tokens, p.top_k, p.seed, p.stop_token_ids) == (10, 5, 7, [3, 4])
+    assert all(type(v) is int for v in (p.max_new_tokens, p.top_k, p.seed, *p.stop_token_ids))
+    for bad in ({"max_new_tokens": 10.5}, {"top_k": "5"}, {"seed": True},
+                {"stop_token_ids": [3.5]}, {"max_new_tokens": math.inf}):
+        with pytest.raises(InvalidRequestError) as exc:
+            SamplingParams.from_dict(bad, vocab_size=VOCAB)
+        assert exc.value.field == next(iter(bad))
