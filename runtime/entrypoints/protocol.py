@@ -325,15 +325,12 @@ def unsupported(field: str, detail: str = "") -> None:
 
 def is_int_list(x: Any) -> bool:
     """A list of JSON integers (2 or 2.0; not true, not "2"): `int_ids` makes them ints."""
-    return isinstance(x, list) and all(
-        (isinstance(t, int) and not isinstance(t, bool)) or (type(t) is float and t.is_integer())
-        for t in x
-    )
+    return isinstance(x, list) and all(type(integral(t)) is int for t in x)
 
 
 def int_ids(x: list) -> list[int]:
     """The ints of a list that `is_int_list` accepted (a new list)."""
-    return [int(t) for t in x]
+    return [integral(t) for t in x]
 
 
 def is_str_list(x: Any) -> bool:

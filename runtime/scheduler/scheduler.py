@@ -298,9 +298,11 @@ class Scheduler:
             req.runner_knows = True
         return req, entry, new_slots
 
-    def _reserved(self) -> int:
+    def _reserved(self, reqs: list[Req] | None = None) -> int:
+        """KV kept for the future tokens of `reqs` (the running requests by default)."""
         return int(sum(
-            (r.params.max_new_tokens - len(r.output_ids)) for r in self.running
+            (r.params.max_new_tokens - len(r.output_ids))
+            for r in (self.running if reqs is None else reqs)
         ) * self.cfg.decode_reserve_ratio)
 
     def _has_prefill_work(self) -> bool:
@@ -554,8 +556,7 @@ class Scheduler:
                 chosen.append(v)
                 seats += 1
                 # its KV goes to the cache (evictable) and its reserve is released
-                headroom += v.kv_len - v.cache_len + int(
-                    (v.params.max_new_tokens - len(v.output_ids)) * self.cfg.decode_reserve_ratio)
+                headroom += v.kv_len - v.cache_len + self._reserved([v])
             if seats < 1 or need > headroom:
                 candidates.extend(reversed(chosen))  # no room even so: leave them running
                 break
