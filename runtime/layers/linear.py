@@ -9,7 +9,9 @@ oneDNN's blocked layout and drops the dense copy; see docs/benchmarks.md for end
 bf16, fp32 accumulation inside oneDNN, output back in the input's dtype). Only for modules
 whose outputs need not be exact, i.e. draft heads (verification stays with the fp32 target),
 and only where the CPU has bf16 dot-product instructions (`cpu_has_native_bf16`): half the
-weight bytes and twice the multiply rate there, an emulated and slower path elsewhere.
+weight bytes and twice the multiply rate there, an emulated and slower path elsewhere. On a CPU
+where oneDNN has no bf16 path at all (AVX2 without AVX-NE-CONVERT) `pack(torch.bfloat16)` returns
+False and the layer stays dense fp32.
 
 `pack("q8_0")` / `pack("q4_0")` quantize the weight into GGUF-style blocks multiplied by the CPU
 engine's kernels (`kernels/cpu`, int8 activations: one digit, llama.cpp's precision). Also for
@@ -28,6 +30,16 @@ from torch import nn
 
 def onednn_packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+@functools.cache
+def onednn_bf16_available() -> bool:
+    """Whether oneDNN multiplies bf16 on this CPU at all: it needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT, and refuses to pack a bf16 weight on an AVX2-only CPU."""
+    if not onednn_packing_available():
+        return False
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else cpu_has_native_bf16()
 
 
 @functools.cache
@@ -72,6 +84,8 @@ class Linear(nn.Module):
         if not onednn_packing_available():
             return False
         assert compute_dtype in (torch.float32, torch.bfloat16), compute_dtype
+        if compute_dtype == torch.bfloat16 and not onednn_bf16_available():
+            return False  # stays dense fp32: same use, fp32 precision
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w.data.to(compute_dtype), None)
         if self.bias is not None:
             self.bias = nn.Parameter(self.bias.data.to(compute_dtype), requires_grad=False)

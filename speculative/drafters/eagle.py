@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from runtime.layers.linear import BLOCK_FORMATS, cpu_has_native_bf16
+from runtime.layers.linear import BLOCK_FORMATS, cpu_has_native_bf16, onednn_bf16_available
 from runtime.mem_cache.kv_pool import KVPool
 from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.models.llama import ModelOutput
@@ -89,6 +89,11 @@ def draft_matmul_dtype(name: str, device: torch.device) -> torch.dtype | str:
 
         if cpu.available()[0]:
             return "q8_0"
+    if name == "bfloat16" and not onednn_bf16_available():
+        logger.warning("--speculative-draft-matmul-dtype bfloat16: this CPU has no bf16 path "
+                       "(oneDNN needs AVX-512 or AVX-NE-CONVERT); the draft multiplies in "
+                       "float32")
+        return torch.float32
     if name == "bfloat16" or cpu_has_native_bf16():
         return torch.bfloat16
     return torch.float32

@@ -6,7 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime.layers.linear import Linear, cpu_has_native_bf16, onednn_packing_available
+from runtime.layers import linear
+from runtime.layers.linear import (
+    Linear,
+    cpu_has_native_bf16,
+    onednn_bf16_available,
+    onednn_packing_available,
+)
 
 pytestmark = pytest.mark.skipif(not onednn_packing_available(), reason="no oneDNN on this torch")
 
@@ -25,11 +31,40 @@ def test_packed_fp32_equals_dense_and_bf16_is_close(bias, rows):
     low.load_state_dict(lin.state_dict())
     assert lin.pack() and lin.compute_dtype == torch.float32
     torch.testing.assert_close(lin(x), dense, atol=1e-4, rtol=1e-4)
+    if not onednn_bf16_available():  # AVX2-only: oneDNN has no bf16 path; stays dense fp32
+        assert not low.pack(torch.bfloat16) and not low.is_packed
+        torch.testing.assert_close(low(x), dense, atol=1e-4, rtol=1e-4)
+        return
     assert low.pack(torch.bfloat16) and low.compute_dtype == torch.bfloat16
     y = low(x)
     assert y.dtype == torch.float32 and y.shape == dense.shape
     rel = (y - dense).abs().max() / dense.abs().max()
     assert 0 < rel < 0.02  # bf16 inputs and weights: ~3 significant digits
+
+
+def test_bf16_pack_without_a_onednn_bf16_path_keeps_the_dense_fp32_layer(monkeypatch):
+    """An AVX2-only CPU: oneDNN refuses to reorder a bf16 weight, so pack() says no and the
+    layer keeps computing in fp32 (and a draft asked for bfloat16 falls back to float32)."""
+    from speculative.drafters.eagle import draft_matmul_dtype
+
+    monkeypatch.setattr(linear, "onednn_bf16_available", lambda: False)
+    monkeypatch.setattr("speculative.drafters.eagle.onednn_bf16_available", lambda: False)
+    gen = torch.Generator().manual_seed(7)
+    lin = Linear(64, 32, bias=True)
+    lin.weight.data = torch.randn(32, 64, generator=gen)
+    x = torch.randn(4, 64, generator=gen)
+    dense = F.linear(x, lin.weight.data.clone(), lin.bias.data)
+    assert not lin.pack(torch.bfloat16)
+    assert not lin.is_packed and lin.compute_dtype == torch.float32 and lin.weight.numel() > 0
+    torch.testing.assert_close(lin(x), dense)
+    assert draft_matmul_dtype("bfloat16", torch.device("cpu")) == torch.float32
+
+
+def test_onednn_bf16_detection_agrees_with_torch_and_the_flags():
+    if hasattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported"):
+        assert onednn_bf16_available() == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if cpu_has_native_bf16():  # bf16 dot products imply oneDNN's bf16 path
+        assert onednn_bf16_available()
 
 
 def test_native_bf16_detection_reads_the_cpu_flags():
