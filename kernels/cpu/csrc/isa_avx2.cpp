@@ -15,6 +15,10 @@
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,bmi,bmi2")
 
+#ifndef PREFETCH_BLOCKS_AVX2
+#define PREFETCH_BLOCKS_AVX2 16
+#endif
+
 namespace specserve {
 namespace {
 
@@ -64,6 +68,9 @@ inline __m256 silu256(__m256 g) {
 
 // ---- block formats: half-tile `half` (rows 8 * half .. + 7) ----------------------------------
 
+// Blocks ahead that the first pass over a tile prefetches (see half_block).
+constexpr int kPrefetchBlocks = PREFETCH_BLOCKS_AVX2;
+
 template <int FMT, int L, int MR>
 inline void half_block(const GemmArgs& a, int tile, int half, int m0, __m256 acc[MR]) {
   const int nb = a.K / QK, K = a.K;
@@ -72,7 +79,21 @@ inline void half_block(const GemmArgs& a, int tile, int half, int m0, __m256 acc
   for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i lo4 = _mm256_set1_epi8(0x0f);
   const __m256i ones = _mm256_set1_epi16(1);
+  // The first pass over a tile's weights (rows from 0, first half) prefetches kPrefetchBlocks
+  // blocks ahead: a block's loads otherwise wait a DRAM round trip each, the hardware
+  // prefetcher does not run ahead of this loop. An even tile of a memory pair (kernels.h)
+  // prefetches its partner's interleaved blocks too, so the pair is one stream, and past its
+  // last block the stream runs on into the next pair, the next tiles this thread multiplies.
+  const bool pair_lead = tile % 2 == 0 && tile < a.tiles - a.tiles % 2;
+  const bool lone = tile >= a.tiles - a.tiles % 2;
+  const bool pf = m0 == 0 && half == 0 && (pair_lead || lone);
+  const int64_t pf_step = pair_lead ? 2 * TBB : TBB;
+  const char* pf_base = (const char*)a.w + block_offset(tile, 0, nb, a.tiles, TBB);
   for (int b = 0; b < nb; ++b) {
+    if (pf) {
+      const char* p = pf_base + (b + kPrefetchBlocks) * pf_step;
+      for (int off = 0; off < pf_step; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+    }
     const uint8_t* tb = a.w + block_offset(tile, b, nb, a.tiles, TBB);
     __m256i wq[8];
     if (FMT == Q8_0) {
