@@ -7,6 +7,7 @@
 // the sign trick (|w| x a*sign(w), at most 2 * 128 * 127 per pair) and widen group by group.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -348,63 +349,110 @@ inline __m256 kv_load8(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
 }
 
-// pf: prefetch keys and values ahead. Only a row's first head in an item does: the item's other
-// heads read the same KV group's rows right after it (decode rows, 32 x 300 keys, one thread,
-// six alternating pairs: 1.43 -> 1.16 ms median; docs/benchmarks.md, "Twenty-fourth session").
-template <int NV, class KV>  // head_dim = 8 * NV; KV: float or uint16_t (fp16) cache
-void attention_query(const AttnArgs& a, int t, int h, const int64_t* slots, int L,
-                     float* scores, bool pf) {
-  constexpr int D = 8 * NV;
-  const int g = h / (a.num_heads / a.num_kv_heads);
-  const int64_t kv_stride = (int64_t)a.num_kv_heads * D;
-  const float* qp = a.q + (int64_t)t * a.ldq + h * D;
-  const KV* kc = kv_cache_k<KV>(a) + (int64_t)g * D;
-  const KV* vc = kv_cache_v<KV>(a) + (int64_t)g * D;
-  const int Lp = (L + 7) & ~7;
-  if (pf) prefetch_kv_rows<3, D>(kc, kv_stride, slots, 0, L < 8 ? L : 8);
-  for (int j = 0; j < L; ++j) {
-    if (pf) {
-      if (j + 8 < L) prefetch_kv_rows<3, D>(kc, kv_stride, slots, j + 8, j + 9);
-      prefetch_kv_rows<2, D>(vc, kv_stride, slots, j, j + 1);  // for the value pass
-    }
-    const KV* kp = kc + slots[j] * kv_stride;
-    __m256 p = _mm256_mul_ps(_mm256_loadu_ps(qp), kv_load8(kp));
-    for (int v = 1; v < NV; ++v) {
-      p = _mm256_fmadd_ps(_mm256_loadu_ps(qp + 8 * v), kv_load8(kp + 8 * v), p);
-    }
-    scores[j] = hsum256(p) * a.scale;
-  }
-  for (int j = L; j < Lp; ++j) scores[j] = -INFINITY;
-  __m256 vmax = _mm256_set1_ps(-INFINITY);
-  for (int j = 0; j < Lp; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(scores + j));
-  const __m256 mx = _mm256_set1_ps(hmax256(vmax));
-  __m256 vsum = _mm256_setzero_ps();
-  for (int j = 0; j < Lp; j += 8) {
-    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(scores + j), mx));
-    _mm256_storeu_ps(scores + j, e);
-    vsum = _mm256_add_ps(vsum, e);
-  }
-  __m256 o[NV];
-  for (int v = 0; v < NV; ++v) o[v] = _mm256_setzero_ps();
-  for (int j = 0; j < L; ++j) {
-    if (pf && j + 8 < L) prefetch_kv_rows<3, D>(vc, kv_stride, slots, j + 8, j + 9);
-    const KV* vp = vc + slots[j] * kv_stride;
-    const __m256 e = _mm256_set1_ps(scores[j]);
-    for (int v = 0; v < NV; ++v) o[v] = _mm256_fmadd_ps(e, kv_load8(vp + 8 * v), o[v]);
-  }
-  const __m256 inv = _mm256_set1_ps(1.f / hsum256(vsum));
-  float* op = a.out + (int64_t)t * a.ldo + h * D;
-  for (int v = 0; v < NV; ++v) _mm256_storeu_ps(op + 8 * v, _mm256_mul_ps(o[v], inv));
-}
+// Keys per block of the item-blocked attention below.
+constexpr int kKeyBlock = 16;
 
-template <int NV, class KV>
+// An item's queries (its rows x its heads, one KV group) go through the keys kKeyBlock at a
+// time together, so a block of K (then V) rows comes from memory once and from L1 for the
+// item's other queries (before, each query made its own pass over every key). Each query's own
+// float operations are unchanged and in the same order: per key the products of its head_dim
+// lanes summed in 8 lanes then across them, times the scale; the maximum over 8-lane chunks;
+// exp and sums in 8 lanes; values accumulated in key order (the accumulators wait in scratch
+// between blocks, exactly); one multiply by the inverse sum. So a verify or prefill row still
+// gives exactly the bits of the same token's decode row.
+template <int NV, class KV>  // head_dim = 8 * NV; KV: float or uint16_t (fp16) cache
 void attention_d(const AttnArgs& a, int i0, int i1, AttnScratch& s) {
+  constexpr int D = 8 * NV;
+  const int group = a.num_heads / a.num_kv_heads;
+  const int64_t kv_stride = (int64_t)a.num_kv_heads * D;
+  const int64_t sstride = a.max_keys + 16;
   for (int item = i0; item < i1; ++item) {
     const int32_t* it = a.items + 4 * item;
-    for (int t = it[0]; t < it[1]; ++t) {
-      const int L = visible_keys(a, t, s.slots);
-      for (int h = it[2]; h < it[3]; ++h) {
-        attention_query<NV, KV>(a, t, h, s.slots, L, s.scores, h == it[2]);
+    const int t0 = it[0], R = it[1] - it[0], h0 = it[2], G = it[3] - it[2];
+    const int g = h0 / group;
+    int Lr[kAttnRows], Lmax = 0, rmax = 0;
+    const int64_t* sl[kAttnRows];
+    for (int r = 0; r < R; ++r) {
+      int64_t* row = s.slots + (int64_t)r * a.max_keys;
+      Lr[r] = visible_keys(a, t0 + r, row);
+      sl[r] = row;
+      if (Lr[r] > Lmax) Lmax = Lr[r], rmax = r;
+    }
+    // the rows' key lists share the request's prefix (a causal row's holds every earlier
+    // row's): prefetching along the longest covers them all
+    const int64_t* psl = sl[rmax];
+    const KV* kc = kv_cache_k<KV>(a) + (int64_t)g * D;
+    const KV* vc = kv_cache_v<KV>(a) + (int64_t)g * D;
+    prefetch_kv_rows<3, D>(kc, kv_stride, psl, 0, std::min(Lmax, kKeyBlock));
+    for (int j0 = 0; j0 < Lmax; j0 += kKeyBlock) {
+      // the next block's keys to L1, this block's values to L2 (the value pass reads them)
+      prefetch_kv_rows<3, D>(kc, kv_stride, psl, std::min(Lmax, j0 + kKeyBlock),
+                             std::min(Lmax, j0 + 2 * kKeyBlock));
+      prefetch_kv_rows<2, D>(vc, kv_stride, psl, j0, std::min(Lmax, j0 + kKeyBlock));
+      for (int r = 0; r < R; ++r) {
+        const int j1 = std::min(Lr[r], j0 + kKeyBlock);
+        for (int hh = 0; hh < G; ++hh) {
+          const float* qp = a.q + (int64_t)(t0 + r) * a.ldq + (h0 + hh) * D;
+          __m256 q[NV];
+          for (int v = 0; v < NV; ++v) q[v] = _mm256_loadu_ps(qp + 8 * v);
+          float* sc = s.scores + (r * G + hh) * sstride;
+          for (int j = j0; j < j1; ++j) {
+            const KV* kp = kc + sl[r][j] * kv_stride;
+            __m256 p = _mm256_mul_ps(q[0], kv_load8(kp));
+            for (int v = 1; v < NV; ++v) p = _mm256_fmadd_ps(q[v], kv_load8(kp + 8 * v), p);
+            sc[j] = hsum256(p) * a.scale;
+          }
+        }
+      }
+    }
+    float inv_sum[kAttnRows * 8];
+    for (int r = 0; r < R; ++r) {
+      const int L = Lr[r], Lp = (L + 7) & ~7;
+      for (int hh = 0; hh < G; ++hh) {
+        const int qi = r * G + hh;
+        float* sc = s.scores + qi * sstride;
+        for (int j = L; j < Lp; ++j) sc[j] = -INFINITY;
+        __m256 vmax = _mm256_set1_ps(-INFINITY);
+        for (int j = 0; j < Lp; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sc + j));
+        const __m256 mx = _mm256_set1_ps(hmax256(vmax));
+        __m256 vsum = _mm256_setzero_ps();
+        for (int j = 0; j < Lp; j += 8) {
+          const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mx));
+          _mm256_storeu_ps(sc + j, e);
+          vsum = _mm256_add_ps(vsum, e);
+        }
+        inv_sum[qi] = 1.f / hsum256(vsum);
+        for (int v = 0; v < NV; ++v) _mm256_storeu_ps(s.out + qi * D + 8 * v, _mm256_setzero_ps());
+      }
+    }
+    for (int j0 = 0; j0 < Lmax; j0 += kKeyBlock) {
+      prefetch_kv_rows<3, D>(vc, kv_stride, psl, std::min(Lmax, j0 + kKeyBlock),
+                             std::min(Lmax, j0 + 2 * kKeyBlock));
+      for (int r = 0; r < R; ++r) {
+        const int j1 = std::min(Lr[r], j0 + kKeyBlock);
+        for (int hh = 0; hh < G; ++hh) {
+          const int qi = r * G + hh;
+          const float* e = s.scores + qi * sstride;
+          float* op = s.out + qi * D;
+          __m256 o[NV];
+          for (int v = 0; v < NV; ++v) o[v] = _mm256_loadu_ps(op + 8 * v);
+          for (int j = j0; j < j1; ++j) {
+            const KV* vp = vc + sl[r][j] * kv_stride;
+            const __m256 ej = _mm256_set1_ps(e[j]);
+            for (int v = 0; v < NV; ++v) o[v] = _mm256_fmadd_ps(ej, kv_load8(vp + 8 * v), o[v]);
+          }
+          for (int v = 0; v < NV; ++v) _mm256_storeu_ps(op + 8 * v, o[v]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int hh = 0; hh < G; ++hh) {
+        const int qi = r * G + hh;
+        const __m256 inv = _mm256_set1_ps(inv_sum[qi]);
+        float* dst = a.out + (int64_t)(t0 + r) * a.ldo + (h0 + hh) * D;
+        for (int v = 0; v < NV; ++v) {
+          _mm256_storeu_ps(dst + 8 * v, _mm256_mul_ps(_mm256_loadu_ps(s.out + qi * D + 8 * v), inv));
+        }
       }
     }
   }
