@@ -189,6 +189,21 @@ def test_linear_equals_float64_reference(isa, fmt, digits):
     assert (y - exact).abs().max() <= DIGIT_TOL[digits] * scale
 
 
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+@pytest.mark.parametrize("digits", [1, 2, 3])
+def test_avx2_block_linear_gives_the_scalar_kernels_bits(fmt, digits):
+    """The AVX2 table's integer paths (Q8_0: the sign trick; Q4: int16 pair sums) give the
+    scalar table's bits, activations spread over many octaves so every digit is used at its
+    bounds."""
+    if "avx2" not in isas():
+        pytest.skip("this CPU has no avx2")
+    lin, _ = make_linear(fmt, 70, 576, seed=digits)
+    g = torch.Generator().manual_seed(digits)
+    x = torch.randn(13, 576, generator=g) * torch.exp(3 * torch.randn(13, 576, generator=g))
+    y = ext().linear(lin, x, levels=digits, nthreads=2, isa="avx2")
+    assert torch.equal(y, ext().linear(lin, x, levels=digits, nthreads=2, isa="generic"))
+
+
 @pytest.mark.parametrize("isa", ["amx", "avx512", "avx2", "generic"])
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS + FLOAT_FORMATS)
 def test_rows_are_bit_identical_for_every_m_and_thread_count(isa, fmt):
