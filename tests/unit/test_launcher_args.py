@@ -125,7 +125,11 @@ def test_draft_matmul_dtype_resolves_per_device_and_cpu(monkeypatch):
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert eagle.draft_matmul_dtype("float32", cpu) == torch.float32
-    assert eagle.draft_matmul_dtype("bfloat16", cpu) == torch.bfloat16
+    for has_path, want in ((True, torch.bfloat16), (False, torch.float32)):
+        # bfloat16 where oneDNN multiplies bf16; an AVX2-only CPU has no such path: float32
+        monkeypatch.setattr(eagle, "onednn_bf16_available", lambda has_path=has_path: has_path)
+        assert eagle.draft_matmul_dtype("bfloat16", cpu) == want
+    monkeypatch.undo()
     assert eagle.draft_matmul_dtype("bfloat16", cuda) == torch.float32  # nothing is prepacked
     assert eagle.draft_matmul_dtype("q4_0", cpu) == "q4_0"
     assert eagle.draft_matmul_dtype("q8_0", cuda) == torch.float32
