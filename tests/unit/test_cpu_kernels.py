@@ -192,16 +192,36 @@ def test_linear_equals_float64_reference(isa, fmt, digits):
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 @pytest.mark.parametrize("digits", [1, 2, 3])
 def test_avx2_block_linear_gives_the_scalar_kernels_bits(fmt, digits):
-    """The AVX2 table's integer paths (Q8_0: the sign trick; Q4: int16 pair sums) give the
-    scalar table's bits, activations spread over many octaves so every digit is used at its
-    bounds."""
+    """The AVX2 table's integer paths (Q8_0: int16 vpmaddwd streams, 32 rows at a time; Q4:
+    int16 pair sums) give the scalar table's bits: activations spread over many octaves, and
+    rows at the digits' extremes; row counts on both sides of the Q8_0 path's row pairs and of
+    its 32-row chunks; bias and the fused residual add. (silu * up is not compared: the two
+    tables' exp differ in the last bits.)"""
     if "avx2" not in isas():
         pytest.skip("this CPU has no avx2")
-    lin, _ = make_linear(fmt, 70, 576, seed=digits)
+    n, k = 70, 576  # 5 tiles: two pairs and a lone one
+    lin, _ = make_linear(fmt, n, k, seed=digits)
+    rng = np.random.default_rng(digits)
+    w = (rng.standard_normal((n, k)) * 0.1).astype(np.float32)
+    bias = torch.from_numpy(rng.standard_normal(80).astype(np.float32))  # padded to the tiles
+    with_bias = ext().PackedLinear(int(fmt), k, n,
+                                   torch.from_numpy(pack_blocks(quantize(fmt, w))), bias)
     g = torch.Generator().manual_seed(digits)
-    x = torch.randn(13, 576, generator=g) * torch.exp(3 * torch.randn(13, 576, generator=g))
-    y = ext().linear(lin, x, levels=digits, nthreads=2, isa="avx2")
-    assert torch.equal(y, ext().linear(lin, x, levels=digits, nthreads=2, isa="generic"))
+    x = torch.randn(40, k, generator=g) * torch.exp(3 * torch.randn(40, k, generator=g))
+    # block max just under 127: first digits up to +-127, halves below it, later digits +-64
+    half = torch.arange(k, dtype=torch.float32) % 120 + 0.5 + 0.5 / 128
+    x[33] = torch.where(torch.arange(k) % 2 == 0, half, -half)
+    x[33, ::32] = 126.99
+    x[34] = -x[33]
+    for m in (1, 2, 3, 13, 32, 35, 40):
+        rows = x[40 - m:]  # every call of more than six rows holds the extreme rows
+        for packed in (lin, with_bias):
+            for epi in (EPI_STORE, EPI_ADD):
+                y0 = torch.randn(m, n)
+                out = [ext().linear(packed, rows, levels=digits, nthreads=2, isa=isa,
+                                    epilogue=epi, y=y0.clone() if epi else None)
+                       for isa in ("avx2", "generic")]
+                assert torch.equal(out[0], out[1]), (m, epi)
 
 
 @pytest.mark.parametrize("isa", ["amx", "avx512", "avx2", "generic"])
@@ -285,7 +305,7 @@ def test_a_row_does_not_depend_on_its_neighbours():
         assert torch.equal(y[seed * 5], ext().linear(lin, row, levels=3, nthreads=1)[0])
 
 
-@pytest.mark.parametrize("fmt", [Fmt.Q4_1, Fmt.F32])
+@pytest.mark.parametrize("fmt", [Fmt.Q4_1, Fmt.Q8_0, Fmt.F32])
 def test_residual_and_silu_mul_epilogues(fmt):
     n, k = 32, 64
     gate, wg = make_linear(fmt, n, k, seed=1)

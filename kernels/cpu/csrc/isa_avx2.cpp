@@ -1,15 +1,16 @@
 // AVX2 + FMA + F16C kernels, for CPUs without AVX-512. Same tile layouts as isa_avx512.cpp: a
 // 16-row tile is processed as two halves of 8 rows (one 8-lane vector each).
 //
-// Integer dot products use vpmaddubsw (u8 x s8 -> pairs summed into int16) and vpmaddwd (int16
+// Q4 dot products use vpmaddubsw (u8 x s8 -> pairs summed into int16) and vpmaddwd (int16
 // pairs -> int32). Q4 weights are 0..15 and digits within +-127, so a pair sum stays within
-// +-3810 and eight of them within int16: no saturation. Q8_0 weights are signed, so they take
-// the sign trick (|w| x a*sign(w), at most 2 * 128 * 127 per pair) and widen group by group.
+// +-3810 and eight of them within int16: no saturation. Q8_0 weights are signed and take
+// vpmaddwd on int16 directly (half_q8).
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "kernels.h"
 
@@ -69,46 +70,55 @@ inline __m256 silu256(__m256 g) {
 
 // ---- block formats: half-tile `half` (rows 8 * half .. + 7) ----------------------------------
 
-// Blocks ahead that the first pass over a tile prefetches (see half_block).
+// Blocks ahead that the first pass over a tile prefetches (see TilePrefetch).
 constexpr int kPrefetchBlocks = PREFETCH_BLOCKS_AVX2;
 
+// The first pass over a tile's weights (`first`: rows from the first of the call, first half)
+// prefetches kPrefetchBlocks blocks ahead: a block's loads otherwise wait a DRAM round trip
+// each, the hardware prefetcher does not run ahead of the block loops. An even tile of a memory
+// pair (kernels.h) prefetches its partner's interleaved blocks too, so the pair is one stream,
+// and past its last block the stream runs on into the next pair, the next tiles this thread
+// multiplies.
+struct TilePrefetch {
+  bool on;
+  int64_t step;
+  const char* base;
+  TilePrefetch(const GemmArgs& a, int tile, bool first, int tbb) {
+    const bool pair_lead = tile % 2 == 0 && tile < a.tiles - a.tiles % 2;
+    const bool lone = tile >= a.tiles - a.tiles % 2;
+    on = first && (pair_lead || lone);
+    step = pair_lead ? 2 * tbb : tbb;
+    base = (const char*)a.w + block_offset(tile, 0, a.K / QK, a.tiles, tbb);
+  }
+  // always_inline: GCC 12 finds a function holding only prefetches free of side effects
+  // (IPA pure-const) and deletes the calls to it, prefetches and all
+  __attribute__((always_inline)) void block(int b) const {
+    if (!on) return;
+    const char* p = base + (b + kPrefetchBlocks) * step;
+    for (int off = 0; off < step; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+  }
+};
+
+// Q4_0 / Q4_1: MR rows x 8 columns (half `half` of the tile).
 template <int FMT, int L, int MR>
 inline void half_block(const GemmArgs& a, int tile, int half, int m0, __m256 acc[MR]) {
   const int nb = a.K / QK, K = a.K;
-  constexpr int TBB = FMT == Q8_0 ? 544 : FMT == Q4_0 ? 288 : 320;
-  constexpr int32_t OFF = FMT == Q4_0 ? 8 : 0;  // Q8_0 uses the sign trick here: no offset
+  constexpr int TBB = FMT == Q4_0 ? 288 : 320;
+  constexpr int32_t OFF = FMT == Q4_0 ? 8 : 0;
   for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i lo4 = _mm256_set1_epi8(0x0f);
   const __m256i ones = _mm256_set1_epi16(1);
-  // The first pass over a tile's weights (rows from 0, first half) prefetches kPrefetchBlocks
-  // blocks ahead: a block's loads otherwise wait a DRAM round trip each, the hardware
-  // prefetcher does not run ahead of this loop. An even tile of a memory pair (kernels.h)
-  // prefetches its partner's interleaved blocks too, so the pair is one stream, and past its
-  // last block the stream runs on into the next pair, the next tiles this thread multiplies.
-  const bool pair_lead = tile % 2 == 0 && tile < a.tiles - a.tiles % 2;
-  const bool lone = tile >= a.tiles - a.tiles % 2;
-  const bool pf = m0 == 0 && half == 0 && (pair_lead || lone);
-  const int64_t pf_step = pair_lead ? 2 * TBB : TBB;
-  const char* pf_base = (const char*)a.w + block_offset(tile, 0, nb, a.tiles, TBB);
+  const TilePrefetch pf(a, tile, m0 == 0 && half == 0, TBB);
   for (int b = 0; b < nb; ++b) {
-    if (pf) {
-      const char* p = pf_base + (b + kPrefetchBlocks) * pf_step;
-      for (int off = 0; off < pf_step; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
-    }
+    pf.block(b);
     const uint8_t* tb = a.w + block_offset(tile, b, nb, a.tiles, TBB);
     __m256i wq[8];
-    if (FMT == Q8_0) {
-      for (int g = 0; g < 8; ++g) {
-        wq[g] = _mm256_loadu_si256((const __m256i*)(tb + 64 * g + 32 * half));
-      }
-    } else {
-      for (int c = 0; c < 4; ++c) {
-        const __m256i v = _mm256_loadu_si256((const __m256i*)(tb + 64 * c + 32 * half));
-        wq[c] = _mm256_and_si256(v, lo4);
-        wq[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
-      }
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(tb + 64 * c + 32 * half));
+      wq[c] = _mm256_and_si256(v, lo4);
+      wq[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
     }
-    const uint8_t* sc = tb + (FMT == Q8_0 ? 512 : 256) + 16 * half;
+    const uint8_t* sc = tb + 256 + 16 * half;
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)sc));
     __m256 mins = _mm256_setzero_ps();
     if (FMT == Q4_1) mins = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sc + 32)));
@@ -116,49 +126,124 @@ inline void half_block(const GemmArgs& a, int tile, int half, int m0, __m256 acc
       const int64_t m = m0 + r;
       const int8_t* ab = a.act.q + m * L * K + b * QK;
       const int32_t* sums = a.act.sums + m * L * nb + b;
-      // digits combined exactly in int32 (Horner, see isa_avx512.cpp); Q8_0: first digit apart
-      __m256i hi = _mm256_setzero_si256(), lo = _mm256_setzero_si256();
+      // digits combined exactly in int32 (Horner, see isa_avx512.cpp)
+      __m256i hi = _mm256_setzero_si256();
       for (int l = 0; l < L; ++l) {
         const int8_t* al = ab + (int64_t)l * K;
-        __m256i s;
-        if (FMT == Q8_0) {
-          s = _mm256_setzero_si256();
-          for (int g = 0; g < 8; ++g) {
-            const __m256i av = _mm256_set1_epi32(load_i32(al + 4 * g));
-            const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(wq[g], wq[g]),
-                                                   _mm256_sign_epi8(av, wq[g]));
-            s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
-          }
-          if (l == 0) hi = s;
-          else lo = _mm256_add_epi32(_mm256_slli_epi32(lo, 7), s);
-        } else {
-          __m256i s16 = _mm256_maddubs_epi16(wq[0], _mm256_set1_epi32(load_i32(al)));
-          for (int g = 1; g < 8; ++g) {
-            s16 = _mm256_add_epi16(
-                s16, _mm256_maddubs_epi16(wq[g], _mm256_set1_epi32(load_i32(al + 4 * g))));
-          }
-          hi = _mm256_add_epi32(_mm256_slli_epi32(hi, 7), _mm256_madd_epi16(s16, ones));
+        __m256i s16 = _mm256_maddubs_epi16(wq[0], _mm256_set1_epi32(load_i32(al)));
+        for (int g = 1; g < 8; ++g) {
+          s16 = _mm256_add_epi16(
+              s16, _mm256_maddubs_epi16(wq[g], _mm256_set1_epi32(load_i32(al + 4 * g))));
         }
+        hi = _mm256_add_epi32(_mm256_slli_epi32(hi, 7), _mm256_madd_epi16(s16, ones));
       }
-      __m256 f;
-      if (FMT == Q8_0) {
-        f = _mm256_cvtepi32_ps(hi);
-        if (L > 1) {
-          f = _mm256_fmadd_ps(f, _mm256_set1_ps((float)(1 << (7 * (L - 1)))),
-                              _mm256_cvtepi32_ps(lo));
-        }
-      } else {
-        if (OFF) {
-          int32_t sa = 0;
-          for (int l = 0; l < L; ++l) sa = sa * 128 + sums[l * nb];
-          hi = _mm256_sub_epi32(hi, _mm256_set1_epi32(OFF * sa));
-        }
-        f = _mm256_cvtepi32_ps(hi);
+      if (OFF) {
+        int32_t sa = 0;
+        for (int l = 0; l < L; ++l) sa = sa * 128 + sums[l * nb];
+        hi = _mm256_sub_epi32(hi, _mm256_set1_epi32(OFF * sa));
       }
+      const __m256 f = _mm256_cvtepi32_ps(hi);
       const __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(a.act.scale[m * nb + b]));
       acc[r] = _mm256_fmadd_ps(ds, f, acc[r]);
       if (FMT == Q4_1) acc[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(a.act.fsum[m * nb + b]), acc[r]);
     }
+  }
+}
+
+// Q8_0 with vpmaddwd on int16: a group of MR rows sign-extends each weight once, and each row
+// brings two int16 activation streams (Q8Act), its first digit a_0 and the rest, a_1 * 128 + a_2
+// at three digits or a_1 at two. One vpmaddwd then takes 16 weights of a stream, where
+// vpmaddubsw needs the sign trick (two vpsignb) and a vpmaddwd to widen for every 32 weights and
+// digit. The two sums are exactly the Horner hi (first digit) and lo (the rest) of the scalar
+// kernel (|lo| <= 32 * 127 * 8256 < 2^31), so the float steps and the bits are the same.
+// Four weights of four columns widen to one vector, 32-bit lanes (c0: k0 k1, c0: k2 k3, c1: ..),
+// multiplied by the row's four activations broadcast; vphaddd of the two column quads gives the
+// per-column sums in the order c0 c1 c4 c5 c2 c3 c6 c7. A block's float steps run in that order
+// (lane for lane the same operations, the scales permuted to match), and the accumulator goes
+// back to column order once, at the end.
+struct Q8Act {
+  int m_first = 0;               // rows [m_first, m_first + rows) of the call
+  int rows = 0;
+  const int16_t* a0 = nullptr;   // [rows][K]
+  const int16_t* a12 = nullptr;  // [rows][K] when L > 1
+};
+
+// Rows a Q8Act holds at a time: its two streams, 2 x 32 x K int16 (72 KB at K = 576), stay in
+// L2 while every tile of the call goes by.
+constexpr int kQ8Rows = 32;
+
+template <int L>
+void q8_act16(const GemmArgs& a, int m_first, int rows, int16_t* a0, int16_t* a12) {
+  const int K = a.K;
+  for (int i = 0; i < rows; ++i) {
+    const int8_t* q = a.act.q + (int64_t)(m_first + i) * L * K;
+    for (int k = 0; k < K; k += 16) {
+      const __m256i d0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(q + k)));
+      _mm256_storeu_si256((__m256i*)(a0 + (int64_t)i * K + k), d0);
+      if (L > 1) {
+        __m256i d1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(q + K + k)));
+        if (L > 2) {
+          d1 = _mm256_add_epi16(
+              _mm256_slli_epi16(d1, 7),
+              _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(q + 2 * K + k))));
+        }
+        _mm256_storeu_si256((__m256i*)(a12 + (int64_t)i * K + k), d1);
+      }
+    }
+  }
+}
+
+inline __m256i bcast4x16(const int16_t* p) {
+  int64_t v;
+  std::memcpy(&v, p, 8);
+  return _mm256_set1_epi64x(v);
+}
+
+template <int L, int MR>
+inline void half_q8(const GemmArgs& a, const Q8Act& x, int tile, int half, int m0,
+                    __m256 acc[MR]) {
+  const int nb = a.K / QK, K = a.K;
+  constexpr int TBB = 544;
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  const TilePrefetch pf(a, tile, m0 == x.m_first && half == 0, TBB);
+  for (int b = 0; b < nb; ++b) {
+    pf.block(b);
+    const uint8_t* tb = a.w + block_offset(tile, b, nb, a.tiles, TBB);
+    __m256i hu[MR], hv[MR], lu[MR], lv[MR];
+    for (int g = 0; g < 8; ++g) {
+      const uint8_t* wg = tb + 64 * g + 32 * half;
+      const __m256i wu = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)wg));
+      const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(wg + 16)));
+      for (int r = 0; r < MR; ++r) {
+        const int64_t off = (int64_t)(m0 - x.m_first + r) * K + b * QK + 4 * g;
+        const __m256i b0 = bcast4x16(x.a0 + off);
+        const __m256i pu = _mm256_madd_epi16(wu, b0), pv = _mm256_madd_epi16(wv, b0);
+        hu[r] = g ? _mm256_add_epi32(hu[r], pu) : pu;
+        hv[r] = g ? _mm256_add_epi32(hv[r], pv) : pv;
+        if (L > 1) {
+          const __m256i b1 = bcast4x16(x.a12 + off);
+          const __m256i qu = _mm256_madd_epi16(wu, b1), qv = _mm256_madd_epi16(wv, b1);
+          lu[r] = g ? _mm256_add_epi32(lu[r], qu) : qu;
+          lv[r] = g ? _mm256_add_epi32(lv[r], qv) : qv;
+        }
+      }
+    }
+    const __m128i dh = _mm_loadu_si128((const __m128i*)(tb + 512 + 16 * half));
+    const __m256 d = _mm256_castsi256_ps(
+        _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_cvtph_ps(dh)), 0xd8));
+    for (int r = 0; r < MR; ++r) {
+      const int64_t m = m0 + r;
+      __m256 f = _mm256_cvtepi32_ps(_mm256_hadd_epi32(hu[r], hv[r]));
+      if (L > 1) {
+        f = _mm256_fmadd_ps(f, _mm256_set1_ps((float)(1 << (7 * (L - 1)))),
+                            _mm256_cvtepi32_ps(_mm256_hadd_epi32(lu[r], lv[r])));
+      }
+      const __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(a.act.scale[m * nb + b]));
+      acc[r] = _mm256_fmadd_ps(ds, f, acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    acc[r] = _mm256_castsi256_ps(_mm256_permute4x64_epi64(_mm256_castps_si256(acc[r]), 0xd8));
   }
 }
 
@@ -194,8 +279,11 @@ inline void half_float(const GemmArgs& a, int tile, int half, int m0, __m256 acc
 }
 
 template <int FMT, int L, int MR>
-inline void half_acc(const GemmArgs& a, int tile, int half, int m0, __m256 acc[MR]) {
-  if constexpr (FMT == Q8_0 || FMT == Q4_0 || FMT == Q4_1) {
+inline void half_acc(const GemmArgs& a, const Q8Act* q8, int tile, int half, int m0,
+                     __m256 acc[MR]) {
+  if constexpr (FMT == Q8_0) {
+    half_q8<L, MR>(a, *q8, tile, half, m0, acc);
+  } else if constexpr (FMT == Q4_0 || FMT == Q4_1) {
     half_block<FMT, L, MR>(a, tile, half, m0, acc);
   } else {
     half_float<FMT, MR>(a, tile, half, m0, acc);
@@ -218,7 +306,7 @@ inline void store8(float* y, int valid, __m256 v, bool add) {
 }
 
 template <int FMT, int L, int MR>
-inline void tile_rows(const GemmArgs& a, int t, int m0) {
+inline void tile_rows(const GemmArgs& a, const Q8Act* q8, int t, int m0) {
   for (int half = 0; half < 2; ++half) {
     const int col = t * NR + 8 * half;
     const int valid = a.N - col;
@@ -226,15 +314,15 @@ inline void tile_rows(const GemmArgs& a, int t, int m0) {
     __m256 acc[MR];
     if (a.epilogue == EPI_SILU_MUL) {
       __m256 up[MR];
-      half_acc<FMT, L, MR>(a, 2 * t, half, m0, acc);
-      half_acc<FMT, L, MR>(a, 2 * t + 1, half, m0, up);
+      half_acc<FMT, L, MR>(a, q8, 2 * t, half, m0, acc);
+      half_acc<FMT, L, MR>(a, q8, 2 * t + 1, half, m0, up);
       for (int r = 0; r < MR; ++r) {
         store8(a.y + (int64_t)(m0 + r) * a.ldy + col, valid, _mm256_mul_ps(silu256(acc[r]), up[r]),
                false);
       }
       continue;
     }
-    half_acc<FMT, L, MR>(a, t, half, m0, acc);
+    half_acc<FMT, L, MR>(a, q8, t, half, m0, acc);
     for (int r = 0; r < MR; ++r) {
       store8(a.y + (int64_t)(m0 + r) * a.ldy + col, valid, acc[r], a.epilogue == EPI_ADD);
     }
@@ -243,13 +331,35 @@ inline void tile_rows(const GemmArgs& a, int t, int m0) {
 
 template <int FMT, int L>
 void gemm_fmt(const GemmArgs& a, int t0, int t1) {
+  if constexpr (FMT == Q8_0) {
+    // rows kQ8Rows at a time: their int16 streams, then every tile (two rows at a time: four
+    // streams' sums per row is what the registers hold)
+    static thread_local std::vector<int16_t> buf;
+    const size_t n = (size_t)kQ8Rows * a.K;
+    if (buf.size() < 2 * n) buf.resize(2 * n);
+    for (int m_first = 0; m_first < a.M; m_first += kQ8Rows) {
+      Q8Act x;
+      x.m_first = m_first;
+      x.rows = std::min(kQ8Rows, a.M - m_first);
+      x.a0 = buf.data();
+      x.a12 = buf.data() + n;
+      q8_act16<L>(a, m_first, x.rows, buf.data(), buf.data() + n);
+      const int m_end = m_first + x.rows;
+      for (int t = t0; t < t1; ++t) {
+        int m = m_first;
+        for (; m + 2 <= m_end; m += 2) tile_rows<FMT, L, 2>(a, &x, t, m);
+        if (m < m_end) tile_rows<FMT, L, 1>(a, &x, t, m);
+      }
+    }
+    return;
+  }
   for (int t = t0; t < t1; ++t) {
     int m = 0;
-    for (; m + 4 <= a.M; m += 4) tile_rows<FMT, L, 4>(a, t, m);
+    for (; m + 4 <= a.M; m += 4) tile_rows<FMT, L, 4>(a, nullptr, t, m);
     switch (a.M - m) {
-      case 3: tile_rows<FMT, L, 3>(a, t, m); break;
-      case 2: tile_rows<FMT, L, 2>(a, t, m); break;
-      case 1: tile_rows<FMT, L, 1>(a, t, m); break;
+      case 3: tile_rows<FMT, L, 3>(a, nullptr, t, m); break;
+      case 2: tile_rows<FMT, L, 2>(a, nullptr, t, m); break;
+      case 1: tile_rows<FMT, L, 1>(a, nullptr, t, m); break;
       default: break;
     }
   }
