@@ -334,8 +334,10 @@ template <> inline const uint16_t* kv_cache_v<uint16_t>(const AttnArgs& a) { ret
 // waits on each row in turn (AVX-512, 32 decode rows over 160 keys: attention -23 to -27%
 // whether the slots are contiguous or interleaved, a whole step -6 to -12%: `python -m
 // benchmark.profile_cpu_engine --context 160 --tokens 1 --batch 32 --layout interleaved`).
+// always_inline: GCC 12 may find a function that only prefetches free of side effects (IPA
+// pure-const) and delete the calls to it (it did to isa_avx2.cpp's TilePrefetch::block).
 template <int LOCALITY, int D, class KV>
-inline void prefetch_kv_rows(const KV* base, int64_t kv_stride, const int64_t* slots, int j0,
+__attribute__((always_inline)) inline void prefetch_kv_rows(const KV* base, int64_t kv_stride, const int64_t* slots, int j0,
                              int j1) {
   constexpr int kLines = (int)((D * sizeof(KV) + 63) / 64);
   for (int j = j0; j < j1; ++j) {
