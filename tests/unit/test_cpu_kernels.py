@@ -38,8 +38,8 @@ def isas() -> list[str]:
     return [i for i in ("amx", "avx512", "avx2", "generic") if ext().isa_name(i) == i]
 
 
-def make_linear(fmt: Fmt, n: int, k: int, seed: int = 0):
-    """(packed linear, dequantized float64 weight [n, k])."""
+def make_linear(fmt: Fmt, n: int, k: int, seed: int = 0, bias: torch.Tensor | None = None):
+    """(packed linear, dequantized float64 weight [n, k]); `bias` padded to the tiles."""
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((n, k)) * 0.1).astype(np.float32)
     if fmt.is_block:
@@ -50,7 +50,8 @@ def make_linear(fmt: Fmt, n: int, k: int, seed: int = 0):
         data = pack_float(fmt, bits)
         dense = (bits.astype(np.float32) if fmt != Fmt.BF16 else
                  (bits.astype(np.uint32) << 16).view(np.float32))
-    lin = ext().PackedLinear(int(fmt), k, n, torch.from_numpy(data))
+    args = (torch.from_numpy(data),) if bias is None else (torch.from_numpy(data), bias)
+    lin = ext().PackedLinear(int(fmt), k, n, *args)
     return lin, torch.from_numpy(dense).double()
 
 
@@ -201,11 +202,8 @@ def test_avx2_block_linear_gives_the_scalar_kernels_bits(fmt, digits):
         pytest.skip("this CPU has no avx2")
     n, k = 70, 576  # 5 tiles: two pairs and a lone one
     lin, _ = make_linear(fmt, n, k, seed=digits)
-    rng = np.random.default_rng(digits)
-    w = (rng.standard_normal((n, k)) * 0.1).astype(np.float32)
-    bias = torch.from_numpy(rng.standard_normal(80).astype(np.float32))  # padded to the tiles
-    with_bias = ext().PackedLinear(int(fmt), k, n,
-                                   torch.from_numpy(pack_blocks(quantize(fmt, w))), bias)
+    bias = torch.randn(80, generator=torch.Generator().manual_seed(9))  # padded to the tiles
+    with_bias, _ = make_linear(fmt, n, k, seed=digits + 3, bias=bias)
     g = torch.Generator().manual_seed(digits)
     x = torch.randn(40, k, generator=g) * torch.exp(3 * torch.randn(40, k, generator=g))
     # block max just under 127: first digits up to +-127, halves below it, later digits +-64

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -64,7 +66,7 @@ def test_onednn_bf16_detection_agrees_with_the_cpu_flags():
     """oneDNN's bf16 path needs AVX-512 BW + VL + DQ or AVX-NE-CONVERT (its own error message
     on an AVX2-only CPU); read from /proc/cpuinfo, independently of torch's check."""
     try:
-        flags = set(open("/proc/cpuinfo").read().split())
+        flags = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
         pytest.skip("no /proc/cpuinfo")
     capable = {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags

@@ -337,8 +337,8 @@ template <> inline const uint16_t* kv_cache_v<uint16_t>(const AttnArgs& a) { ret
 // always_inline: GCC 12 may find a function that only prefetches free of side effects (IPA
 // pure-const) and delete the calls to it (it did to isa_avx2.cpp's TilePrefetch::block).
 template <int LOCALITY, int D, class KV>
-__attribute__((always_inline)) inline void prefetch_kv_rows(const KV* base, int64_t kv_stride, const int64_t* slots, int j0,
-                             int j1) {
+__attribute__((always_inline)) inline void prefetch_kv_rows(const KV* base, int64_t kv_stride,
+                                                            const int64_t* slots, int j0, int j1) {
   constexpr int kLines = (int)((D * sizeof(KV) + 63) / 64);
   for (int j = j0; j < j1; ++j) {
     const char* p = reinterpret_cast<const char*>(base + slots[j] * kv_stride);
