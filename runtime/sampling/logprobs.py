@@ -6,7 +6,7 @@ too). So a token's logprob does not depend on how it was chosen: greedy, sampled
 from a speculative draft. Under speculation the verify forward already holds the target's logits
 at every accepted node, and the CPU engine computes a row bit for bit alike whatever else is in
 the batch, so a request's logprobs are the same numbers with and without speculation
-(tests/integration/test_spec_lossless.py, which asks for them on every third prompt).
+(tests/integration/test_spec_lossless*.py, which ask for them on every third prompt).
 
 Wire shape (msgpack, no pickle): one payload per request per step, a plain dict
 `{"lp": [...], "top_ids": [[...]], "top_lp": [[...]]}`; `top_*` only when top > 0. Prompt

@@ -1,7 +1,7 @@
 """Logprobs on the default model through `Engine`: against HF transformers' log_softmax, the
 prompt's against the output's (one forward's rows against decode steps'), across prefill
 chunks and past the radix cache, and cut where a stop cuts the tokens. Speculative requests
-return plain decoding's logprobs exactly: tests/integration/test_spec_lossless.py."""
+return plain decoding's logprobs exactly: tests/integration/test_spec_lossless*.py."""
 
 from __future__ import annotations
 
