@@ -2,9 +2,10 @@
 check that tests/integration/test_spec_lossless*.py run for every algorithm.
 
 The algorithms are split over two test files because `make test` hands whole files to its two
-pytest-xdist workers (`--dist loadfile`): in one file these checks were one worker's ~21 minutes
-on an AVX2 machine while the other worker had run out of files. The plain outputs they compare
-against are computed once per run (`shared_plain_reference`) and shared by both workers.
+pytest-xdist workers (`--dist loadfile`): in one file these checks were ~21 minutes of one
+worker's time on an AVX2 machine; in two, each worker takes about half (docs/benchmarks.md,
+"Thirtieth session"). The plain outputs they compare against are computed once per run
+(`shared_plain_reference`) and shared by both workers.
 """
 
 from __future__ import annotations
