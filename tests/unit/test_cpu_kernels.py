@@ -194,9 +194,10 @@ def test_linear_equals_float64_reference(isa, fmt, digits):
 @pytest.mark.parametrize("digits", [1, 2, 3])
 def test_avx2_block_linear_gives_the_scalar_kernels_bits(fmt, digits):
     """The AVX2 table's integer paths (Q8_0: int16 vpmaddwd streams, 32 rows at a time; Q4:
-    int16 pair sums) give the scalar table's bits: activations spread over many octaves, and
-    rows at the digits' extremes; row counts on both sides of the Q8_0 path's row pairs and of
-    its 32-row chunks; bias and the fused residual add. (silu * up is not compared: the two
+    int16 pair sums, at three digits the hand-written block sums for one to four rows) give
+    the scalar table's bits: activations spread over many octaves, and rows at the digits'
+    extremes; row counts on both sides of the row groups (Q8_0: pairs, Q4: fours) and of the
+    32-row chunks; bias and the fused residual add. (silu * up is not compared: the two
     tables' exp differ in the last bits.)"""
     if "avx2" not in isas():
         pytest.skip("this CPU has no avx2")
