@@ -188,6 +188,65 @@ __attribute__((always_inline)) inline void q4_sums3(const uint8_t* w, const int8
                      : Q4_CLOBBERS);
   }
 }
+
+// One row, both halves of the tile (the decode step's matmul): a lone row's three chains wait
+// on each other's latency (each step of a chain is a broadcast, a vpmaddubsw and a vpaddw in a
+// row), so the row here runs six, one per half and digit, and each broadcast serves both
+// halves. Sixteen weight registers do not fit beside them: the block goes in two passes, the
+// low nibbles of its four 64-byte quarters (groups 0-3 of both halves, ymm0-3 and ymm4-7),
+// then the high ones (groups 4-7). Chains ymm8-10 (half 0, digits 0-2) and ymm11-13 (half 1),
+// the broadcast ymm14, products ymm15. hi[h][0..8) = half h's sums, as q4_sums3 gives them.
+#define Q4P_LOAD(SHIFT)                                                                     \
+  "vmovdqu 0(%[w]), %%ymm0\n\t" "vmovdqu 64(%[w]), %%ymm1\n\t"                              \
+  "vmovdqu 128(%[w]), %%ymm2\n\t" "vmovdqu 192(%[w]), %%ymm3\n\t"                           \
+  "vmovdqu 32(%[w]), %%ymm4\n\t" "vmovdqu 96(%[w]), %%ymm5\n\t"                             \
+  "vmovdqu 160(%[w]), %%ymm6\n\t" "vmovdqu 224(%[w]), %%ymm7\n\t"                           \
+  SHIFT(0) SHIFT(1) SHIFT(2) SHIFT(3) SHIFT(4) SHIFT(5) SHIFT(6) SHIFT(7)                   \
+  "vpand (%[c]), %%ymm0, %%ymm0\n\t" "vpand (%[c]), %%ymm1, %%ymm1\n\t"                     \
+  "vpand (%[c]), %%ymm2, %%ymm2\n\t" "vpand (%[c]), %%ymm3, %%ymm3\n\t"                     \
+  "vpand (%[c]), %%ymm4, %%ymm4\n\t" "vpand (%[c]), %%ymm5, %%ymm5\n\t"                     \
+  "vpand (%[c]), %%ymm6, %%ymm6\n\t" "vpand (%[c]), %%ymm7, %%ymm7\n\t"
+#define Q4P_NOSHIFT(R)
+#define Q4P_SHIFT(R) "vpsrlw $4, %%ymm" #R ", %%ymm" #R "\n\t"
+#define Q4P_FIRST(WA, WB, ADDR, AA, AB)                                                     \
+  "vpbroadcastd " ADDR ", %%ymm14\n\t"                                                      \
+  "vpmaddubsw %%ymm14, %%ymm" WA ", %%ymm" AA "\n\t"                                        \
+  "vpmaddubsw %%ymm14, %%ymm" WB ", %%ymm" AB "\n\t"
+#define Q4P_NEXT(WA, WB, ADDR, AA, AB)                                                      \
+  "vpbroadcastd " ADDR ", %%ymm14\n\t"                                                      \
+  "vpmaddubsw %%ymm14, %%ymm" WA ", %%ymm15\n\t"                                            \
+  "vpaddw %%ymm15, %%ymm" AA ", %%ymm" AA "\n\t"                                            \
+  "vpmaddubsw %%ymm14, %%ymm" WB ", %%ymm15\n\t"                                            \
+  "vpaddw %%ymm15, %%ymm" AB ", %%ymm" AB "\n\t"
+#define Q4P_GROUP(STEP, G, WA, WB)                                                          \
+  STEP(WA, WB, "4*" #G "(%[a])", "8", "11")                                                 \
+  STEP(WA, WB, "4*" #G "(%[a],%[K])", "9", "12")                                            \
+  STEP(WA, WB, "4*" #G "(%[a],%[K],2)", "10", "13")
+
+__attribute__((always_inline)) inline void q4_row_sums3(const uint8_t* w, const int8_t* a,
+                                                        int64_t K, int32_t* hi) {
+  __asm__ volatile(
+      Q4P_LOAD(Q4P_NOSHIFT)
+      Q4P_GROUP(Q4P_FIRST, 0, "0", "4") Q4P_GROUP(Q4P_NEXT, 1, "1", "5")
+      Q4P_GROUP(Q4P_NEXT, 2, "2", "6") Q4P_GROUP(Q4P_NEXT, 3, "3", "7")
+      Q4P_LOAD(Q4P_SHIFT)
+      Q4P_GROUP(Q4P_NEXT, 4, "0", "4") Q4P_GROUP(Q4P_NEXT, 5, "1", "5")
+      Q4P_GROUP(Q4P_NEXT, 6, "2", "6") Q4P_GROUP(Q4P_NEXT, 7, "3", "7")
+      "vpmaddwd 32(%[c]), %%ymm8, %%ymm8\n\t" "vpmaddwd 64(%[c]), %%ymm9, %%ymm9\n\t"
+      "vpmaddwd 96(%[c]), %%ymm10, %%ymm10\n\t" "vpmaddwd 32(%[c]), %%ymm11, %%ymm11\n\t"
+      "vpmaddwd 64(%[c]), %%ymm12, %%ymm12\n\t" "vpmaddwd 96(%[c]), %%ymm13, %%ymm13\n\t"
+      "vpaddd %%ymm9, %%ymm8, %%ymm8\n\t" "vpaddd %%ymm10, %%ymm8, %%ymm8\n\t"
+      "vpaddd %%ymm12, %%ymm11, %%ymm11\n\t" "vpaddd %%ymm13, %%ymm11, %%ymm11\n\t"
+      "vmovdqa %%ymm8, (%[hi])\n\t" "vmovdqa %%ymm11, 32(%[hi])\n\t"
+      : : [w] "r"(w), [a] "r"(a), [K] "r"(K), [hi] "r"(hi), [c] "r"(kQ4Asm)
+      : Q4_CLOBBERS, "xmm14", "xmm15");
+}
+#undef Q4P_LOAD
+#undef Q4P_NOSHIFT
+#undef Q4P_SHIFT
+#undef Q4P_FIRST
+#undef Q4P_NEXT
+#undef Q4P_GROUP
 #undef Q4_UNPACK
 #undef Q4_FIRST
 #undef Q4_NEXT
@@ -195,13 +254,31 @@ __attribute__((always_inline)) inline void q4_sums3(const uint8_t* w, const int8
 #undef Q4_WEIGHTS
 #undef Q4_CLOBBERS
 
+// A block's float steps for one row of 8 columns (both Q4 paths): hi the block's integer sums.
+template <int FMT, int L>
+__attribute__((always_inline)) inline __m256 q4_block_float(const GemmArgs& a, int64_t m, int b,
+                                                            __m256i hi, __m256 d, __m256 mins,
+                                                            __m256 acc) {
+  const int nb = a.K / QK;
+  if (FMT == Q4_0) {
+    const int32_t* sums = a.act.sums + m * L * nb + b;
+    int32_t sa = 0;
+    for (int l = 0; l < L; ++l) sa = sa * 128 + sums[l * nb];
+    hi = _mm256_sub_epi32(hi, _mm256_set1_epi32(8 * sa));
+  }
+  const __m256 f = _mm256_cvtepi32_ps(hi);
+  const __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(a.act.scale[m * nb + b]));
+  acc = _mm256_fmadd_ps(ds, f, acc);
+  if (FMT == Q4_1) acc = _mm256_fmadd_ps(mins, _mm256_set1_ps(a.act.fsum[m * nb + b]), acc);
+  return acc;
+}
+
 // Q4_0 / Q4_1: MR rows x 8 columns (half `half` of the tile).
 template <int FMT, int L, int MR>
 inline void half_block(const GemmArgs& a, int tile, int half, int m0, int m_first,
                        __m256 acc[MR]) {
   const int nb = a.K / QK, K = a.K;
   constexpr int TBB = FMT == Q4_0 ? 288 : 320;
-  constexpr int32_t OFF = FMT == Q4_0 ? 8 : 0;
   for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i lo4 = _mm256_set1_epi8(0x0f);
   const __m256i ones = _mm256_set1_epi16(1);
@@ -228,7 +305,6 @@ inline void half_block(const GemmArgs& a, int tile, int half, int m0, int m_firs
     for (int r = 0; r < MR; ++r) {
       const int64_t m = m0 + r;
       const int8_t* ab = a.act.q + m * L * K + b * QK;
-      const int32_t* sums = a.act.sums + m * L * nb + b;
       __m256i hi = _mm256_setzero_si256();
       if constexpr (L == 3) {
         hi = _mm256_load_si256((const __m256i*)sums3[r]);
@@ -244,15 +320,35 @@ inline void half_block(const GemmArgs& a, int tile, int half, int m0, int m_firs
           hi = _mm256_add_epi32(_mm256_slli_epi32(hi, 7), _mm256_madd_epi16(s16, ones));
         }
       }
-      if (OFF) {
-        int32_t sa = 0;
-        for (int l = 0; l < L; ++l) sa = sa * 128 + sums[l * nb];
-        hi = _mm256_sub_epi32(hi, _mm256_set1_epi32(OFF * sa));
-      }
-      const __m256 f = _mm256_cvtepi32_ps(hi);
-      const __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(a.act.scale[m * nb + b]));
-      acc[r] = _mm256_fmadd_ps(ds, f, acc[r]);
-      if (FMT == Q4_1) acc[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(a.act.fsum[m * nb + b]), acc[r]);
+      acc[r] = q4_block_float<FMT, L>(a, m, b, hi, d, mins, acc[r]);
+    }
+  }
+}
+
+// Three-digit Q4, one row: both halves of tile `tile` (q4_row_sums3), bias included.
+template <int FMT>
+inline void q4_row_tile(const GemmArgs& a, int tile, int m, bool first, __m256 acc[2]) {
+  const int nb = a.K / QK, K = a.K;
+  constexpr int TBB = FMT == Q4_0 ? 288 : 320;
+  acc[0] = acc[1] = _mm256_setzero_ps();
+  const TilePrefetch pf(a, tile, first, TBB);
+  alignas(32) int32_t sums3[2][8];
+  for (int b = 0; b < nb; ++b) {
+    pf.block(b);
+    const uint8_t* tb = a.w + block_offset(tile, b, nb, a.tiles, TBB);
+    q4_row_sums3(tb, a.act.q + (int64_t)m * 3 * K + b * QK, K, &sums3[0][0]);
+    for (int half = 0; half < 2; ++half) {
+      const uint8_t* sc = tb + 256 + 16 * half;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)sc));
+      __m256 mins = _mm256_setzero_ps();
+      if (FMT == Q4_1) mins = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sc + 32)));
+      const __m256i hi = _mm256_load_si256((const __m256i*)sums3[half]);
+      acc[half] = q4_block_float<FMT, 3>(a, m, b, hi, d, mins, acc[half]);
+    }
+  }
+  if (a.bias) {
+    for (int half = 0; half < 2; ++half) {
+      acc[half] = _mm256_add_ps(acc[half], _mm256_loadu_ps(a.bias + tile * NR + 8 * half));
     }
   }
 }
@@ -417,6 +513,21 @@ inline void store8(float* y, int valid, __m256 v, bool add) {
 
 template <int FMT, int L, int MR>
 inline void tile_rows(const GemmArgs& a, const Q8Act* q8, int t, int m0, int m_first) {
+  if constexpr ((FMT == Q4_0 || FMT == Q4_1) && L == 3 && MR == 1) {
+    __m256 acc[2], up[2];
+    const bool silu = a.epilogue == EPI_SILU_MUL;
+    q4_row_tile<FMT>(a, silu ? 2 * t : t, m0, m0 == m_first, acc);
+    if (silu) q4_row_tile<FMT>(a, 2 * t + 1, m0, m0 == m_first, up);
+    for (int half = 0; half < 2; ++half) {
+      const int col = t * NR + 8 * half;
+      const int valid = a.N - col;
+      if (valid <= 0) return;
+      float* y = a.y + (int64_t)m0 * a.ldy + col;
+      if (silu) store8(y, valid, _mm256_mul_ps(silu256(acc[half]), up[half]), false);
+      else store8(y, valid, acc[half], a.epilogue == EPI_ADD);
+    }
+    return;
+  }
   for (int half = 0; half < 2; ++half) {
     const int col = t * NR + 8 * half;
     const int valid = a.N - col;
