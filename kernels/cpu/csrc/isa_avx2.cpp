@@ -453,6 +453,74 @@ inline void half_q8(const GemmArgs& a, const Q8Act& x, int tile, int half, int m
   }
 }
 
+// Q8_0 at two or three digits, one row (the decode step's LM head): both halves of the tile in
+// one pass, eight chains (a half, a column quad and a stream each, ymm8-15) where half_q8's
+// lone row has four, and each group's two broadcasts (ymm4, ymm5) serve both halves. Per group
+// of four k the four quads' weights are widened into ymm0-3; products ymm6, ymm7. Writes, per
+// half h, hs[h] = hadd(hu, hv) and hs[2 + h] = hadd(lu, lv): the integer sums half_q8 forms,
+// in its column order.
+#define Q8P_PRODS(FIRST, G)                                                                 \
+  "vpmovsxbw 64*" #G "(%[w]), %%ymm0\n\t" "vpmovsxbw 64*" #G "+16(%[w]), %%ymm1\n\t"        \
+  "vpmovsxbw 64*" #G "+32(%[w]), %%ymm2\n\t" "vpmovsxbw 64*" #G "+48(%[w]), %%ymm3\n\t"     \
+  "vpbroadcastq 8*" #G "(%[a0]), %%ymm4\n\t" "vpbroadcastq 8*" #G "(%[a12]), %%ymm5\n\t"    \
+  FIRST("0", "8", "12") FIRST("1", "9", "13") FIRST("2", "10", "14") FIRST("3", "11", "15")
+#define Q8P_FIRST(W, H, L)                                                                  \
+  "vpmaddwd %%ymm4, %%ymm" W ", %%ymm" H "\n\t" "vpmaddwd %%ymm5, %%ymm" W ", %%ymm" L "\n\t"
+#define Q8P_NEXT(W, H, L)                                                                   \
+  "vpmaddwd %%ymm4, %%ymm" W ", %%ymm6\n\t" "vpaddd %%ymm6, %%ymm" H ", %%ymm" H "\n\t"     \
+  "vpmaddwd %%ymm5, %%ymm" W ", %%ymm7\n\t" "vpaddd %%ymm7, %%ymm" L ", %%ymm" L "\n\t"
+
+__attribute__((always_inline)) inline void q8_row_sums(const uint8_t* w, const int16_t* a0,
+                                                       const int16_t* a12, int32_t* hs) {
+  __asm__ volatile(
+      Q8P_PRODS(Q8P_FIRST, 0) Q8P_PRODS(Q8P_NEXT, 1) Q8P_PRODS(Q8P_NEXT, 2)
+      Q8P_PRODS(Q8P_NEXT, 3) Q8P_PRODS(Q8P_NEXT, 4) Q8P_PRODS(Q8P_NEXT, 5)
+      Q8P_PRODS(Q8P_NEXT, 6) Q8P_PRODS(Q8P_NEXT, 7)
+      "vphaddd %%ymm9, %%ymm8, %%ymm8\n\t" "vphaddd %%ymm11, %%ymm10, %%ymm10\n\t"
+      "vphaddd %%ymm13, %%ymm12, %%ymm12\n\t" "vphaddd %%ymm15, %%ymm14, %%ymm14\n\t"
+      "vmovdqa %%ymm8, (%[hs])\n\t" "vmovdqa %%ymm10, 32(%[hs])\n\t"
+      "vmovdqa %%ymm12, 64(%[hs])\n\t" "vmovdqa %%ymm14, 96(%[hs])\n\t"
+      : : [w] "r"(w), [a0] "r"(a0), [a12] "r"(a12), [hs] "r"(hs)
+      : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
+        "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "memory");
+}
+#undef Q8P_PRODS
+#undef Q8P_FIRST
+#undef Q8P_NEXT
+
+// Q8_0, one row (m, L > 1): both halves of tile `tile` from q8_row_sums, bias included; each
+// half's float steps are half_q8's.
+template <int L>
+inline void q8_row_tile(const GemmArgs& a, const Q8Act& x, int tile, int m, __m256 acc[2]) {
+  const int nb = a.K / QK, K = a.K;
+  constexpr int TBB = 544;
+  acc[0] = acc[1] = _mm256_setzero_ps();
+  const TilePrefetch pf(a, tile, m == x.m_first, TBB);
+  alignas(32) int32_t hs[4][8];
+  const int16_t* a0 = x.a0 + (int64_t)(m - x.m_first) * K;
+  const int16_t* a12 = x.a12 + (int64_t)(m - x.m_first) * K;
+  for (int b = 0; b < nb; ++b) {
+    pf.block(b);
+    const uint8_t* tb = a.w + block_offset(tile, b, nb, a.tiles, TBB);
+    q8_row_sums(tb, a0 + b * QK, a12 + b * QK, &hs[0][0]);
+    for (int half = 0; half < 2; ++half) {
+      const __m128i dh = _mm_loadu_si128((const __m128i*)(tb + 512 + 16 * half));
+      const __m256 d = _mm256_castsi256_ps(
+          _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_cvtph_ps(dh)), 0xd8));
+      __m256 f = _mm256_cvtepi32_ps(_mm256_load_si256((const __m256i*)hs[half]));
+      f = _mm256_fmadd_ps(f, _mm256_set1_ps((float)(1 << (7 * (L - 1)))),
+                          _mm256_cvtepi32_ps(_mm256_load_si256((const __m256i*)hs[2 + half])));
+      const __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(a.act.scale[(int64_t)m * nb + b]));
+      acc[half] = _mm256_fmadd_ps(ds, f, acc[half]);
+    }
+  }
+  for (int half = 0; half < 2; ++half) {
+    acc[half] = _mm256_castsi256_ps(
+        _mm256_permute4x64_epi64(_mm256_castps_si256(acc[half]), 0xd8));
+    if (a.bias) acc[half] = _mm256_add_ps(acc[half], _mm256_loadu_ps(a.bias + tile * NR + 8 * half));
+  }
+}
+
 template <int FMT>
 inline __m256 load_w8(const uint8_t* p) {
   if (FMT == F32) return _mm256_loadu_ps((const float*)p);
@@ -513,11 +581,18 @@ inline void store8(float* y, int valid, __m256 v, bool add) {
 
 template <int FMT, int L, int MR>
 inline void tile_rows(const GemmArgs& a, const Q8Act* q8, int t, int m0, int m_first) {
-  if constexpr ((FMT == Q4_0 || FMT == Q4_1) && L == 3 && MR == 1) {
+  constexpr bool q4_row = (FMT == Q4_0 || FMT == Q4_1) && L == 3 && MR == 1;
+  constexpr bool q8_row = FMT == Q8_0 && L > 1 && MR == 1;
+  if constexpr (q4_row || q8_row) {  // one row: both halves in one pass
     __m256 acc[2], up[2];
     const bool silu = a.epilogue == EPI_SILU_MUL;
-    q4_row_tile<FMT>(a, silu ? 2 * t : t, m0, m0 == m_first, acc);
-    if (silu) q4_row_tile<FMT>(a, 2 * t + 1, m0, m0 == m_first, up);
+    if constexpr (q4_row) {
+      q4_row_tile<FMT>(a, silu ? 2 * t : t, m0, m0 == m_first, acc);
+      if (silu) q4_row_tile<FMT>(a, 2 * t + 1, m0, m0 == m_first, up);
+    } else {
+      q8_row_tile<L>(a, *q8, silu ? 2 * t : t, m0, acc);
+      if (silu) q8_row_tile<L>(a, *q8, 2 * t + 1, m0, up);
+    }
     for (int half = 0; half < 2; ++half) {
       const int col = t * NR + 8 * half;
       const int valid = a.N - col;
