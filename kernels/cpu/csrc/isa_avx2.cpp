@@ -254,22 +254,31 @@ __attribute__((always_inline)) inline void q4_row_sums3(const uint8_t* w, const 
 #undef Q4_WEIGHTS
 #undef Q4_CLOBBERS
 
+// A row's per-block activation data, located once per call of the block loop (held in locals:
+// the asm statements' memory clobber would make the loop reload anything read through `a`).
+struct Q4Row {
+  const float* scale = nullptr;   // [nb]
+  const float* fsum = nullptr;    // [nb]
+  const int32_t* sums = nullptr;  // [L][nb]
+  Q4Row() = default;
+  Q4Row(const GemmArgs& a, int64_t m, int L, int nb)
+      : scale(a.act.scale + m * nb), fsum(a.act.fsum + m * nb), sums(a.act.sums + m * L * nb) {}
+};
+
 // A block's float steps for one row of 8 columns (both Q4 paths): hi the block's integer sums.
 template <int FMT, int L>
-__attribute__((always_inline)) inline __m256 q4_block_float(const GemmArgs& a, int64_t m, int b,
+__attribute__((always_inline)) inline __m256 q4_block_float(const Q4Row& row, int nb, int b,
                                                             __m256i hi, __m256 d, __m256 mins,
                                                             __m256 acc) {
-  const int nb = a.K / QK;
   if (FMT == Q4_0) {
-    const int32_t* sums = a.act.sums + m * L * nb + b;
     int32_t sa = 0;
-    for (int l = 0; l < L; ++l) sa = sa * 128 + sums[l * nb];
+    for (int l = 0; l < L; ++l) sa = sa * 128 + row.sums[l * nb + b];
     hi = _mm256_sub_epi32(hi, _mm256_set1_epi32(8 * sa));
   }
   const __m256 f = _mm256_cvtepi32_ps(hi);
-  const __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(a.act.scale[m * nb + b]));
+  const __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(row.scale[b]));
   acc = _mm256_fmadd_ps(ds, f, acc);
-  if (FMT == Q4_1) acc = _mm256_fmadd_ps(mins, _mm256_set1_ps(a.act.fsum[m * nb + b]), acc);
+  if (FMT == Q4_1) acc = _mm256_fmadd_ps(mins, _mm256_set1_ps(row.fsum[b]), acc);
   return acc;
 }
 
@@ -284,13 +293,17 @@ inline void half_block(const GemmArgs& a, int tile, int half, int m0, int m_firs
   const __m256i ones = _mm256_set1_epi16(1);
   const TilePrefetch pf(a, tile, m0 == m_first && half == 0, TBB);
   alignas(32) int32_t sums3[MR][8];
+  const uint8_t* const w = a.w;
+  const int tiles = a.tiles;
+  const int8_t* const q = a.act.q + (int64_t)m0 * L * K;
+  Q4Row rows[MR];
+  for (int r = 0; r < MR; ++r) rows[r] = Q4Row(a, m0 + r, L, nb);
   for (int b = 0; b < nb; ++b) {
     pf.block(b);
-    const uint8_t* tb = a.w + block_offset(tile, b, nb, a.tiles, TBB);
+    const uint8_t* tb = w + block_offset(tile, b, nb, tiles, TBB);
     __m256i wq[8];
     if constexpr (L == 3) {
-      q4_sums3<MR>(tb + 32 * half, a.act.q + (int64_t)m0 * L * K + b * QK, (int64_t)L * K, K,
-                   &sums3[0][0]);
+      q4_sums3<MR>(tb + 32 * half, q + b * QK, (int64_t)L * K, K, &sums3[0][0]);
     } else {
       for (int c = 0; c < 4; ++c) {
         const __m256i v = _mm256_loadu_si256((const __m256i*)(tb + 64 * c + 32 * half));
@@ -303,8 +316,7 @@ inline void half_block(const GemmArgs& a, int tile, int half, int m0, int m_firs
     __m256 mins = _mm256_setzero_ps();
     if (FMT == Q4_1) mins = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sc + 32)));
     for (int r = 0; r < MR; ++r) {
-      const int64_t m = m0 + r;
-      const int8_t* ab = a.act.q + m * L * K + b * QK;
+      const int8_t* ab = q + (int64_t)r * L * K + b * QK;
       __m256i hi = _mm256_setzero_si256();
       if constexpr (L == 3) {
         hi = _mm256_load_si256((const __m256i*)sums3[r]);
@@ -320,7 +332,7 @@ inline void half_block(const GemmArgs& a, int tile, int half, int m0, int m_firs
           hi = _mm256_add_epi32(_mm256_slli_epi32(hi, 7), _mm256_madd_epi16(s16, ones));
         }
       }
-      acc[r] = q4_block_float<FMT, L>(a, m, b, hi, d, mins, acc[r]);
+      acc[r] = q4_block_float<FMT, L>(rows[r], nb, b, hi, d, mins, acc[r]);
     }
   }
 }
@@ -333,17 +345,21 @@ inline void q4_row_tile(const GemmArgs& a, int tile, int m, bool first, __m256 a
   acc[0] = acc[1] = _mm256_setzero_ps();
   const TilePrefetch pf(a, tile, first, TBB);
   alignas(32) int32_t sums3[2][8];
+  const uint8_t* const w = a.w;
+  const int tiles = a.tiles;
+  const int8_t* const q = a.act.q + (int64_t)m * 3 * K;
+  const Q4Row row(a, m, 3, nb);
   for (int b = 0; b < nb; ++b) {
     pf.block(b);
-    const uint8_t* tb = a.w + block_offset(tile, b, nb, a.tiles, TBB);
-    q4_row_sums3(tb, a.act.q + (int64_t)m * 3 * K + b * QK, K, &sums3[0][0]);
+    const uint8_t* tb = w + block_offset(tile, b, nb, tiles, TBB);
+    q4_row_sums3(tb, q + b * QK, K, &sums3[0][0]);
     for (int half = 0; half < 2; ++half) {
       const uint8_t* sc = tb + 256 + 16 * half;
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)sc));
       __m256 mins = _mm256_setzero_ps();
       if (FMT == Q4_1) mins = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sc + 32)));
       const __m256i hi = _mm256_load_si256((const __m256i*)sums3[half]);
-      acc[half] = q4_block_float<FMT, 3>(a, m, b, hi, d, mins, acc[half]);
+      acc[half] = q4_block_float<FMT, 3>(row, nb, b, hi, d, mins, acc[half]);
     }
   }
   if (a.bias) {
