@@ -538,7 +538,9 @@ inline void q8_row_tile(const GemmArgs& a, const Q8Act& x, int tile, int m, __m2
   for (int half = 0; half < 2; ++half) {
     acc[half] = _mm256_castsi256_ps(
         _mm256_permute4x64_epi64(_mm256_castps_si256(acc[half]), 0xd8));
-    if (a.bias) acc[half] = _mm256_add_ps(acc[half], _mm256_loadu_ps(a.bias + tile * NR + 8 * half));
+    if (a.bias) {
+      acc[half] = _mm256_add_ps(acc[half], _mm256_loadu_ps(a.bias + tile * NR + 8 * half));
+    }
   }
 }
 
