@@ -78,11 +78,6 @@ class SourceCalibration:
     def global_trust(self) -> float:
         return min(1.0, max(MIN_GLOBAL_TRUST, self.rate("global") / self.rate("request")))
 
-    def request_trust(self) -> float:
-        """The request tree's observed rate, at most 1: the factor its estimates are scaled by
-        (`--speculative-suffix-request-calibration`)."""
-        return min(1.0, max(MIN_GLOBAL_TRUST, self.rate("request")))
-
     def update(self, estimated: dict[str, float], accepted: dict[str, float]) -> None:
         for src in self.SOURCES:
             self.estimated[src] = self.estimated[src] * CALIBRATION_DECAY + estimated[src]
@@ -150,11 +145,6 @@ class SuffixOptions(SpecOptions):
         True, "SUFFIX: learn online how often the global tree's drafts are accepted against the "
         "request tree's and scale its estimates by that (false: trust its count ratios as they "
         "are)")
-    suffix_request_calibration: bool = option(
-        True, "SUFFIX: learn online how often the request tree's drafts are accepted against "
-        "their estimates and scale its estimates by that rate (at most 1) before the cost cut, "
-        "the global tree's by its own rate (false: the request tree's count ratios as they are, "
-        "the global tree's relative to them)")
     suffix_max_draft_tokens: int | None = option(
         None, "SUFFIX: tree nodes (root included) a request may draft while the step's total "
         "stays within it, i.e. when it decodes alone (default: 2x "
@@ -219,7 +209,7 @@ class SuffixDrafter(Drafter):
         # per request, its last draft until the step's tokens are observed: tokens, parents,
         # each node's source and its estimate before calibration
         self._pending: dict[str, tuple[list[int], list[int], list[str], list[float]]] = {}
-        self._payable: dict[tuple[int, int, int], bool] = {}  # can_pay's, for one curve
+        self._payable: dict[tuple[int, int], bool] = {}  # can_pay's answers for one curve
         self._payable_for = None  # ... this one
 
     def describe(self) -> str:
@@ -237,8 +227,7 @@ class SuffixDrafter(Drafter):
     def draft_lists(self, r: SpecReq, batch_size: int = 1) -> tuple[list[int], list[int]]:
         root = ([r.tokens[-1]], [-1])
         self.last_source, self.last_probs = "", [1.0]
-        own_f = self.calibration.request_trust() if self.cfg.suffix_request_calibration else 1.0
-        if r.budget <= 1 or not self.can_pay(batch_size, r.budget, own_f):
+        if r.budget <= 1 or not self.can_pay(batch_size, r.budget):
             self._pending.pop(r.rid, None)
             return root
         c = self.cfg
@@ -260,9 +249,8 @@ class SuffixDrafter(Drafter):
         if not found:
             return root
         trust = self.calibration.global_trust() if self.cfg.suffix_global_calibration else 1.0
-        # each tree's estimates as far as its record supports them (the root stays 1): the
-        # request tree's by its observed rate, the global tree's by its rate over that one's
-        scale = [trust * own_f if src == "global" else own_f for src, _ in found]
+        # the global tree's estimates, as far as its record supports them (the root stays 1)
+        scale = [trust if src == "global" else 1.0 for src, _ in found]
         found = [(src, t) if f == 1.0 else
                  (src, (t[0], t[1], [1.0] + [q * f for q in t[2][1:]], t[3] * f, *t[4:]))
                  for (src, t), f in zip(found, scale)]
@@ -304,14 +292,12 @@ class SuffixDrafter(Drafter):
             accepted[src] += u in accepted_nodes
         self.calibration.update(estimated, accepted)
 
-    def can_pay(self, batch_size: int, budget: int, top: float = 1.0) -> bool:
+    def can_pay(self, batch_size: int, budget: int) -> bool:
         """Whether any tree of at most `budget` nodes could keep a draft in `worth_drafting`
-        at this batch size, when no node's probability exceeds `top` (the request tree's trust:
-        the global tree's estimates are scaled by at most it). Exact: every node's probability
-        is at most `top` (products of count fractions <= 1 scaled by the trust, merged by max),
-        and the cut's rate only falls as a probability does, so when a tree of drafts all at
-        `top` (rounded up to a hundredth) is cut to its root, every tree is, and drafting it
-        is skipped. On a CPU-engine curve measured
+        at this batch size. Exact: every node's probability is at most 1 (products of count
+        fractions, the global tree's scaled by a trust <= 1, merged by max), and the cut's
+        rate only falls as a probability does, so when a tree of certain drafts is cut to
+        its root, every tree is, and drafting it is skipped. On a CPU-engine curve measured
         at start-up no draft pays in a batch of ~48 or more, where drafting each request's
         trees costs ~45 us (py-spy at batch ~35: ~1.6 ms a step; docs/benchmarks.md,
         "Seventeenth session")."""
@@ -319,11 +305,10 @@ class SuffixDrafter(Drafter):
             return True
         if self._payable_for is not self.verify_cost or len(self._payable) > 4096:
             self._payable, self._payable_for = {}, self.verify_cost
-        hundredths = min(100, math.ceil(top * 100 - 1e-9))
-        ok = self._payable.get((batch_size, budget, hundredths))
+        ok = self._payable.get((batch_size, budget))
         if ok is None:
-            ok = self.worth_drafting([1.0] + [hundredths / 100] * (budget - 1), batch_size) > 1
-            self._payable[batch_size, budget, hundredths] = ok
+            ok = self.worth_drafting([1.0] * budget, batch_size) > 1
+            self._payable[batch_size, budget] = ok
         return ok
 
     def worth_drafting(self, probs: list[float], batch_size: int = 1) -> int:

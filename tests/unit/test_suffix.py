@@ -296,36 +296,3 @@ def test_global_drafts_that_keep_missing_are_scaled_down_and_request_ones_are_no
     d.observe("e", own, len(own))
     assert d.draft_lists(SpecReq("e", own, 16))[0] == [3, 4, 5, 6]
     assert d.last_source == "request" and d.last_probs[1:] == [1.0, 1.0, 1.0]
-
-
-@pytest.mark.parametrize("calibrated", [True, False])
-def test_request_drafts_that_keep_missing_are_scaled_down_and_a_busy_batch_skips_them(
-        calibrated):
-    """The request tree's count ratios say 1.0 after one occurrence; what is accepted is
-    learned online (docs/speculative.md) and scales them, so in a batch where a row must bring
-    ~0.9 tokens a twice-seen but never-accepted continuation is not drafted (nor is either tree
-    read), while alone it still is. Off: the raw estimates, drafted in the busy batch too."""
-    from runtime.verify_cost import VERIFY_COST
-
-    d = suffix(suffix_max_draft_tokens=16, suffix_max_cached_requests=0,
-               suffix_request_calibration=calibrated)
-    d.verify_cost = VERIFY_COST["cpu"]
-    loop = [1, 2, 3, 4, 5, 6]
-    for i in range(6):  # each request repeats its loop once, then goes elsewhere
-        rid = f"r{i}"
-        ctx = [100 + i] + loop + loop[:3]
-        d.observe(rid, ctx, len(ctx))
-        tokens, _ = d.draft_lists(SpecReq(rid, ctx, 16))
-        assert tokens == [3, 4, 5, 6]
-        d.observe(rid, ctx + [99], 1)  # the target's token: no draft accepted
-        d.release(rid)
-    rate = d.calibration.request_trust()
-    assert 0.25 < rate < 0.4  # 8 pseudo-nodes of prior over 8 + 6 x 3 estimated
-    ctx = [7] + loop + loop[:3]
-    d.observe("x", ctx, len(ctx))
-    alone, _ = d.draft_lists(SpecReq("x", ctx, 16), batch_size=1)
-    assert alone[1:3] == [4, 5]  # alone, rows are cheap: still drafted
-    assert d.last_probs[1] == pytest.approx(rate if calibrated else 1.0)
-    busy, _ = d.draft_lists(SpecReq("x", ctx, 16), batch_size=8)
-    assert (len(busy) == 1) == calibrated
-    assert d.can_pay(8, 16) and not d.can_pay(8, 16, rate)
