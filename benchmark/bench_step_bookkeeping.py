@@ -31,8 +31,8 @@ import torch
 from tqdm import tqdm
 
 from benchmark.common import format_table, machine_info, write_json
+from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.layers.attention.cpu import plan
-from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from speculative.tree import DraftTree
 
 

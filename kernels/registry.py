@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from runtime.errors import SpecserveError
+from kernels.errors import SpecserveError
 
 # Modules whose import registers the built-in implementations: the torch references everywhere,
 # the Triton ops where CUDA is (importing them elsewhere would fix Triton's compile-or-interpret

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from kernels.errors import SpecserveError
 
-class SpecserveError(Exception):
-    """Base class of every error this project raises on purpose."""
+__all__ = ["SpecserveError", "InvalidRequestError", "ModelLoadError", "ModelNotFoundError",
+           "QueueFullError"]
 
 
 class InvalidRequestError(SpecserveError, ValueError):

@@ -86,7 +86,7 @@ def measure_verify_times(runner, prefix: int = 256, ns: tuple[int, ...] = DEFAUL
     time on the AMX machine, which halved every ratio: T(8)/T(1) 1.7 against 2.9.) Uses KV
     slots 1..prefix + max(ns) of `runner`'s pool: call it when no request holds them (start-up),
     or on a runner of its own."""
-    from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
+    from runtime.forward_batch import ForwardBatch, ForwardMode
 
     room = min(runner.kv_capacity, getattr(runner, "context_length", runner.kv_capacity))
     ns = tuple(sorted(n for n in ns if n < room)) or (1,)

@@ -29,7 +29,7 @@ from speculative.tree import DraftTree
 from speculative.verify import QMode
 
 if TYPE_CHECKING:
-    from runtime.model_runner.forward_batch import ForwardBatch
+    from runtime.forward_batch import ForwardBatch
     from runtime.models.llama import ModelOutput
     from runtime.sampling.sampling_params import SamplingParams
 

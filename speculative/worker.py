@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
+from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.models.llama import ModelOutput
 from runtime.sampling.argmax import argmax_rows
 from runtime.sampling.logprobs import logit_top, logprob_rows, split_rows

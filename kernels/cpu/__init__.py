@@ -21,7 +21,8 @@ import os
 import time
 from pathlib import Path
 
-from runtime.errors import SpecserveError
+from kernels.cache import cache_dir
+from kernels.errors import SpecserveError
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,6 @@ def _source_hash() -> str:
 def build_dir() -> Path:
     import torch
 
-    from runtime.model_loader.default_model import cache_dir
 
     return cache_dir() / "cpu_ext" / f"{_source_hash()}-torch{torch.__version__}"
 
@@ -91,7 +91,6 @@ def _load():
 
     import torch
 
-    from runtime.model_loader.default_model import cache_dir
 
     sources = _read_sources()
     out = cache_dir() / "cpu_ext" / f"{_hash(sources)}-torch{torch.__version__}"

@@ -23,9 +23,11 @@ Everything here is numpy over whole tensors; `gguf_rows` reads GGUF's own block 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from enum import IntEnum
 
 import numpy as np
+import torch
 
 NR = 16  # rows per tile
 QK = 32  # weights per block
@@ -248,3 +250,36 @@ def interleave_bias(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 def pad_bias(bias: np.ndarray) -> np.ndarray:
     tiles = -(-bias.size // NR)
     return _pad_rows(bias.astype(np.float32), tiles * NR)
+
+
+@dataclass
+class Packed:
+    """One packed linear: what `ext.PackedLinear(fmt, K, N, data, bias)` takes."""
+
+    fmt: Fmt
+    k: int
+    n: int
+    data: torch.Tensor  # uint8
+    bias: torch.Tensor | None = None
+
+    def to_ext(self, ext):
+        return ext.PackedLinear(int(self.fmt), self.k, self.n, self.data, self.bias)
+
+
+@dataclass
+class PackedModel:
+    layers: list[dict[str, Packed]]  # qkv, o, gate_up, down
+    norms: list[dict[str, torch.Tensor]]  # in_norm, post_norm (+ q_norm, k_norm)
+    embed: Packed
+    lm_head: Packed  # the same object as embed when tied
+    final_norm: torch.Tensor
+    formats: dict[str, int] = field(default_factory=dict)  # format name -> linears
+
+    @property
+    def nbytes(self) -> int:
+        seen, total = set(), 0
+        for p in [self.embed, self.lm_head] + [p for layer in self.layers for p in layer.values()]:
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.data.numel()
+        return total

@@ -101,8 +101,7 @@ class Linear(nn.Module):
 
     def _pack_blocks(self, fmt_name: str, threads: int) -> bool:
         from kernels import cpu
-        from kernels.cpu.packing import Fmt, finish, pad_bias, quantize, tile_major
-        from kernels.cpu.weights import Packed
+        from kernels.cpu.packing import Fmt, Packed, finish, pad_bias, quantize, tile_major
 
         assert fmt_name in BLOCK_FORMATS, fmt_name
         ok, _ = cpu.available()

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import re
 import shutil
 import sys
 import time
 from pathlib import Path
 
+from kernels.cache import cache_dir
 from runtime.errors import ModelLoadError
 from runtime.model_loader.config import SUPPORTED_ARCHITECTURES, check_architecture
 from runtime.model_loader.gguf_convert import COMPLETE_MARKER, CONVERTER_VERSION, convert_gguf
@@ -35,12 +35,6 @@ _SUPPORTED_TEXT = (
     "a Hugging Face model directory (config.json + weights) of a Llama-family model "
     f"({', '.join(SUPPORTED_ARCHITECTURES)}), a Llama .gguf file, or 'default'"
 )
-
-
-def cache_dir() -> Path:
-    """The root of specserve's cache: `$SPECSERVE_CACHE_DIR` or `~/.cache/specserve`."""
-    configured = os.environ.get("SPECSERVE_CACHE_DIR")
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "specserve"
 
 
 def embedded_gguf_path() -> Path:

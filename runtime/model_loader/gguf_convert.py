@@ -2,8 +2,8 @@
 
 Output: config.json, generation_config.json, model.safetensors (dequantized, fp32 by default),
 gguf_blocks.safetensors (the quantized tensors' own blocks, for the CPU engine, see
-`kernels/cpu/weights.py`), tokenizer.json and tokenizer_config.json (with the chat template), and
-a completion marker.
+`runtime/model_loader/cpu_weights.py`), tokenizer.json and tokenizer_config.json (with the chat
+template), and a completion marker.
 Everything is written into a temporary sibling directory that is renamed into place at the end,
 so an interrupted conversion never leaves a directory that looks finished.
 """

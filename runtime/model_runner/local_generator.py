@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.mem_cache import TokenSlotAllocator
-from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.model_runner.model_runner import ModelRunner
 from runtime.sampling.sampler import SamplingBatchInfo, sample
 from runtime.sampling.sampling_params import SamplingParams

@@ -14,11 +14,11 @@ import torch
 
 from kernels.cpu import DEFAULT_ACTIVATION_DIGITS
 from kernels.cpu.packing import FORMAT_NAMES
+from runtime.forward_batch import ForwardBatch
 from runtime.layers.attention import create_attention_backend
 from runtime.mem_cache.kv_pool import KVPool
 from runtime.model_loader.config import ModelConfig
 from runtime.model_loader.hf_dir import iter_safetensors_weights
-from runtime.model_runner.forward_batch import ForwardBatch
 from runtime.models.llama import LlamaForCausalLM, ModelOutput
 
 logger = logging.getLogger(__name__)
@@ -159,8 +159,8 @@ class ModelRunner:
         )
 
     def _cpu_model(self, cfg: RunnerConfig):
-        from kernels.cpu.weights import load_packed_model
         from runtime.layers.rotary import RotaryEmbedding
+        from runtime.model_loader.cpu_weights import load_packed_model
         from runtime.models.cpu_llama import CpuLlamaForCausalLM
 
         mc = self.model_config

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
+from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.ipc import Receiver, Sender, ipc_addr
 from runtime.messages import (
     TO_RUNNER,
@@ -28,7 +29,6 @@ from runtime.messages import (
     ShutdownReq,
     unpack_ints,
 )
-from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
 from runtime.models.llama import ModelOutput
 from runtime.proc_utils import (

@@ -17,12 +17,12 @@ import functools
 import torch
 
 from kernels import cpu
-from kernels.cpu.weights import PackedModel
+from kernels.cpu.packing import PackedModel
+from runtime.forward_batch import ForwardBatch
 from runtime.layers.attention.cpu import CpuAttnMetadata
 from runtime.layers.rotary import RotaryEmbedding
 from runtime.mem_cache.kv_pool import KVPool
 from runtime.model_loader.config import ModelConfig
-from runtime.model_runner.forward_batch import ForwardBatch
 from runtime.models.llama import ModelOutput
 from runtime.sampling.logprobs import LogitStats
 

@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.forward_batch import ForwardBatch
 from runtime.layers.attention.base import AttentionBackend
 from runtime.layers.linear import Linear
 from runtime.layers.norm import RMSNorm
 from runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from runtime.model_loader.config import ModelConfig
-from runtime.model_runner.forward_batch import ForwardBatch
 from runtime.sampling.argmax import argmax_rows
 from runtime.sampling.logprobs import LogitStats
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.forward_batch import ForwardMode
 from runtime.mem_cache.allocator import OutOfSlotsError, TokenSlotAllocator
 from runtime.mem_cache.radix_cache import RadixCache
 from runtime.messages import (
@@ -40,7 +41,6 @@ from runtime.messages import (
     TokenOut,
     pack_ints,
 )
-from runtime.model_runner.forward_batch import ForwardMode
 from runtime.sampling import logprobs as lp_payload
 from runtime.sampling.logprobs import LogprobOptions
 from runtime.sampling.sampling_params import SamplingParams

@@ -49,9 +49,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.layers.linear import BLOCK_FORMATS, cpu_has_native_bf16, onednn_bf16_available
 from runtime.mem_cache.kv_pool import KVPool
-from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.models.llama import ModelOutput
 from runtime.sampling.sampler import SamplingBatchInfo, process_logits
 from runtime.sampling.seeded import gumbel_noise

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
+from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.models.llama import ModelOutput
 from speculative.base import register_algorithm
 from speculative.drafters.chain import Chain, ChainDrafter

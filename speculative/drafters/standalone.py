@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 from kernels.cpu.packing import FORMAT_NAMES
+from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.model_loader.config import ModelConfig
-from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
 from runtime.models.llama import ModelOutput
 from speculative.base import TargetRows, register_algorithm

@@ -20,12 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.forward_batch import ForwardBatch
 from runtime.layers.attention import AttentionBackend, create_attention_backend
 from runtime.layers.linear import Linear
 from runtime.layers.rotary import RotaryEmbedding
 from runtime.mem_cache.kv_pool import KVPool
 from runtime.model_loader.config import ModelConfig
-from runtime.model_runner.forward_batch import ForwardBatch
 
 
 class HeadOutput(NamedTuple):

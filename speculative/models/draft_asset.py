@@ -70,7 +70,8 @@ def pack_draft_asset(draft_dir: str | Path, asset_dir: str | Path,
 
 def materialize(asset_dir: str | Path, cache: str | Path | None = None) -> Path:
     """The full draft directory for an asset (written on first use, then reused)."""
-    from runtime.model_loader.default_model import cache_dir, resolve_model_path
+    from kernels.cache import cache_dir
+    from runtime.model_loader.default_model import resolve_model_path
     from runtime.model_loader.hf_dir import iter_safetensors_weights
 
     asset = Path(asset_dir)

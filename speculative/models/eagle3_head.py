@@ -21,11 +21,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from runtime.forward_batch import ForwardBatch
 from runtime.layers.attention import AttentionBackend
 from runtime.layers.linear import Linear
 from runtime.layers.norm import RMSNorm
 from runtime.model_loader.config import ModelConfig
-from runtime.model_runner.forward_batch import ForwardBatch
 from runtime.models.llama import LlamaAttention, LlamaMLP, ModelOutput
 from speculative.models.base import DraftHead, DraftHeadConfig, HeadOutput, TargetRefs
 

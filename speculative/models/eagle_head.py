@@ -24,9 +24,9 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from runtime.forward_batch import ForwardBatch
 from runtime.layers.attention import AttentionBackend
 from runtime.layers.linear import Linear
-from runtime.model_runner.forward_batch import ForwardBatch
 from runtime.models.llama import LlamaDecoderLayer, ModelOutput
 from speculative.models.base import DraftHead, DraftHeadConfig, HeadOutput, TargetRefs
 

@@ -25,12 +25,12 @@ import torch
 from torch import nn
 
 from runtime.errors import ModelLoadError
+from runtime.forward_batch import ForwardBatch
 from runtime.layers.attention import AttentionBackend
 from runtime.layers.linear import Linear
 from runtime.layers.norm import RMSNorm
 from runtime.model_loader.config import ModelConfig
 from runtime.model_loader.hf_dir import iter_safetensors_weights
-from runtime.model_runner.forward_batch import ForwardBatch
 from runtime.models.llama import LlamaDecoderLayer
 from speculative.models.base import DraftHead, DraftHeadConfig, HeadOutput, TargetRefs
 

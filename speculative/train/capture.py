@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
+from runtime.forward_batch import ForwardBatch, ForwardMode
 from speculative.models.eagle3_head import default_capture_layers
 from speculative.train.regen import REGEN_FILE, TEACHER_FILE, read_regen
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from runtime.forward_batch import ForwardMode
 from runtime.layers.attention import TorchNativeBackend
-from runtime.model_runner.forward_batch import ForwardMode
 from tests.unit.test_attention_torch_native import make_case
 
 

@@ -25,8 +25,8 @@ import warnings
 
 import torch
 
+from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.model_loader.default_model import resolve_model_path
-from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
 from runtime.sampling.penalties import apply_penalties
 from runtime.sampling.sampler import SamplingBatchInfo, process_logits

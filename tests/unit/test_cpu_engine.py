@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from kernels import cpu
+from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.model_loader.gguf_convert import convert_gguf
 from runtime.model_runner import model_runner as mr
-from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
 from tests.helpers.tiny_models import write_tiny_gguf, write_tiny_model
 

@@ -14,8 +14,8 @@ import json
 import pytest
 import torch
 
+from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.messages import AbortReq
-from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
 from runtime.model_runner.runner_process import RunnerWorker
 from runtime.server_args import ServerArgs

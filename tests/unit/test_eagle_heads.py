@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from runtime.errors import ModelLoadError
+from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.layers.linear import onednn_bf16_available
-from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
 from speculative.models import Eagle3Head, EagleHead, load_draft_head, save_eagle3_head
 from tests.helpers.eagle_checkpoints import (

@@ -10,6 +10,7 @@ import inspect
 import pytest
 import torch
 
+from runtime.forward_batch import ForwardMode
 from runtime.layers.attention import TorchNativeBackend
 from runtime.layers.attention.flashinfer_inputs import (
     attention_from_flashinfer_inputs,
@@ -17,7 +18,6 @@ from runtime.layers.attention.flashinfer_inputs import (
     segment_packbits,
     segment_unpackbits,
 )
-from runtime.model_runner.forward_batch import ForwardMode
 from tests.unit.test_attention_torch_native import make_case
 
 MODES = [ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY,

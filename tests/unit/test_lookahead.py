@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
+from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.model_runner.runner_process import RunnerWorker
 from speculative.base import SpecConfig, create_drafter
 from speculative.drafters.lookahead import _Request, lookahead_tree_size

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from runtime.errors import ModelLoadError
-from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
+from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.model_runner.local_generator import LocalGenerator
 from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
 from runtime.model_runner.runner_process import RunnerWorker

@@ -13,7 +13,7 @@ import itertools
 import pytest
 import torch
 
-from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
+from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
 from runtime.model_runner.runner_process import RunnerWorker
 from runtime.sampling import seeded as seeded_noise

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.layers.attention.cpu import plan
 from runtime.messages import pack_ints, unpack_ints
-from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.sampling.sampling_params import SamplingParams
 from runtime.scheduler.req import Req
 from speculative.tree import DraftTree

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
+from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
 from speculative.models import load_draft_head
 from speculative.train.capture import CaptureConfig, FeatureStore, capture

@@ -15,8 +15,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from runtime.forward_batch import ForwardBatch
 from runtime.mem_cache.kv_pool import KVPool
-from runtime.model_runner.forward_batch import ForwardBatch
 
 
 class AttentionBackend(ABC):

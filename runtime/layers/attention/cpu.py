@@ -16,8 +16,8 @@ from itertools import accumulate
 
 import torch
 
+from runtime.forward_batch import ForwardBatch
 from runtime.layers.attention.base import AttentionBackend
-from runtime.model_runner.forward_batch import ForwardBatch
 
 _EMPTY_U8 = torch.empty(0, dtype=torch.uint8)
 _EMPTY_I64 = torch.empty(0, dtype=torch.int64)

@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 
 from runtime.errors import SpecserveError
+from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.layers.attention.base import AttentionBackend
 from runtime.layers.attention.flashinfer_inputs import FlashInferInputs, build_flashinfer_inputs
 from runtime.mem_cache.kv_pool import KVPool
-from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 

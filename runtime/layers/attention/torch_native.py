@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.layers.attention.base import AttentionBackend
-from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 
 
 @dataclass(slots=True)

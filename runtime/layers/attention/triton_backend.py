@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import torch
 
 from runtime.errors import SpecserveError
+from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.layers.attention.base import AttentionBackend
 from runtime.layers.attention.flashinfer_inputs import build_flashinfer_inputs
 from runtime.mem_cache.kv_pool import KVPool
-from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 
 BLOCK_M = 16  # query rows per program (tl.dot wants >= 16 on a GPU)
 BLOCK_N = 32  # KV slots per inner step

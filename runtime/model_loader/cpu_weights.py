@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +28,8 @@ from kernels.cpu.packing import (
     QK,
     Blocks,
     Fmt,
+    Packed,
+    PackedModel,
     finish,
     float_bits,
     gguf_rows,
@@ -45,39 +47,6 @@ logger = logging.getLogger(__name__)
 BLOCKS_FILE = "gguf_blocks.safetensors"  # written by runtime/model_loader/gguf_convert.py
 WEIGHT_FORMATS = ("auto", *FORMAT_NAMES)
 _FLOAT_OF_DTYPE = {torch.float32: Fmt.F32, torch.bfloat16: Fmt.BF16, torch.float16: Fmt.F16}
-
-
-@dataclass
-class Packed:
-    """One packed linear: what `ext.PackedLinear(fmt, K, N, data, bias)` takes."""
-
-    fmt: Fmt
-    k: int
-    n: int
-    data: torch.Tensor  # uint8
-    bias: torch.Tensor | None = None
-
-    def to_ext(self, ext):
-        return ext.PackedLinear(int(self.fmt), self.k, self.n, self.data, self.bias)
-
-
-@dataclass
-class PackedModel:
-    layers: list[dict[str, Packed]]  # qkv, o, gate_up, down
-    norms: list[dict[str, torch.Tensor]]  # in_norm, post_norm (+ q_norm, k_norm)
-    embed: Packed
-    lm_head: Packed  # the same object as embed when tied
-    final_norm: torch.Tensor
-    formats: dict[str, int] = field(default_factory=dict)  # format name -> linears
-
-    @property
-    def nbytes(self) -> int:
-        seen, total = set(), 0
-        for p in [self.embed, self.lm_head] + [p for layer in self.layers for p in layer.values()]:
-            if id(p) not in seen:
-                seen.add(id(p))
-                total += p.data.numel()
-        return total
 
 
 class _Source:
