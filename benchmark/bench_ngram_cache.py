@@ -34,7 +34,7 @@ import time
 
 from benchmark.common import format_table, machine_info, write_json
 from runtime.sampling.sampling_params import SamplingParams
-from speculative.base import SpecConfig, SpecReq
+from speculative.base import RunnerReq, SpecConfig
 from speculative.drafters.ngram import NgramDrafter
 from speculative.drafters.suffix import SuffixDrafter
 from speculative.ngram_cache import NativeNgramCache, NgramCache, NgramConfig, native_available
@@ -115,7 +115,7 @@ def run_case(
         pos += new_per_step
         tail = stream[pos - depth : pos]
         if mode in ("drafter", "suffix"):
-            req = SpecReq("req", history, cfg.num_draft_tokens, greedy)
+            req = RunnerReq.drafting("req", history, cfg.num_draft_tokens, greedy)
             tree = drafter.propose([req])[0]
         elif mode == "tree":
             tree = cache.draft(tail)

@@ -176,7 +176,7 @@ def measure(
 
 # ---- engine mode -----------------------------------------------------------------------------
 def start_engine(args: argparse.Namespace, cfg: SpecRunConfig) -> Any:
-    from runtime.engine import Engine
+    from launch.engine import Engine
 
     t0 = time.perf_counter()
     engine = Engine(model_path=args.model_path, log_level="warning",
@@ -454,7 +454,7 @@ def parse_temperatures(text: str) -> list[float]:
 
 def validate_configs(args: argparse.Namespace) -> list[SpecRunConfig]:
     """Parse `--configs` and check every one against ServerArgs before minutes are spent."""
-    from runtime.server_args import ServerArgs
+    from launch.server_args import ServerArgs
 
     configs = parse_spec_configs(args.configs or ["NGRAM"])
     for cfg in configs:

@@ -36,7 +36,7 @@ from benchmark.common import (
 
 
 def start_once(algorithm: str | None, model_path: str | None) -> dict[str, float]:
-    from runtime import Engine
+    from launch import Engine
 
     kw = {"speculative_algorithm": algorithm} if algorithm else {}
     if model_path:

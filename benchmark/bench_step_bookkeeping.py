@@ -97,7 +97,7 @@ def scheduler_step_us(batch: int, context: int, reps: int, sweep: np.ndarray) ->
     params = SamplingParams(temperature=0.0, max_new_tokens=reps + 32, ignore_eos=True)
     for i in range(batch):
         ids = [(i * 7919 + j * 31) % 30000 + 3 for j in range(context)]
-        sched.handle(GenerateReq(rid=f"r{i}", input_ids=ids, sampling_params=params.to_dict()))
+        sched.handle(GenerateReq(rid=f"r{i}", input_ids=ids, sampling_params=params))
     while any(r.num_pending > 1 for r in sched.running) or sched.waiting:
         sched.step()  # prefill
     for _ in range(10):

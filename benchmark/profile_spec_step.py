@@ -18,7 +18,6 @@ first token. The first two prompts warm up (alone) and are not counted (`--warmu
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 import time
@@ -38,29 +37,27 @@ WARMUP_PROMPTS = 2
 def serve(label: str, server_args: dict, prompts: list[tuple[list[int], int]],
           threads: int, concurrency: int = 1, warmup: int = WARMUP_PROMPTS,
           logprobs: int | None = None) -> dict:
+    from launch.server_args import ServerArgs, speculation
     from runtime.messages import GenerateReq
     from runtime.model_loader.tokenizer import load_tokenizer
     from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
     from runtime.model_runner.runner_process import RunnerWorker, single_torch_thread
+    from runtime.sampling.logprobs import LogprobOptions
     from runtime.sampling.sampling_params import SamplingParams
     from runtime.scheduler.scheduler import Scheduler, SchedulerConfig
     from runtime.scheduler.stop import StopChecker
-    from runtime.server_args import ServerArgs
-    from speculative.worker import SpeculativeWorker
 
     torch.set_num_threads(threads)
     args = ServerArgs(**server_args).resolve()
     runner = ModelRunner(RunnerConfig(args.model_path, "cpu", "float32",
                                       max_total_tokens=8192, num_threads=threads))
-    spec_cfg = args.spec_config()
-    spec = None
-    if spec_cfg is not None:
-        spec = SpeculativeWorker.create(spec_cfg, runner)
+    plug = speculation(args)
+    spec = None if plug is None else plug.create_worker(runner)
     single_torch_thread(runner)  # as the runner process does
     worker = RunnerWorker(runner, spec)
     stop = StopChecker(load_tokenizer(args.model_path), [], 8192)
-    cfg = dataclasses.replace(SchedulerConfig.from_server_args(args),
-                              measured_verify_cost=spec.verify_cost if spec else None)
+    cfg = SchedulerConfig.from_server_args(args)
+    controller = None if plug is None else plug.create_controller(spec.verify_cost)
     submitted: dict[str, float] = {}
     ttft: list[float] = []
     done: set[str] = set()
@@ -73,7 +70,7 @@ def serve(label: str, server_args: dict, prompts: list[tuple[list[int], int]],
             if fin is not None:
                 done.add(rid)
 
-    sched = Scheduler(cfg, runner.kv_capacity, stop, worker.run, emit)
+    sched = Scheduler(cfg, runner.kv_capacity, stop, worker.run, emit, controller)
     times: dict[str, list[float]] = defaultdict(list)
     forward = runner.forward
 
@@ -106,8 +103,8 @@ def serve(label: str, server_args: dict, prompts: list[tuple[list[int], int]],
         if counting:
             submitted[f"p{i}"] = time.perf_counter()
         sched.handle(GenerateReq(rid=f"p{i}", input_ids=ids, sampling_params=SamplingParams(
-            temperature=0.0, max_new_tokens=max_new, ignore_eos=True).to_dict(),
-            logprobs=None if logprobs is None else {"top": logprobs, "input_from": None}))
+            temperature=0.0, max_new_tokens=max_new, ignore_eos=True),
+            logprobs=None if logprobs is None else LogprobOptions(top=logprobs)))
 
     bar = tqdm(total=len(prompts), desc=label, unit="prompt")
     warm = min(warmup, len(prompts))

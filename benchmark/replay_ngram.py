@@ -9,10 +9,11 @@ policies without the model.
 Greedy speculation is exact: every config outputs the baseline's tokens, and which drafts get
 accepted depends only on those tokens. So the baseline records of a `bench_speculative` JSON
 (prompts re-sampled from its own arguments) are enough to replay, at batch 1 and in order, what
-the real `NgramDrafter`, the worker's backoff (`SpeculativeWorker._budget` / `_adapt`) and the
-scheduler's deep-draft rule (`draft_sizes`) would do: tokens per verify step exactly, and a
-modelled speedup = decode steps / sum of verify costs, each step costing T(n)/T(1) of a decode
-step for an n-node tree (`--cost-curve`) plus `--step-overhead` when it drafted. Next to it, a
+the real `NgramDrafter` and the speculation controller (speculative/controller.py: its plan,
+probes, sure drafts and deep-draft caps, fed the modelled step times) would do: tokens per
+verify step exactly, and a modelled speedup = decode steps / sum of verify costs, each step
+costing T(n)/T(1) of a decode step for an n-node tree (`--cost-curve`) plus `--step-overhead`
+when it drafted. Next to it, a
 copy oracle's tokens per step: the same node count as one chain, placed with hindsight where the
 request's own context continues the answer longest (`replay`). Tune on the
 `train` split; measure the winner on `heldout` with `bench_speculative`.
@@ -27,9 +28,9 @@ that sizes its trees by cost (SUFFIX) plans with, as the worker hands it over.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -39,9 +40,10 @@ from benchmark.common import format_table, write_json
 from benchmark.spec_metrics import parse_spec_config
 from benchmark.spec_runner import render_prompts
 from corpora.datasets import chat_prompt_ids, load_bench_tokenizer, sample_requests
-from runtime.server_args import ServerArgs
+from launch.server_args import ServerArgs
 from runtime.verify_cost import VERIFY_COST, VerifyCost
 from speculative.base import ALGORITHMS, SpecConfig, create_drafter
+from speculative.controller import SpecController
 from speculative.ngram_context import ContextIndex
 
 # T(n)/T(1) of an n-node TARGET_VERIFY forward against a decode step: the CPU engine's stored
@@ -71,7 +73,7 @@ def resolve(config: str) -> tuple[str, SpecConfig, int]:
         raise ValueError(f"{config!r}: only {' / '.join(REPLAYABLE)} configs replay without "
                          "the model")
     spec = ServerArgs(**cfg.server_args).resolve().spec_config()
-    return cfg.label, spec, ALGORITHMS[algo].scheduler_sizes(spec)[1]
+    return cfg.label, spec, ALGORITHMS[algo].tree_sizes(spec).alone
 
 
 def copy_reach(index: ContextIndex, history: list[int], truth: list[int], cap: int) -> int:
@@ -99,18 +101,18 @@ def replay(items: list[tuple[list[int], list[int]]], spec: SpecConfig, max_draft
     holds within reach of each step. (Not a strict bound: a tree can beat one chain, and the
     trie also holds other requests' text.)"""
     from runtime.sampling.sampling_params import SamplingParams
-    from runtime.scheduler.scheduler import draft_sizes
-    from speculative.base import SpecReq
+    from speculative.base import RunnerReq
     from speculative.verify import verify_greedy
-    from speculative.worker import SpecEntry, SpeculativeWorker
 
-    base = spec.num_draft_tokens
     drafter = create_drafter(spec, runner=None)
     rows = tuple(int(n) for n in curve[0])
-    curve_fn = VerifyCost(rows, tuple(curve[1])) if rows[0] == 1 and len(rows) > 1 else None
-    worker = SpeculativeWorker(spec, drafter, runner=None, verify_cost=curve_fn)
-    match_sizing = ALGORITHMS[spec.algorithm].scheduler_sizes(spec)[2]
-    state = SimpleNamespace(params=SamplingParams(temperature=0.0))
+    curve_fn = VerifyCost(rows, tuple(curve[1]), t1_s=1.0) \
+        if rows[0] == 1 and len(rows) > 1 else VERIFY_COST["cpu"]
+    drafter.verify_cost = curve_fn  # as the worker hands it over
+    sizes = dataclasses.replace(ALGORITHMS[spec.algorithm].tree_sizes(spec),
+                                alone=max_draft_tokens)
+    controller = SpecController(sizes, curve_fn, adaptive=not spec.disable_adaptive)
+    greedy = SamplingParams(temperature=0.0)
     steps = tokens = 0
     cost = base_cost = 0.0
     per_request = []
@@ -128,14 +130,11 @@ def replay(items: list[tuple[list[int], list[int]]], spec: SpecConfig, max_draft
         drafter.observe(rid, history, 1)
         index = ContextIndex()
         index.catch_up(history)
-        pos, last_accepted, req_cost = 1, 0, 0.0
+        pos, req_cost, st = 1, 0.0, controller.new_request()
         while pos < len(out):
-            fresh = draft_sizes([last_accepted], base, max_draft_tokens, match_sizing)[0]
-            prefix = len(history) - 1
-            entry = SpecEntry(rid, history, prefix, torch.empty(prefix + fresh), state)
-            budget, backed_off = worker._budget(entry)
-            tree = drafter.propose([SpecReq(rid, history, budget, state.params,
-                                            backed_off=backed_off)])[0]
+            plan = controller.plan([st])
+            tree = drafter.propose([RunnerReq.drafting(rid, history, plan.sizes[0], greedy,
+                                                       confident_only=plan.confident[0])])[0]
             # the target's argmax is known on the true path (the next output token); the walk
             # never continues from any other node
             truth = out[pos:]
@@ -168,9 +167,9 @@ def replay(items: list[tuple[list[int], list[int]]], spec: SpecConfig, max_draft
                 row[2] += len(res.accepted_tokens)
                 row[3] += bool(res.accepted_tokens)
                 row[4] += reach
-            worker._adapt(rid, drafted, len(res.accepted_tokens))
-            last_accepted = len(res.accepted_tokens)
             c = float(np.interp(tree.num_nodes, *curve)) + (step_overhead if drafted else 0.0)
+            controller.observe([st], [{"drafted": drafted, "accepted": len(res.accepted_tokens)}],
+                               c)  # (time in decode steps: t1 = 1)
             req_cost += c
             steps += 1
             tokens += gained
@@ -178,7 +177,7 @@ def replay(items: list[tuple[list[int], list[int]]], spec: SpecConfig, max_draft
             index.catch_up(history)
             drafter.observe(rid, history, gained)
             pos += gained
-        worker.release(rid)
+        drafter.release(rid)
         cost += req_cost
         base_cost += len(out) - 1
         per_request.append((len(out) - 1) / req_cost if req_cost else 1.0)

@@ -1,4 +1,5 @@
-"""Launching the server: arguments, processes, readiness."""
+"""Launching the server: arguments, processes, readiness. `from launch import Engine` gives the
+serving system without HTTP, speculative decoding included."""
 
 import os as _os
 
@@ -8,3 +9,11 @@ import os as _os
 if "OMP_WAIT_POLICY" not in _os.environ:
     _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     _os.environ["SPECSERVE_SET_OMP_WAIT_POLICY"] = "1"  # peers we launch get it removed
+
+
+def __getattr__(name: str):
+    if name == "Engine":  # lazy: importing launch.* submodules must not start torch-heavy code
+        from launch.engine import Engine
+
+        return Engine
+    raise AttributeError(name)

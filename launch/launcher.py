@@ -16,13 +16,12 @@ import time
 
 import uvicorn
 
-from launch.server_args import parse_args
+from launch.server_args import ServerArgs, parse_args, speculation
 from runtime.entrypoints.http_server import create_app
 from runtime.errors import SpecserveError
 from runtime.proc_utils import setup_logging
 from runtime.processes import Backend, StartupError
 from runtime.sampling.sampling_params import SamplingParams
-from runtime.server_args import ServerArgs
 from runtime.tokenizer.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger("specserve")
@@ -51,7 +50,7 @@ def serve(args: ServerArgs) -> int:
     """Serve until SIGINT/SIGTERM or a child dies; `args` must be resolved."""
     setup_logging(args.log_level, "launcher")
     t0 = time.perf_counter()
-    backend = Backend(args)
+    backend = Backend(args, speculation(args))
     exit_code = 0
     try:
         try:

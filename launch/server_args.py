@@ -1,21 +1,120 @@
-"""The command line: argparse over `ServerArgs`' fields (runtime/server_args.py), the only
-argparse of the server. Flags, defaults, choices and help come from the fields' metadata; the
-speculative options are grouped per algorithm in `--help` (a group per set of algorithms that
-take an option, so an algorithm's own flags sit together)."""
+"""`ServerArgs`: the server's options (runtime/server_args.py) plus every option of every
+registered speculative algorithm, and the command line over them.
+
+The speculative fields come from each algorithm's options dataclass (speculative/options.py), so
+a new algorithm's flags, `Engine(**kwargs)` keywords and `/server_info` keys appear without
+touching this file. The class is built from the registry when first asked for
+(`server_args_class()`; the module attribute `ServerArgs` is that class), and rebuilt if an
+algorithm registers later (a plugin). argparse lives here only: flags, defaults, choices and
+help come from the fields' metadata; the speculative options are grouped per algorithm in
+`--help` (a group per set of algorithms that take an option, so an algorithm's own flags sit
+together). `speculation(args)` is what the runtime's processes get of the speculative options.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+from dataclasses import field
+from typing import Any
 
-from runtime.server_args import server_args_class
+import speculative  # noqa: F401 - importing the package registers the algorithms
+from runtime.server_args import BaseServerArgs
+from speculative.options import (
+    PREFIX,
+    ResolveContext,
+    SpecConfig,
+    all_options,
+    apply_speculative_config,
+    resolve_spec_options,
+    server_arg_fields,
+)
+from speculative.plugin import Speculation
+from speculative.registry import ALGORITHMS
 
 _KINDS = {"int": int, "int | None": int, "float": float, "float | None": float}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from speculative.base import ALGORITHMS
+def _spec_field(help_text: str) -> Any:
+    return field(default=None, metadata={"help": help_text, "choices": None,
+                                         "group": "speculative"})
 
+
+class _Speculative:
+    """The speculative half of `ServerArgs` (a mixin of methods; the fields are made from the
+    registry by `server_args_class`)."""
+
+    def spec_config(self) -> SpecConfig | None:
+        """The speculative configuration (None without speculation); call on resolved args."""
+        return SpecConfig.from_server_args(self)
+
+    def resolve(self):
+        """A copy with "auto"/None values made concrete and every value checked: the
+        algorithm's options (`Drafter.resolve_options`), then the server's."""
+        args = self
+        if self.speculative_config is not None:
+            args = args._apply_speculative_config()
+        if args.speculative_algorithm is not None:
+            args = dataclasses.replace(args, **args._resolve_speculative())
+        return BaseServerArgs.resolve(args)
+
+    def _apply_speculative_config(self):
+        given = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                 if f.name.startswith(PREFIX) and f.name != "speculative_config"
+                 and getattr(self, f.name) != f.default}
+        over = apply_speculative_config(given, self.speculative_config)
+        unknown = [k for k in over if not hasattr(self, k)]
+        assert not unknown, f"speculative_config mapped onto unknown fields {unknown}"
+        return dataclasses.replace(self, speculative_config=None, **over)
+
+    def _resolve_speculative(self) -> dict:
+        """The algorithm's options with its "auto" values filled (speculative/options.py:
+        `resolve_spec_options`)."""
+        from runtime.model_runner.model_runner import resolve_device
+
+        # (a class built before a plugin registered lacks its fields: they hold defaults)
+        given = {n: getattr(self, PREFIX + n) for n in all_options() if hasattr(self, PREFIX + n)}
+        ctx = ResolveContext(self.engine(), resolve_device(self.device).type,
+                             self.model_path in ("default", None))
+        cfg = resolve_spec_options(self.speculative_algorithm, given, ctx)
+        return {"speculative_algorithm": cfg.algorithm,
+                **{PREFIX + n: v for n, v in cfg.as_dict().items()
+                   if n != "algorithm" and hasattr(self, PREFIX + n)}}
+
+
+_built: tuple[tuple, type] | None = None
+
+
+def server_args_class() -> type:
+    """`BaseServerArgs` plus one field per speculative option of the registered algorithms."""
+    global _built
+    key = tuple(ALGORITHMS)
+    if _built is None or _built[0] != key:
+        own = [
+            ("speculative_algorithm", str | None, _spec_field(
+                "speculative decoding algorithm (none when unset); each algorithm's own options "
+                "are listed in its group below")),
+            ("speculative_config", str | None, _spec_field(
+                "vLLM-style speculative config as JSON, e.g. '{\"method\": \"draft_model\", "
+                "\"model\": PATH, \"num_speculative_tokens\": 3}' or '{\"method\": \"ngram\", "
+                "\"prompt_lookup_max\": 4}'; mapped onto the --speculative-* options")),
+        ]
+        cls = dataclasses.make_dataclass(
+            "ServerArgs", own + server_arg_fields(), bases=(_Speculative, BaseServerArgs),
+            frozen=True, namespace={
+                "__module__": __name__,
+                "__doc__": "Server options + every speculative algorithm's options."})
+        _built = (key, cls)
+    return _built[1]
+
+
+def speculation(args) -> Speculation | None:
+    """What the runtime's processes get of resolved `ServerArgs`' speculative options."""
+    cfg = args.spec_config()
+    return None if cfg is None else Speculation(cfg)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m launch_server",
         description="specserve: an LLM server with lossless speculative decoding",
@@ -28,19 +127,19 @@ def build_parser() -> argparse.ArgumentParser:
         if group not in groups:
             title = {"server": "server", "speculative": "speculative decoding"}.get(group, group)
             groups[group] = parser.add_argument_group(title)
-        flag = "--" + f.name.replace("_", "-")
+        flag_name = "--" + f.name.replace("_", "-")
         help_text = meta["help"]
         if f.name == "speculative_algorithm":
             help_text += f"; one of {', '.join(sorted(ALGORITHMS))}"
         if str(f.type) in ("bool", "bool | None") or f.type is bool:
             if f.default is True:  # on by default: --x / --no-x
-                groups[group].add_argument(flag, action=argparse.BooleanOptionalAction,
+                groups[group].add_argument(flag_name, action=argparse.BooleanOptionalAction,
                                            default=True, help=help_text)
             else:
-                groups[group].add_argument(flag, action="store_true", help=help_text)
+                groups[group].add_argument(flag_name, action="store_true", help=help_text)
             continue
         kind = _KINDS.get(str(f.type), str)
-        groups[group].add_argument(flag, type=kind, default=f.default, help=help_text,
+        groups[group].add_argument(flag_name, type=kind, default=f.default, help=help_text,
                                    choices=meta.get("choices") if kind is str else None)
     return parser
 

@@ -5,7 +5,9 @@
         print(out["text"])
 
 It starts the same scheduler and model-runner processes as the server; the tokenizer manager
-runs on a private event loop thread in the caller's process.
+runs on a private event loop thread in the caller's process. This class serves plain decoding
+with the server's own options; `launch.Engine` takes the speculative options too (it builds the
+`Speculation` this class is handed).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from runtime.entrypoints.streaming import StreamCursor
 from runtime.processes import Backend
 from runtime.sampling.logprobs import LogprobOptions
 from runtime.sampling.sampling_params import SamplingParams
-from runtime.server_args import server_args_class
+from runtime.server_args import BaseServerArgs
+from runtime.speculation import Speculation
 from runtime.tokenizer.tokenizer_manager import GenerateChunk, TokenizerManager
 
 logger = logging.getLogger(__name__)
@@ -38,16 +41,18 @@ def chunk_to_dict(chunk: GenerateChunk, lp: SglangLogprobs | None = None) -> dic
 
 
 class Engine:
-    def __init__(self, **server_args: Any) -> None:
-        """Keyword arguments are `ServerArgs` fields (every `--flag` with underscores, the
-        speculative ones included), plus `speculative_config`: a vLLM-style dict (or its JSON)
-        mapped onto the speculative options."""
-        cls = server_args_class()
-        unknown = sorted(set(server_args) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise TypeError(f"Engine() got unknown argument(s) {unknown}")
-        self.server_args = cls(**server_args).resolve()
-        self.backend = Backend(self.server_args)
+    def __init__(self, args: BaseServerArgs | None = None,
+                 speculation: Speculation | None = None, **server_args: Any) -> None:
+        """Keyword arguments are `BaseServerArgs` fields (every server `--flag` with
+        underscores); or `args`, resolved already (and the launcher's `speculation`)."""
+        if args is None:
+            known = {f.name for f in dataclasses.fields(BaseServerArgs)}
+            unknown = sorted(set(server_args) - known)
+            if unknown:
+                raise TypeError(f"Engine() got unknown argument(s) {unknown}")
+            args = BaseServerArgs(**server_args).resolve()
+        self.server_args = args
+        self.backend = Backend(self.server_args, speculation)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="engine-loop",
                                         daemon=True)

@@ -1,7 +1,9 @@
 """Typed IPC messages, grouped by the process that receives them, encoded with msgpack.
 
 No pickle crosses a socket: every message is a `msgspec.Struct` with a tag, decoded against the
-union its receiver accepts. Token ids travel as lists of ints; bulk KV slot lists travel as raw
+union its receiver accepts. Sampling parameters and logprob options travel typed (msgspec encodes
+their dataclasses field by field and decodes them back, so they are parsed and validated once, by
+the front end). Token ids travel as lists of ints; bulk KV slot lists travel as raw
 little-endian int64 bytes (`pack_ints` / `unpack_ints`).
 """
 
@@ -12,6 +14,9 @@ import sys
 import msgspec
 import numpy as np
 import torch
+
+from runtime.sampling.logprobs import LogprobOptions
+from runtime.sampling.sampling_params import SamplingParams
 
 _LITTLE = sys.byteorder == "little"
 
@@ -34,9 +39,9 @@ class Msg(msgspec.Struct, tag=True, array_like=False):
 class GenerateReq(Msg):
     rid: str
     input_ids: list[int]
-    sampling_params: dict  # validated SamplingParams.to_dict()
+    sampling_params: SamplingParams  # validated by the front end
     stream: bool = False
-    logprobs: dict | None = None  # LogprobOptions.to_dict() when the client wants logprobs
+    logprobs: LogprobOptions | None = None  # when the client wants logprobs
     # under --enable-priority-scheduling (validated by the front end); None: the client gave
     # none (the least urgent, as SGLang)
     priority: int | None = None
@@ -88,11 +93,14 @@ class ReqBatchEntry(Msg):
     slots_start: int = 0
     # sent once, when the runner first sees the request: its parameters and whole prompt
     # (token history for penalties and drafters; chunks and cache hits send only new tokens)
-    sampling_params: dict | None = None
+    sampling_params: SamplingParams | None = None
     prompt_ids: list[int] | None = None
-    logprobs: dict | None = None  # LogprobOptions.to_dict(), also sent once
+    logprobs: LogprobOptions | None = None  # also sent once
     # False for a prefill chunk that does not end the prompt: nothing is sampled
     needs_token: bool = True
+    # speculative decode steps: draft only what the drafter is sure of (the controller kept
+    # this request from drafting; speculative/controller.py)
+    confident_only: bool = False
 
 
 class RunBatch(Msg):
@@ -101,6 +109,11 @@ class RunBatch(Msg):
     reqs: list[ReqBatchEntry]
     released_rids: list[str] = []  # requests the runner can forget (finished or aborted)
     reset_drafter: bool = False  # flush_cache: drop the drafter's learned state too
+    # speculative decode steps, from the controller's plan (runtime/speculation.py: StepPlan):
+    # nobody drafts now or in the next few steps (the step may skip the drafter), and
+    # drafting does not pay on the current traffic
+    drafter_idle: bool = False
+    traffic_off: bool = False
 
 
 class ShutdownReq(Msg):

@@ -1,6 +1,6 @@
 """Start the scheduler and model-runner processes, wait for readiness, watch, tear down.
 
-Shared by the HTTP launcher and `runtime.Engine`. Children ask the kernel to kill them if this
+Shared by the HTTP launcher and `Engine`. Children ask the kernel to kill them if this
 process dies (PR_SET_PDEATHSIG) and also exit when they see their parent gone, so no child is
 ever orphaned.
 """
@@ -21,7 +21,8 @@ from runtime.messages import TO_TOKENIZER, ReadyOut
 from runtime.model_loader.tokenizer import load_tokenizer
 from runtime.model_runner.runner_process import StartupQuiet, run_model_runner_process
 from runtime.scheduler.scheduler_process import run_scheduler_process
-from runtime.server_args import ServerArgs
+from runtime.server_args import BaseServerArgs
+from runtime.speculation import Speculation
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +34,11 @@ class StartupError(RuntimeError):
 class Backend:
     """The scheduler + model-runner processes of one server."""
 
-    def __init__(self, args: ServerArgs) -> None:
+    def __init__(self, args: BaseServerArgs, speculation: Speculation | None = None) -> None:
+        """`args`: resolved; `speculation`: what the launcher built of the speculative options
+        (None: plain decoding)."""
         self.args = args
+        server = args.server_part()
         self.ipc_dir = make_ipc_dir()
         ctx = mp.get_context("spawn")
         parent = os.getpid()
@@ -46,11 +50,13 @@ class Backend:
         quiet = StartupQuiet((self.front_loaded, self.sched_loaded))
         self.procs = {
             "model_runner": ctx.Process(
-                target=run_model_runner_process, args=(args, self.ipc_dir, parent, quiet),
+                target=run_model_runner_process,
+                args=(server, self.ipc_dir, parent, quiet, speculation),
                 name="specserve-model-runner", daemon=True,
             ),
             "scheduler": ctx.Process(
-                target=run_scheduler_process, args=(args, self.ipc_dir, parent, self.sched_loaded),
+                target=run_scheduler_process,
+                args=(server, self.ipc_dir, parent, self.sched_loaded, speculation),
                 name="specserve-scheduler", daemon=True,
             ),
         }

@@ -1,14 +1,9 @@
-"""`ServerArgs`: the one configuration dataclass.
+"""`BaseServerArgs`: the server's own options, one dataclass.
 
-Its fields are the server's own (declared here, each with its `--help` text) plus every option
-of every registered speculative algorithm, taken from the algorithm's options dataclass
-(speculative/options.py) — so a new algorithm's flags, `Engine(**kwargs)` keywords and
-`/server_info` keys appear without touching this file. argparse lives in launch/server_args.py
-and reads the same fields. "auto" values are resolved in `resolve()`, which returns a new object
-and never mutates the original.
-
-The class is built from the registry when first asked for (`server_args_class()`; the module
-attribute `ServerArgs` is that class), and rebuilt if an algorithm registers later (a plugin).
+Each field is declared here with its `--help` text. The launcher's `ServerArgs`
+(launch/server_args.py) adds every option of every registered speculative algorithm; the
+runtime's processes read only the fields below. "auto" values are resolved in `resolve()`,
+which returns a new object and never mutates the original.
 """
 
 from __future__ import annotations
@@ -125,21 +120,6 @@ class BaseServerArgs:
         "(glibc malloc_trim), which it also does once whenever it goes idle. The buffers a "
         "step frees otherwise stay resident (~0.5 GB at 64 streams) after the load is gone; "
         "0 turns it off")
-    speculative_algorithm: str | None = field(default=None, metadata={
-        "help": "speculative decoding algorithm (none when unset); each algorithm's own options "
-        "are listed in its group below", "choices": None, "group": "speculative"})
-    speculative_config: str | None = field(default=None, metadata={
-        "help": "vLLM-style speculative config as JSON, e.g. '{\"method\": \"draft_model\", "
-        "\"model\": PATH, \"num_speculative_tokens\": 3}' or '{\"method\": \"ngram\", "
-        "\"prompt_lookup_max\": 4}'; mapped onto the --speculative-* options", "choices": None,
-        "group": "speculative"})
-
-    def spec_config(self):
-        """The speculative configuration (None without speculation); call on resolved args."""
-        from speculative.options import SpecConfig
-
-        return SpecConfig.from_server_args(self)
-
     def resolve(self):
         """Return a copy with "auto"/None values made concrete and every value checked."""
         from runtime.model_loader.default_model import resolve_model_path
@@ -161,10 +141,6 @@ class BaseServerArgs:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
         if not self.heap_trim_interval >= 0:
             raise ValueError("--heap-trim-interval must be >= 0 (0 turns it off)")
-        args = self
-        if self.speculative_config is not None:
-            args = args._apply_speculative_config()
-        spec = args._resolve_speculative() if args.speculative_algorithm is not None else {}
         model_dir = str(resolve_model_path(self.model_path))
         name = self.served_model_name or (
             "SmolLM2-135M-Instruct" if self.model_path in ("default", None)
@@ -173,9 +149,14 @@ class BaseServerArgs:
         threads = self.num_threads or os.cpu_count() or 1
         chunk = self.chunked_prefill_size or (512 if self._on_cuda() else 256)
         return dataclasses.replace(
-            args, model_path=model_dir, served_model_name=name, num_threads=threads,
-            chunked_prefill_size=chunk, **spec
+            self, model_path=model_dir, served_model_name=name, num_threads=threads,
+            chunked_prefill_size=chunk,
         )
+
+    def server_part(self) -> BaseServerArgs:
+        """These options without the launcher's additions (what the runtime's processes get)."""
+        return BaseServerArgs(**{f.name: getattr(self, f.name)
+                                 for f in dataclasses.fields(BaseServerArgs)})
 
     def _on_cuda(self) -> bool:
         if self.device != "auto":
@@ -184,65 +165,8 @@ class BaseServerArgs:
 
         return torch.cuda.is_available()
 
-    def _apply_speculative_config(self):
-        from speculative.options import PREFIX, apply_speculative_config
-
-        given = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                 if f.name.startswith(PREFIX) and f.name != "speculative_config"
-                 and getattr(self, f.name) != f.default}
-        over = apply_speculative_config(given, self.speculative_config)
-        unknown = [k for k in over if not hasattr(self, k)]
-        assert not unknown, f"speculative_config mapped onto unknown fields {unknown}"
-        return dataclasses.replace(self, speculative_config=None, **over)
-
-    def _resolve_speculative(self) -> dict:
-        """The algorithm's options with its "auto" values filled (`Drafter.resolve_options`);
-        an option of another algorithm set away from its default is an error."""
-        from runtime.model_runner.model_runner import resolve_device
-        from speculative.base import ALGORITHMS, check_algorithm
-        from speculative.options import PREFIX, ResolveContext, all_options, flag, option_fields
-
-        algo = check_algorithm(self.speculative_algorithm)
-        cls = ALGORITHMS[algo]
-        mine = option_fields(cls.options)
-        for name, (f, algos) in all_options().items():
-            # a class built before a plugin registered lacks its fields: they hold defaults
-            if name not in mine and getattr(self, PREFIX + name, f.default) != f.default:
-                raise ValueError(f"{flag(name)} applies to --speculative-algorithm "
-                                 f"{' / '.join(algos)}, not {algo}")
-        opts = cls.options(**{n: getattr(self, PREFIX + n, f.default) for n, f in mine.items()})
-        ctx = ResolveContext(self._engine(), resolve_device(self.device).type,
-                             self.model_path in ("default", None))
-        opts = cls.resolve_options(opts, ctx)
-        return {"speculative_algorithm": algo,
-                **{PREFIX + n: getattr(opts, n) for n in mine if hasattr(self, PREFIX + n)}}
-
-    def _engine(self) -> str:
+    def engine(self) -> str:
+        """The engine these options run: "cpu" (the C++ engine) or "torch"."""
         from runtime.model_runner.model_runner import resolve_device, resolve_engine
 
         return resolve_engine(self.weight_format, resolve_device(self.device), self.dtype)
-
-
-_built: tuple[tuple, type] | None = None
-
-
-def server_args_class() -> type:
-    """`BaseServerArgs` plus one field per speculative option of the registered algorithms."""
-    global _built
-    from speculative.base import ALGORITHMS
-    from speculative.options import server_arg_fields
-
-    key = tuple(ALGORITHMS)
-    if _built is None or _built[0] != key:
-        cls = dataclasses.make_dataclass(
-            "ServerArgs", server_arg_fields(), bases=(BaseServerArgs,), frozen=True,
-            namespace={"__module__": __name__,
-                       "__doc__": "Server options + every speculative algorithm's options."})
-        _built = (key, cls)
-    return _built[1]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "ServerArgs":
-        return server_args_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,6 +20,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from speculative.registry import ALGORITHMS
+
 PREFIX = "speculative_"
 SHARED_GROUP = "speculative decoding (every algorithm)"
 
@@ -119,20 +121,13 @@ def option_fields(options_cls: type) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(options_cls)}
 
 
-def _registry() -> dict[str, type]:
-    import speculative  # noqa: F401 - importing the package registers the algorithms
-    from speculative.base import ALGORITHMS
-
-    return ALGORITHMS
-
-
 def all_options() -> dict[str, tuple[dataclasses.Field, list[str]]]:
     """Every option of every registered algorithm: name -> (field, algorithms taking it), in
     declaration order (shared options first). An option name declared by two different fields
     is an error: options are declared once."""
     out: dict[str, tuple[dataclasses.Field, list[str]]] = {
         f.name: (f, []) for f in dataclasses.fields(SpecOptions)}
-    for algo, cls in _registry().items():
+    for algo, cls in ALGORITHMS.items():
         for f in dataclasses.fields(cls.options):
             have = out.get(f.name)
             if have is None:
@@ -146,7 +141,7 @@ def all_options() -> dict[str, tuple[dataclasses.Field, list[str]]]:
 
 
 def group_of(algos: list[str]) -> str:
-    everyone = set(_registry())
+    everyone = set(ALGORITHMS)
     return SHARED_GROUP if set(algos) >= everyone else ", ".join(algos)
 
 
@@ -204,8 +199,36 @@ class SpecConfig:
     def as_dict(self) -> dict[str, Any]:
         return {"algorithm": self.algorithm, **self._values}
 
+    def __reduce__(self):
+        # (a spawned process gets it pickled at its start: rebuilt through the constructor,
+        # which checks the names against that process's registry)
+        return _spec_config, (self.algorithm, dict(self._values))
+
     def __repr__(self) -> str:
         return f"SpecConfig({self.algorithm!r}, {self._values})"
+
+
+def resolve_spec_options(algorithm: str, given: dict[str, Any], ctx: ResolveContext
+                         ) -> SpecConfig:
+    """The resolved configuration of `algorithm` from option values by name (unset ones take
+    their defaults, "auto" ones the algorithm's `resolve_options`); an option of another
+    algorithm set away from its default is an error."""
+    from speculative.registry import check_algorithm
+
+    algo = check_algorithm(algorithm)
+    cls = ALGORITHMS[algo]
+    mine = option_fields(cls.options)
+    for name, (f, algos) in all_options().items():
+        if name not in mine and name in given and given[name] != f.default:
+            raise ValueError(f"{flag(name)} applies to --speculative-algorithm "
+                             f"{' / '.join(algos)}, not {algo}")
+    opts = cls.options(**{n: given.get(n, f.default) for n, f in mine.items()})
+    opts = cls.resolve_options(opts, ctx)
+    return SpecConfig(algo, **{n: getattr(opts, n) for n in mine})
+
+
+def _spec_config(algorithm: str, values: dict[str, Any]) -> SpecConfig:
+    return SpecConfig(algorithm, **values)
 
 
 class SpecConfigError(ValueError):
@@ -231,7 +254,7 @@ def apply_speculative_config(given: dict[str, Any], config: dict[str, Any] | str
             raise SpecConfigError(f"--speculative-config is not valid JSON: {exc.msg}") from None
     if not isinstance(config, dict):
         raise SpecConfigError("speculative_config must be a JSON object / dict")
-    registry = _registry()
+    registry = ALGORITHMS
     known = all_options()
     rest = dict(config)
     method = rest.pop("method", None)

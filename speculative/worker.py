@@ -24,19 +24,20 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 
 from runtime.forward_batch import ForwardBatch, ForwardMode
+from runtime.model_runner.req import RunnerReq
 from runtime.models.llama import ModelOutput
 from runtime.sampling.argmax import argmax_rows
 from runtime.sampling.logprobs import logit_top, logprob_rows, split_rows
 from runtime.sampling.penalties import RowHistory, apply_penalties
 from runtime.sampling.sampler import SamplingBatchInfo, expand, process_logits
 from runtime.sampling.seeded import seed_to_int64, seeded_sample
+from runtime.speculation import TargetRows
 from runtime.verify_cost import VerifyCost, measure_verify_cost, stored_verify_cost
-from speculative.base import Drafter, SpecReq, TargetRows
+from speculative.base import Drafter
 from speculative.options import SpecConfig
 from speculative.tree import DraftTree
 from speculative.tree_ops import make_tree_ops
@@ -51,31 +52,6 @@ from speculative.verify import (
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class SpecReqState:
-    # moving average of draft tokens accepted per verify step (optimistic start)
-    accept_ema: float = 1.0
-    steps_since_probe: int = 0
-    probe_interval: int = 0  # steps between probes (0: the drafter's probe_every); doubles
-    probe_bar: float | None = None  # set while a probe is out: the break-even it must beat
-    global_probe: bool = False  # that probe is the server-wide one
-
-
-@dataclass(slots=True)
-class SpecEntry:
-    rid: str
-    tokens: list[int]  # history; tokens[-1] = root
-    prefix_len: int
-    slots: torch.Tensor  # [prefix_len + budget]
-    state: object  # RunnerReqState: params, prompt_ids, output_ids (tokens[-1] = the root)
-
-    @property
-    def fresh(self) -> int:
-        """Fresh KV slots the scheduler gave this step: tree nodes, root included (> 1: it
-        may draft)."""
-        return self.slots.numel() - self.prefix_len
-
-
 def _interpreted(runner) -> bool:
     """Whether the runner's attention kernel runs under Triton's CPU interpreter."""
     name = type(getattr(runner, "attn_backend", None)).__name__.lower()
@@ -83,35 +59,25 @@ def _interpreted(runner) -> bool:
 
 
 class SpeculativeWorker:
+    """Drafts what the controller gave each request (its fresh KV slots, `RunnerReq.budget`),
+    verifies every tree in one target forward and commits the accepted paths. It holds no
+    estimate of its own: the scheduler's controller (speculative/controller.py) decides who
+    drafts and learns from the `drafted` / `accepted` counts each step reports."""
+
     def __init__(self, cfg: SpecConfig, drafter: Drafter, runner,
                  verify_cost: VerifyCost | None = None) -> None:
         self.cfg = cfg
         self.drafter = drafter
         self.runner = runner
-        self.req_states: dict[str, SpecReqState] = {}
-        # drafts accepted per drafting step over all requests: a new request starts from it,
-        # so a drafter that rarely lands (a weak draft model) does not cost every new
-        # request the ~15 steps its own average needs to fall below the threshold
-        self.prior_accept = 1.0
         if verify_cost is None:
             verify_cost = stored_verify_cost(getattr(runner, "engine", "torch"))
         # T(n)/T(1) (runtime/verify_cost.py): the curve measured on this machine at start-up
-        # (`worker_for`), else the engine's stored one; shared with the drafter (a drafter
-        # that sizes its trees by cost reads it) and sent to the scheduler
+        # (`create`), else the engine's stored one; sent to the scheduler's controller and
+        # shared with a drafter that cuts its own trees by cost
         self.verify_cost = verify_cost
         drafter.verify_cost = verify_cost
         # None: walk each tree in Python; else the registry's batched tree ops (tree_ops.py)
         self.tree_ops = make_tree_ops(cfg.tree_ops, getattr(runner, "device", "cpu"))
-        self.global_interval = drafter.probe_every  # steps between server-wide probes
-        self.steps_since_global = 0
-        # steps since any request had draft slots (`_off_step`); none seen yet: "long ago"
-        self.steps_since_slots = self.SLOT_HORIZON + 1
-        self.draft_cost: float | None = None  # extra seconds per drafting request (EMA)
-        # plain step seconds / C(batch) (EMA), starting from the one-row forward timed at
-        # start-up: a drafter that drafts from the first step (and keeps drafting while its
-        # acceptance beats the floor) would otherwise never meet a plain step to compare
-        # with, and its cost would stay unknown (EAGLE-3 drafted every step at 0.7x so)
-        self.plain_t1: float | None = verify_cost.t1_s
 
     @classmethod
     def create(cls, cfg: SpecConfig, runner, before_measure=None) -> SpeculativeWorker:
@@ -120,7 +86,7 @@ class SpeculativeWorker:
         any request holds KV slots (the measurement writes scratch KV). `before_measure` is
         called just before the timing (the runner process waits there for its neighbours'
         start-up work to finish)."""
-        from speculative.base import create_drafter
+        from speculative.registry import create_drafter
 
         drafter = create_drafter(cfg, runner)
         measure = cfg.verify_cost == "measure"
@@ -135,267 +101,134 @@ class SpeculativeWorker:
         cost = measure_verify_cost(runner) if measure else None
         return cls(cfg, drafter, runner, cost)
 
+    # ---- what the runner asks of it (runtime/speculation.py: SpecWorker) --------------------
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        return self.drafter.capture_layers if self.drafter.reads_target_hidden else ()
+
+    @property
+    def needs_final_hidden(self) -> bool:
+        return self.drafter.needs_final_hidden
+
+    @property
+    def wants_committed_rows(self) -> bool:
+        return self.drafter.wants_committed_rows
+
+    def describe(self) -> str:
+        return self.drafter.describe()
+
+    def observe(self, rid: str, history: list[int], num_new: int) -> None:
+        self.drafter.observe(rid, history, num_new)
+
+    def draft_extend(self, rows: list[TargetRows], out: ModelOutput) -> None:
+        self.drafter.draft_extend(rows, out)
+
     def release(self, rid: str) -> None:
-        self.req_states.pop(rid, None)
         self.drafter.release(rid)
 
     def reset(self) -> None:
         """Forget everything learned (called on flush_cache, when no request runs)."""
-        self.req_states.clear()
-        self.prior_accept = 1.0
-        self.drafter.reset()  # (the measured costs are kept: they describe the machine)
+        self.drafter.reset()
 
-    # Backoff. On this CPU a verify pass of 8 nodes costs ~1.2x a decode step (docs/benchmarks.md),
-    # so drafting pays while more than ~0.2 draft tokens are accepted per step on average.
-    # Acceptance is bursty (nothing for a while, then a long copied run), so the average is slow
-    # (about the last 10-20 drafting steps) and the decision binary: the full tree, or plain
-    # decoding with a full-tree probe every `probe_every` steps (~2.5% overhead when nothing
-    # fits). The threshold and the probe interval are the drafter's (`Drafter.min_accept_per_step`,
-    # `probe_every`): a draft model's steps cost more than a trie lookup.
-    #
-    # What drafting costs, measured. A request that drafts makes the step longer by d seconds
-    # (`draft_cost`: an EMA of a drafting step's whole time — drafting, the verify forward over
-    # its extra rows, verification, commit — minus a plain step's at the same batch size,
-    # shared over the requests that drafted) while it adds a accepted tokens to a batch of B
-    # that yields B tokens per plain step of T(B) seconds; drafting pays only while
-    # (B + a) / (T(B) + d) > B / T(B), i.e. a > B d / T(B) (`break_even`). T(B) = t1 * C(B)
-    # with C the engine's verify-cost curve (runtime/scheduler/spec_budget.py) and t1 an EMA of
-    # plain steps' time over C(B). Every overhead a draft brings is in d, whatever the
-    # algorithm (a trie lookup's microseconds, a head's or a draft model's forwards, the verify
-    # rows). The threshold is the larger of this and the drafter's floor; a backed-off request
-    # probes every `probe_every * B` steps, so a batch probes about once per `probe_every`
-    # steps whatever its size, and each probe that does not pay doubles the request's interval
-    # (up to MAX_PROBE_INTERVAL; one that pays resets it): a drafter that never pays on this
-    # text costs a few probes per request, not one every few steps. While the server-wide
-    # average (`prior_accept`, which new requests start from) is below the bar too, the drafter
-    # as a whole does not pay on the current traffic: requests stop probing on their own and
-    # one server-wide probe (the request that waited longest) runs every `global_interval`
-    # steps, doubling the same way. A short request then never pays a probe (for a draft model,
-    # catching up its whole history), yet the drafter comes back when the traffic changes.
-    EMA_WEIGHT = 0.1
-    PRIOR_WEIGHT = 0.1
-    COST_WEIGHT = 0.2
-    MAX_PROBE_INTERVAL = 512
-
-    def break_even(self, batch_size: int) -> float:
-        """Accepted drafts per step a drafting request must average, at this batch size."""
-        floor = self.drafter.min_accept_per_step
-        if self.draft_cost is None or self.plain_t1 is None:
-            return floor
-        t_batch = self.plain_t1 * self.verify_cost(batch_size)
-        return max(floor, batch_size * self.draft_cost / t_batch)
-
-    def _global_probe(self, entries: list[SpecEntry]) -> str | None:
-        """The request that probes for the whole server this step, if one is due."""
-        if self.cfg.disable_adaptive or self.prior_accept >= self.break_even(len(entries)):
-            return None
-        self.steps_since_global += 1
-        if self.steps_since_global < self.global_interval:
-            return None
-        # only a request the scheduler gave draft slots can probe; while none has them (the
-        # load-aware budget keeps the batch plain) the probe stays due: a probe that could
-        # not draft would teach nothing and postpone the next by a whole interval
-        waiting = [(st.steps_since_probe, e.rid) for e in entries
-                   if e.fresh > 1
-                   and (st := self.req_states.get(e.rid)) is not None]
-        if not waiting:
-            return None
-        self.steps_since_global = 0
-        return max(waiting)[1]
-
-    def _budget(self, e: SpecEntry, batch_size: int = 1,
-                global_probe: str | None = None) -> tuple[int, bool]:
-        """(tree nodes, root included, this request may draft this step; whether it is backed
-        off, i.e. may draft only what its drafter is confident of)."""
-        fresh = e.fresh
-        if self.cfg.disable_adaptive:
-            return fresh, False
-        st = self.req_states.get(e.rid)
-        if st is None:
-            st = self.req_states[e.rid] = SpecReqState(accept_ema=self.prior_accept)
-        bar = self.break_even(batch_size)
-        if st.accept_ema >= bar:
-            return fresh, False
-        st.steps_since_probe += 1
-        if self.prior_accept >= bar:  # the drafter pays in general: this request probes
-            due = st.steps_since_probe >= (st.probe_interval or self.drafter.probe_every) \
-                * batch_size
-        else:  # it does not pay on the current traffic: only the server-wide probe
-            due = e.rid == global_probe
-        if due:
-            st.steps_since_probe = 0
-            st.probe_bar = bar
-            st.global_probe = global_probe is not None and e.rid == global_probe
-            return fresh, False
-        if self.drafter.drafts_when_backed_off:
-            return fresh, True
-        return 1, False
-
-    def _adapt(self, rid: str, drafted: int, accepted: int) -> None:
-        st = self.req_states.get(rid)
-        if st is None or self.cfg.disable_adaptive or drafted == 0:
-            return  # no draft (no n-gram match): nothing learned, nothing paid
-        st.accept_ema += self.EMA_WEIGHT * (accepted - st.accept_ema)
-        self.prior_accept += self.PRIOR_WEIGHT * (accepted - self.prior_accept)
-        if st.probe_bar is not None:  # a probe's outcome sets the next interval
-            base = self.drafter.probe_every
-            paid = accepted >= st.probe_bar
-            if st.global_probe:
-                self.global_interval = base if paid else min(2 * self.global_interval,
-                                                             self.MAX_PROBE_INTERVAL)
-            else:
-                st.probe_interval = base if paid else min(2 * (st.probe_interval or base),
-                                                          self.MAX_PROBE_INTERVAL)
-            st.probe_bar = None
-
-    # A `plain_without_budget` drafter (NGRAM, LOOKAHEAD) gets a plain step whenever no request
-    # of the step may draft, whatever the traffic. Otherwise:
-    # while the drafter as a whole does not pay on the current traffic (the server-wide regime
-    # above), a step in which no request drafts and no server-wide probe is due within
-    # WARM_STEPS runs as plain decoding for a `skips_when_off` drafter: no propose, no capture
-    # of target hidden states, no draft extend (`_plain_step`). What a never-drafting EAGLE-3
-    # server paid per step was that work plus its effect on the next forward (measured: ~0.3
-    # ms outside the forward and ~0.2 ms inside a 3.2 ms decode step at batch 1,
-    # `benchmark.profile_spec_step`). The WARM_STEPS steps before each server-wide probe run
-    # the full path, so the probing request's head has fresh rows; the rows of skipped steps
-    # never reach the head (a stale stretch of head KV: acceptance, never exactness). A probe
-    # that is due waits for a request the scheduler gave draft slots (`_global_probe`), so the
-    # warm steps run only while the scheduler hands slots out at all: some request of the last
-    # SLOT_HORIZON steps had them (at c = 1 and 4 its per-request probes come every 16 and 64
-    # steps, `spec_budget.PROBE_EVERY`; in a busy batch the load-aware plan keeps every request
-    # plain and a request's probe would come after its whole life). Otherwise no request can
-    # probe or draft and the step stays plain. (It was the full path, every step, for as long
-    # as the probe stayed due: at c = 32 on ShareGPT ~90% of an off EAGLE-3's steps,
-    # docs/benchmarks.md, "Eleventh session".)
-    WARM_STEPS = 8
-    SLOT_HORIZON = 64
-
-    def _off_step(self, entries: list[SpecEntry], budgets: list[tuple[int, bool]]) -> bool:
-        if any(e.fresh > 1 for e in entries):
-            self.steps_since_slots = 0
-        else:
-            self.steps_since_slots += 1
-        if self.drafter.plain_without_budget and all(b <= 1 for b, _ in budgets):
-            return True  # nobody may draft: the step is plain whatever the traffic
-        if not self.drafter.skips_when_off or self.cfg.disable_adaptive:
-            return False
-        if any(b != (1, False) for b in budgets):
-            return False
-        if self.prior_accept >= self.break_even(len(entries)):
-            return False  # the drafter pays in general: requests probe on their own
-        if self.global_interval - self.steps_since_global > self.WARM_STEPS:
-            return True
-        return self.steps_since_slots > self.SLOT_HORIZON
-
-    def _plain_step(self, entries: list[SpecEntry],
-                    t_step: float) -> tuple[list[list[int]], list[dict]]:
-        """One plain decode step for every request (see `_off_step`): the target's own
-        forward and sampling, exactly what the speculative path gives a one-node tree. A batch
-        of greedy requests without penalties takes the target's argmax as the non-speculative
-        runner does (what `_verify` gives a one-node tree, without building trees or
-        verifying them; docs/benchmarks.md, "Tenth session")."""
-        batch = ForwardBatch.build(ForwardMode.DECODE, [[e.tokens[-1]] for e in entries],
-                                   [e.slots[: e.prefix_len + 1] for e in entries],
-                                   [e.prefix_len for e in entries])
-        batch.logit_top = logit_top(getattr(e.state, "logprobs", None) for e in entries)
-        out = self.runner.forward(batch, False)
-        if self.tree_ops is None and all(e.state.params.takes_argmax for e in entries):
-            tokens = [[t] for t in out.row_argmax().tolist()]
-        else:
-            trees = [DraftTree.root(e.tokens[-1]) for e in entries]
-            tokens = [r.output_tokens for r in self._verify(entries, trees, out.logits,
-                                                            out.argmax)]
-        self.drafter.skipped([e.rid for e in entries])
-        self._measure(len(entries), 0, time.perf_counter() - t_step)
-        infos = [{"drafted": 0, "accepted": 0, "draft_s": 0.0} for _ in entries]
-        self._logprobs(entries, [[0]] * len(entries), tokens, out, list(range(len(entries))),
-                       infos)
-        return tokens, infos
-
-    def step(self, entries: list[SpecEntry]) -> tuple[list[list[int]], list[dict]]:
-        t_step = time.perf_counter()
-        reqs = []
-        probe = self._global_probe(entries)
-        self.drafter.traffic_off = (not self.cfg.disable_adaptive and
-                                    self.prior_accept < self.break_even(len(entries)))
-        budgets = [self._budget(e, len(entries), probe) for e in entries]
-        if self._off_step(entries, budgets):
-            return self._plain_step(entries, t_step)
-        for e, (budget, backed_off) in zip(entries, budgets):
-            reqs.append(SpecReq(e.rid, e.tokens, budget, e.state.params,
-                                prefix_slots=e.slots[: e.prefix_len], backed_off=backed_off,
-                                fresh_slots=e.slots[e.prefix_len :]))
+    # ---- one step -------------------------------------------------------------------------
+    def step(self, reqs: list[RunnerReq], idle: bool = False,
+             traffic_off: bool = False) -> tuple[list[list[int]], list[dict]]:
+        """One decode step for `reqs` (each with this step's slots: its prefix, then `budget`
+        fresh ones). `idle`: the controller expects no draft now or in the next few steps, so
+        a step in which nobody may draft skips the drafter (no capture of target hidden
+        states, no draft extend: `Drafter.skipped`); a drafter that reads no committed rows
+        skips it whenever nobody may draft. `traffic_off`: drafting does not pay on the
+        current traffic (a drafter may defer work that only serves drafting)."""
+        self.drafter.traffic_off = traffic_off
+        if all(r.budget <= 1 for r in reqs) and (idle or not self.drafter.wants_committed_rows):
+            return self._plain_step(reqs)
         t0 = time.perf_counter()
         trees = self.drafter.propose(reqs)
         draft_s = time.perf_counter() - t0
         slots, tokens = [], []
-        for e, tree, r in zip(entries, trees, reqs):
+        for r, tree in zip(reqs, trees):
             n = tree.num_nodes
-            assert 1 <= n <= max(r.budget, 1), f"{e.rid}: drafter gave {n} nodes, budget {r.budget}"
+            assert 1 <= n <= max(r.budget, 1), f"{r.rid}: drafter gave {n} nodes, budget {r.budget}"
             tokens.append(tree.token_list)
-            assert tokens[-1][0] == e.tokens[-1], "tree root must be the last token"
-            slots.append(e.slots[: e.prefix_len + n])
-        capture = self.drafter.capture_layers
+            assert tokens[-1][0] == r.tokens[-1], "tree root must be the last token"
+            slots.append(r.slots[: r.prefix_len + n])
+        capture = self.capture_layers
         if all(len(t) == 1 for t in tokens):
             # nobody drafted: a plain decode step (no mask to build or apply)
             batch = ForwardBatch.build(ForwardMode.DECODE, tokens, slots,
-                                       [e.prefix_len for e in entries], capture_layers=capture)
+                                       [r.prefix_len for r in reqs], capture_layers=capture)
         else:
             batch = ForwardBatch.build(
-                ForwardMode.TARGET_VERIFY, tokens, slots, [e.prefix_len for e in entries],
-                positions=torch.tensor([e.prefix_len + d for e, t in zip(entries, trees)
+                ForwardMode.TARGET_VERIFY, tokens, slots, [r.prefix_len for r in reqs],
+                positions=torch.tensor([r.prefix_len + d for r, t in zip(reqs, trees)
                                         for d in t.depth_list]),
                 custom_masks=[t.ancestor_mask for t in trees], logits="all",
                 capture_layers=capture,
             )
-        batch.logit_top = logit_top(getattr(e.state, "logprobs", None) for e in entries)
+        batch.logit_top = logit_top(r.logprobs for r in reqs)
         out = self.drafter.target_forward(batch, trees, self.drafter.needs_final_hidden)
-        results = self._verify(entries, trees, out.logits, out.argmax)  # logits [sum n, V]
+        results = self._verify(reqs, trees, out.logits, out.argmax)  # logits [sum n, V]
         if self.drafter.wants_node_argmax and any(t.num_nodes > 1 for t in trees):
             am = out.row_argmax().tolist()
             per_req, off = [], 0
             for t in trees:
                 per_req.append(am[off : off + t.num_nodes])
                 off += t.num_nodes
-            self.drafter.after_verify([e.rid for e in entries], trees, per_req,
-                                      [list(r.accepted_nodes) for r in results])
+            self.drafter.after_verify([r.rid for r in reqs], trees, per_req,
+                                      [list(res.accepted_nodes) for res in results])
         reads_hidden = self.drafter.wants_committed_rows
         # the step's drafting time, shared out over its requests (the scheduler sums it)
-        draft_share = draft_s / len(entries)
+        draft_share = draft_s / len(reqs)
         out_tokens, infos, rows = [], [], []
         off = 0
-        for e, tree, res in zip(entries, trees, results):
-            self._commit(e, res)
-            drafted, accepted = tree.num_nodes - 1, len(res.accepted_tokens)
-            self._adapt(e.rid, drafted, accepted)
+        for r, tree, res in zip(reqs, trees, results):
+            self._commit(r, res)
             out_tokens.append(res.output_tokens)
-            infos.append({"drafted": drafted, "accepted": accepted, "draft_s": draft_share})
+            infos.append({"drafted": tree.num_nodes - 1, "accepted": len(res.accepted_tokens),
+                          "draft_s": draft_share})
             if reads_hidden:  # root + accepted path: rows off + node, KV now in path order
-                kept = e.slots[: e.prefix_len + len(res.accepted_nodes)]
-                rows.append(TargetRows(e.rid, e.prefix_len, kept,
+                kept = r.slots[: r.prefix_len + len(res.accepted_nodes)]
+                rows.append(TargetRows(r.rid, r.prefix_len, kept,
                                        off + torch.tensor(res.accepted_nodes), res.output_tokens,
-                                       [e.tokens[-1], *res.accepted_tokens],
+                                       [r.tokens[-1], *res.accepted_tokens],
                                        list(res.accepted_nodes)))
             off += tree.num_nodes
         if reads_hidden:
             self.drafter.draft_extend(rows, out)
-        self._measure(len(trees), sum(1 for t in trees if t.num_nodes > 1),
-                      time.perf_counter() - t_step)
         starts = [0]
         for t in trees:
             starts.append(starts[-1] + t.num_nodes)
-        self._logprobs(entries, [r.accepted_nodes for r in results], out_tokens, out, starts,
+        self._logprobs(reqs, [res.accepted_nodes for res in results], out_tokens, out, starts,
                        infos)
         return out_tokens, infos
 
+    def _plain_step(self, reqs: list[RunnerReq]) -> tuple[list[list[int]], list[dict]]:
+        """One plain decode step for every request: the target's own forward and sampling,
+        exactly what the speculative path gives a one-node tree. A batch of greedy requests
+        without penalties takes the target's argmax as the non-speculative runner does."""
+        batch = ForwardBatch.build(ForwardMode.DECODE, [[r.tokens[-1]] for r in reqs],
+                                   [r.slots[: r.prefix_len + 1] for r in reqs],
+                                   [r.prefix_len for r in reqs])
+        batch.logit_top = logit_top(r.logprobs for r in reqs)
+        out = self.runner.forward(batch, False)
+        if self.tree_ops is None and all(r.params.takes_argmax for r in reqs):
+            tokens = [[t] for t in out.row_argmax().tolist()]
+        else:
+            trees = [DraftTree.root(r.tokens[-1]) for r in reqs]
+            tokens = [res.output_tokens for res in self._verify(reqs, trees, out.logits,
+                                                                out.argmax)]
+        self.drafter.skipped([r.rid for r in reqs])
+        infos = [{"drafted": 0, "accepted": 0, "draft_s": 0.0} for _ in reqs]
+        self._logprobs(reqs, [[0]] * len(reqs), tokens, out, list(range(len(reqs))), infos)
+        return tokens, infos
+
     @staticmethod
-    def _logprobs(entries: list[SpecEntry], nodes: list[list[int]], tokens: list[list[int]],
+    def _logprobs(reqs: list[RunnerReq], nodes: list[list[int]], tokens: list[list[int]],
                   out: ModelOutput, starts: list[int], infos: list[dict]) -> None:
         """infos[b]["logprobs"] for each request that asked: output token i came from the
         target's logits at accepted node nodes[b][i] (row starts[b] + node), the very row a
         plain decode step would have computed for it."""
-        want = [(b, opts) for b, e in enumerate(entries)
-                if (opts := getattr(e.state, "logprobs", None)) is not None]
+        want = [(b, r.logprobs) for b, r in enumerate(reqs) if r.logprobs is not None]
         if not want:
             return
         rows = [starts[b] + u for b, _ in want for u in nodes[b][: len(tokens[b])]]
@@ -407,21 +240,7 @@ class SpeculativeWorker:
         for (b, _), part in zip(want, parts):
             infos[b]["logprobs"] = part
 
-    def _measure(self, batch_size: int, drafted: int, step_s: float) -> None:
-        """Update the plain-step and draft-cost EMAs from one step's time (see `break_even`):
-        `drafted` of its `batch_size` requests drafted."""
-        w = self.COST_WEIGHT
-        plain = None if self.plain_t1 is None else self.plain_t1 * self.verify_cost(batch_size)
-        if not drafted:
-            t = step_s / self.verify_cost(batch_size)
-            self.plain_t1 = t if self.plain_t1 is None else self.plain_t1 + w * (
-                t - self.plain_t1)
-        elif plain is not None:
-            d = max(0.0, step_s - plain) / drafted
-            self.draft_cost = d if self.draft_cost is None else self.draft_cost + w * (
-                d - self.draft_cost)
-
-    def _verify(self, entries: list[SpecEntry], trees: list[DraftTree], logits: torch.Tensor,
+    def _verify(self, reqs: list[RunnerReq], trees: list[DraftTree], logits: torch.Tensor,
                 raw_argmax: torch.Tensor | None = None) -> list[VerifyResult]:
         """logits [sum n, vocab]: the target at every node, trees in entry order; raw_argmax
         [sum n]: their argmax, where the engine found it (used unless penalties apply)."""
@@ -430,9 +249,9 @@ class SpeculativeWorker:
         for n in sizes:
             starts.append(starts[-1] + n)
         raw = logits
-        logits = self._penalise(entries, trees, logits, starts)
-        params = [e.state.params for e in entries]
-        results: list[VerifyResult | None] = [None] * len(entries)
+        logits = self._penalise(reqs, trees, logits, starts)
+        params = [r.params for r in reqs]
+        results: list[VerifyResult | None] = [None] * len(reqs)
         greedy = [b for b, p in enumerate(params) if p.is_greedy]
         if greedy:
             argmax = (raw_argmax if raw_argmax is not None and logits is raw
@@ -460,7 +279,7 @@ class SpeculativeWorker:
                                expand(info, [sizes[b] for b in sampled]))  # [rows, vocab] p
         local = {b: i for i, b in enumerate(sampled)}
         local_starts = torch.tensor([0] + [sizes[b] for b in sampled]).cumsum(0).tolist()
-        draws = self._seeded_draws(entries, trees, sampled, probs, local_starts)
+        draws = self._seeded_draws(reqs, trees, sampled, probs, local_starts)
         if self.tree_ops is not None:
             self._verify_sampled_ops(trees, sampled, local_starts, probs, draws, results)
             return results
@@ -511,20 +330,20 @@ class SpeculativeWorker:
                 results[b] = r
 
     @staticmethod
-    def _seeded_draws(entries: list[SpecEntry], trees: list[DraftTree], sampled: list[int],
+    def _seeded_draws(reqs: list[RunnerReq], trees: list[DraftTree], sampled: list[int],
                       probs: torch.Tensor, local_starts: list[int]) -> dict[int, torch.Tensor]:
         """The target's Gumbel-max token at every node of each seeded request: node u at depth d
         draws the token at absolute position len(tokens) + d (the root sits at len(tokens) - 1).
         """
-        seeded = [(j, b) for j, b in enumerate(sampled) if entries[b].state.params.seed is not None]
+        seeded = [(j, b) for j, b in enumerate(sampled) if reqs[b].params.seed is not None]
         if not seeded:
             return {}
         rows, seeds, positions = [], [], []
         for j, b in seeded:
             n = trees[b].num_nodes
             rows.append(torch.arange(local_starts[j], local_starts[j] + n))
-            seeds += [seed_to_int64(entries[b].state.params.seed)] * n
-            positions.append(len(entries[b].tokens) + trees[b].depth)
+            seeds += [seed_to_int64(reqs[b].params.seed)] * n
+            positions.append(len(reqs[b].tokens) + trees[b].depth)
         dev = probs.device
         tok = seeded_sample(probs[torch.cat(rows).to(dev)], torch.tensor(seeds),
                             torch.cat(positions)).cpu()  # [seeded rows]
@@ -536,13 +355,13 @@ class SpeculativeWorker:
         return out
 
     @staticmethod
-    def _penalise(entries: list[SpecEntry], trees: list[DraftTree], logits: torch.Tensor,
+    def _penalise(reqs: list[RunnerReq], trees: list[DraftTree], logits: torch.Tensor,
                   starts: list[int]) -> torch.Tensor:
         """Penalised logits [sum n, vocab] for requests with penalties (others untouched): node
         u's history is the request's prompt + output (the root is its last output token) plus
         u's ancestors-or-self below the root, as plain decoding would have it after that path.
         """
-        pen = [b for b, e in enumerate(entries) if e.state.params.has_penalties]
+        pen = [b for b, r in enumerate(reqs) if r.params.has_penalties]
         if not pen:
             return logits
         rows, request, extra_rows, extra_tokens = [], [], [], []
@@ -557,21 +376,21 @@ class SpeculativeWorker:
             extra_tokens.append(token)
             r += n
         sel = torch.cat(rows).to(logits.device)
-        info = expand(SamplingBatchInfo.from_params([entries[b].state.params for b in pen],
+        info = expand(SamplingBatchInfo.from_params([reqs[b].params for b in pen],
                                                     logits.shape[-1], logits.device),
                       [trees[b].num_nodes for b in pen])
         hist = RowHistory(torch.cat(request), torch.cat(extra_rows), torch.cat(extra_tokens))
         out = logits.clone()
-        out[sel] = apply_penalties(logits[sel], info, [entries[b].state.prompt_ids for b in pen],
-                                   [entries[b].state.output_ids for b in pen], hist)
+        out[sel] = apply_penalties(logits[sel], info, [reqs[b].prompt_ids for b in pen],
+                                   [reqs[b].output_ids for b in pen], hist)
         return out
 
-    def _commit(self, e: SpecEntry, res: VerifyResult) -> None:
+    def _commit(self, r: RunnerReq, res: VerifyResult) -> None:
         nodes = res.accepted_nodes
         if all(u == i for i, u in enumerate(nodes)):
             return  # root + nodes 1, 2, ...: their KV is where it was written (a chain's path)
         path = torch.tensor(nodes)
         moved = path != torch.arange(path.numel())
         if bool(moved.any()):
-            base = e.slots[e.prefix_len :]
+            base = r.slots[r.prefix_len :]
             self.runner.kv_pool.move(base[path[moved]], base[torch.nonzero(moved).flatten()])

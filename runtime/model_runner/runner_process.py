@@ -1,9 +1,10 @@
 """The model-runner process: receives `RunBatch`, runs one step, replies `BatchResult`.
 
-It keeps per-request state the scheduler does not need: sampling parameters and the token
-history (penalties, drafters, and the position a seeded request's next draw is keyed by), and a
-copy of each request's slot list, updated from the slots each entry ships (`slots_start`).
-KV *tensors* live here; which slot means what is the scheduler's.
+It keeps one record per request (`RunnerReq`, runtime/model_runner/req.py) with what the
+scheduler does not need: sampling parameters and the token history (penalties, drafters, and the
+position a seeded request's next draw is keyed by), and a copy of each request's slot list,
+updated from the slots each entry ships (`slots_start`). KV *tensors* live here; which slot
+means what is the scheduler's.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import logging
 import os
 import time
 import traceback
-from dataclasses import dataclass, field
 
 import torch
 import zmq
@@ -30,6 +30,7 @@ from runtime.messages import (
     unpack_ints,
 )
 from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
+from runtime.model_runner.req import RunnerReq
 from runtime.models.llama import ModelOutput
 from runtime.proc_utils import (
     HeapTrimmer,
@@ -38,58 +39,28 @@ from runtime.proc_utils import (
     setup_logging,
     thread_locks_for_progress_bars,
 )
-from runtime.sampling.logprobs import LogprobOptions, logit_top, logprob_rows, split_rows
+from runtime.sampling.logprobs import logit_top, logprob_rows, split_rows
 from runtime.sampling.sampler import SamplingBatchInfo, sample
-from runtime.sampling.sampling_params import SamplingParams
-from speculative.base import TargetRows
-from speculative.worker import SpecEntry, SpeculativeWorker
+from runtime.speculation import Speculation, SpecWorker, TargetRows
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RunnerReqState:
-    params: SamplingParams
-    prompt_ids: list[int]
-    output_ids: list[int] = field(default_factory=list)
-    slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    # prompt_ids + output_ids, grown in place: a speculative step reads the whole history, and
-    # a fresh concatenation per request per step cost ~80 us of a ~6 ms step at c = 1 on
-    # 500-token prompts (each of its int objects touched with the caches the forward just
-    # filled with weights). Drafters may keep it; it only ever grows.
-    history: list[int] = field(init=False, repr=False)
-    logprobs: LogprobOptions | None = None  # the client wants logprobs back
-    input_logprobs_done: bool = False  # the prompt's logprobs went out (not again on re-prefill)
-
-    def __post_init__(self) -> None:
-        self.history = self.prompt_ids + self.output_ids
-
-    def input_logprob_rows(self, prefix_len: int, n: int) -> list[int]:
-        """Which of a prefill chunk's rows (offsets in [0, n)) give prompt-token logprobs: row
-        at position q scores prompt token q + 1, for q + 1 >= the asked start."""
-        lp = self.logprobs
-        if lp is None or lp.input_from is None or self.input_logprobs_done:
-            return []
-        first = max(lp.input_from - 1, 0, prefix_len)
-        last = min(prefix_len + n, len(self.prompt_ids) - 1)  # exclusive
-        return list(range(first - prefix_len, last - prefix_len))
 
 
 class RunnerWorker:
     """Executes batches on a `ModelRunner`; separate from the process loop so tests can call it.
 
-    With a `SpeculativeWorker`, a decode batch whose entries carry more fresh KV slots than
-    input tokens is a speculative step (draft → verify → commit); everything else is plain.
-    A drafter that reads target hidden states (EAGLE) gets every prefill chunk's rows through
-    `draft_extend`, so its own KV covers every committed position from the first step on.
+    With a speculative worker (runtime/speculation.py: `SpecWorker`), a decode batch is a
+    speculative step (draft → verify → commit) for the slots each entry got; everything else is
+    plain. A drafter that reads target hidden states (EAGLE) gets every prefill chunk's rows
+    through `draft_extend`, so its own KV covers every committed position from the first step.
     """
 
-    def __init__(self, runner: ModelRunner, spec: SpeculativeWorker | None = None) -> None:
+    def __init__(self, runner: ModelRunner, spec: SpecWorker | None = None) -> None:
         self.runner = runner
         self.spec = spec
-        self.states: dict[str, RunnerReqState] = {}
+        self.states: dict[str, RunnerReq] = {}
 
-    def _state(self, entry) -> RunnerReqState:
+    def _state(self, entry) -> RunnerReq:
         st = self.states.get(entry.rid)
         if st is not None and entry.sampling_params is not None:
             # only a request's first entry carries its params: a state under the same id is a
@@ -102,16 +73,15 @@ class RunnerWorker:
             st = None
         if st is None:
             assert entry.sampling_params is not None, f"{entry.rid}: first batch lacks params"
-            params = SamplingParams(**entry.sampling_params)
-            st = RunnerReqState(params, list(entry.prompt_ids or []),
-                                logprobs=LogprobOptions.from_dict(entry.logprobs))
+            st = RunnerReq(entry.rid, entry.sampling_params, list(entry.prompt_ids or []),
+                           logprobs=entry.logprobs)
             self.states[entry.rid] = st
             if self.spec is not None and st.prompt_ids:
-                self.spec.drafter.observe(entry.rid, st.history, len(st.history))
+                self.spec.observe(entry.rid, st.tokens, len(st.tokens))
         return st
 
     @staticmethod
-    def _slots(entry, st: RunnerReqState) -> torch.Tensor:
+    def _slots(entry, st: RunnerReq) -> torch.Tensor:
         """The entry's whole slot list [prefix_len + new]: the runner's table up to
         `slots_start`, then the shipped slots (the scheduler's list, in the same order)."""
         new = unpack_ints(entry.kv_slots)
@@ -125,35 +95,31 @@ class RunnerWorker:
         assert st.slots.numel() > entry.prefix_len, f"{entry.rid}: no slot for a new token"
         return st.slots
 
-    def _append(self, rid: str, st: RunnerReqState, tokens: list[int]) -> None:
-        st.output_ids.extend(tokens)
-        st.history.extend(tokens)
+    def _append(self, st: RunnerReq, tokens: list[int]) -> None:
+        st.append(tokens)
         if self.spec is not None:
-            self.spec.drafter.observe(rid, st.history, len(tokens))
+            self.spec.observe(st.rid, st.tokens, len(tokens))
 
-    def _run_spec(self, msg: RunBatch, states: list[RunnerReqState],
-                  slots: list[torch.Tensor], t0: float) -> BatchResult:
-        entries = [
-            SpecEntry(e.rid, st.history, e.prefix_len, s, st)
-            for e, st, s in zip(msg.reqs, states, slots)
-        ]
-        out, infos = self.spec.step(entries)
-        for e, st, toks in zip(msg.reqs, states, out):
-            self._append(e.rid, st, toks)
+    def _run_spec(self, msg: RunBatch, states: list[RunnerReq], t0: float) -> BatchResult:
+        for e, st in zip(msg.reqs, states):
+            st.prefix_len, st.confident_only = e.prefix_len, e.confident_only
+        out, infos = self.spec.step(states, idle=msg.drafter_idle, traffic_off=msg.traffic_off)
+        for st, toks in zip(states, out):
+            self._append(st, toks)
         lps = [info.pop("logprobs", None) for info in infos]
         return BatchResult(batch_id=msg.batch_id, next_token_ids=out, spec_info=infos,
                            forward_s=time.perf_counter() - t0,
                            logprobs=lps if any(p is not None for p in lps) else None)
 
     @staticmethod
-    def _prefill_rows(msg: RunBatch, states: list[RunnerReqState],
+    def _prefill_rows(msg: RunBatch, states: list[RunnerReq],
                       slots: list[torch.Tensor]) -> list[TargetRows]:
         """Every row of a prefill chunk is committed; the token after its last row is the next
         prompt token, or the one just sampled when the chunk ends the prompt."""
         rows, off = [], 0
         for e, st, s in zip(msg.reqs, states, slots):
             n = len(e.new_token_ids)
-            history = st.history
+            history = st.tokens
             nxt = history[e.prefix_len + 1 : e.prefix_len + n + 1]
             assert len(nxt) == n, f"{e.rid}: no token follows its prefill chunk"
             rows.append(TargetRows(e.rid, e.prefix_len, s, torch.arange(off, off + n), nxt,
@@ -175,16 +141,15 @@ class RunnerWorker:
         states = [self._state(e) for e in msg.reqs]
         slots = [self._slots(e, st) for e, st in zip(msg.reqs, states)]
         if mode == ForwardMode.DECODE and self.spec is not None:
-            return self._run_spec(msg, states, slots, t0)
-        drafter = self.spec.drafter if self.spec is not None else None
-        reads_hidden = drafter is not None and drafter.reads_target_hidden
-        wants_rows = drafter is not None and drafter.wants_committed_rows
+            return self._run_spec(msg, states, t0)
+        spec = self.spec
+        wants_rows = spec is not None and spec.wants_committed_rows
         batch = ForwardBatch.build(
             mode,
             [e.new_token_ids for e in msg.reqs],
             slots,
             [e.prefix_len for e in msg.reqs],
-            capture_layers=drafter.capture_layers if reads_hidden else (),
+            capture_layers=spec.capture_layers if spec is not None else (),
         )
         input_rows = [st.input_logprob_rows(e.prefix_len, len(e.new_token_ids))
                       for e, st in zip(msg.reqs, states)]
@@ -192,7 +157,7 @@ class RunnerWorker:
         if any(input_rows):  # prompt logprobs: logits for those rows too, each request's last
             batch.logits_indices, last = _logits_rows(msg, input_rows)
         batch.logit_top = logit_top(st.logprobs for st in states)
-        fwd = self.runner.forward(batch, reads_hidden and drafter.needs_final_hidden)
+        fwd = self.runner.forward(batch, spec is not None and spec.needs_final_hidden)
         logits = fwd.logits if last is None else fwd.logits[last]  # [B, vocab]
         rows = [i for i, e in enumerate(msg.reqs) if e.needs_token]
         out: list[list[int]] = [[] for _ in msg.reqs]
@@ -213,10 +178,10 @@ class RunnerWorker:
                     positions=[len(s.prompt_ids) + len(s.output_ids) for s in sel],
                 ).tolist()
             for i, st, tok in zip(rows, sel, tokens):
-                self._append(msg.reqs[i].rid, st, [tok])
+                self._append(st, [tok])
                 out[i] = [tok]
         if wants_rows:
-            drafter.draft_extend(self._prefill_rows(msg, states, slots), fwd)
+            spec.draft_extend(self._prefill_rows(msg, states, slots), fwd)
         lps = None
         if batch.logit_top >= 0:
             lps = self._logprobs(msg, states, out, fwd, input_rows, last)
@@ -226,7 +191,7 @@ class RunnerWorker:
         )
 
     @staticmethod
-    def _logprobs(msg: RunBatch, states: list[RunnerReqState], out: list[list[int]],
+    def _logprobs(msg: RunBatch, states: list[RunnerReq], out: list[list[int]],
                   fwd: ModelOutput, input_rows: list[list[int]],
                   last: list[int] | None) -> list[dict | None]:
         """Per request that asked: its sampled token's logprob (its last row of `fwd.logits`:
@@ -299,13 +264,12 @@ class StartupQuiet:
                     return
 
 
-def _create_spec(server_args, runner: ModelRunner,
-                 before_measure=None) -> SpeculativeWorker | None:
-    spec_cfg = server_args.spec_config()
-    if spec_cfg is None:
+def _create_spec(speculation: Speculation | None, runner: ModelRunner,
+                 before_measure=None) -> SpecWorker | None:
+    if speculation is None:
         return None
-    worker = SpeculativeWorker.create(spec_cfg, runner, before_measure)
-    logger.info("speculative decoding: %s, %s", spec_cfg.algorithm, worker.drafter.describe())
+    worker = speculation.create_worker(runner, before_measure)
+    logger.info("speculative decoding: %s, %s", speculation.algorithm, worker.describe())
     cost = worker.verify_cost
     logger.info("verify cost T(n)/T(1) (%s): %s", cost.source, ", ".join(
         f"{n}: {r:.2f}" for n, r in zip(cost.rows, cost.ratios) if n in (2, 4, 8, 16, 64)))
@@ -324,7 +288,8 @@ def single_torch_thread(runner) -> None:
 
 
 def run_model_runner_process(server_args, ipc_dir: str, parent_pid: int,
-                             quiet: StartupQuiet | None = None) -> None:
+                             quiet: StartupQuiet | None = None,
+                             speculation: Speculation | None = None) -> None:
     die_with_parent("specserve-run")
     thread_locks_for_progress_bars()
     setup_logging(server_args.log_level, "runner")
@@ -342,7 +307,7 @@ def run_model_runner_process(server_args, ipc_dir: str, parent_pid: int,
             num_threads=server_args.num_threads, kv_cache_dtype=server_args.kv_cache_dtype,
         ))
         # a draft head that does not fit fails here
-        spec = _create_spec(server_args, runner,
+        spec = _create_spec(speculation, runner,
                             None if quiet is None else functools.partial(quiet.wait, parent_pid))
         single_torch_thread(runner)
     except Exception as exc:  # noqa: BLE001 - reported to the scheduler, then we exit

@@ -10,7 +10,6 @@ import torch
 
 from runtime.sampling.logprobs import LogprobOptions
 from runtime.sampling.sampling_params import SamplingParams
-from runtime.scheduler.spec_budget import Acceptance
 
 
 @dataclass(eq=False)
@@ -36,8 +35,7 @@ class Req:
     spec_verify_ct: int = 0
     spec_drafted: int = 0
     spec_accept_hist: list[int] = field(default_factory=list)  # [k] = steps accepting k drafts
-    spec_last_accepted: int = 0  # drafts accepted by its last verify step
-    spec_acceptance: Acceptance = field(default_factory=Acceptance)  # for the draft budget
+    spec: Any = None  # the speculation controller's record of it (speculative/controller.py)
     # the first `runner_kv_len` of `kv_slots` are in the model runner's own table
     runner_kv_len: int = 0
     logprobs: LogprobOptions | None = None  # the client wants logprobs back

@@ -9,7 +9,8 @@ and, when the chunk reaches the end, samples the next token. Decode is the 1-pen
 Batches are mixed: while prompts are being prefilled, every decoding request rides along with
 one token (a prefill never pauses decoding), and the prompt chunks share the step's token budget
 (`chunked_prefill_size`) with them. A step without prefill work is a decode step, where
-speculative requests get draft-tree nodes from the load-aware budget (`spec_budget.py`).
+speculative requests get draft-tree nodes as the speculation controller plans them (`spec`,
+runtime/speculation.py: `SpecController`), one KV slot per node.
 
 The runner keeps each request's slot list itself: an entry ships only the slots the runner does
 not have yet (`slots_start`), so a step's message grows with the new tokens, not with the
@@ -42,12 +43,9 @@ from runtime.messages import (
     pack_ints,
 )
 from runtime.sampling import logprobs as lp_payload
-from runtime.sampling.logprobs import LogprobOptions
-from runtime.sampling.sampling_params import SamplingParams
 from runtime.scheduler.req import Req
-from runtime.scheduler.spec_budget import plan_drafts, with_probes
 from runtime.scheduler.stop import StopChecker
-from runtime.verify_cost import VerifyCost, stored_verify_cost
+from runtime.speculation import SpecController, StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -76,41 +74,10 @@ class SchedulerConfig:
     shared_prefill_min_tokens: int = 32
     # KV kept free for running requests' future tokens, as a fraction of their remaining budget
     decode_reserve_ratio: float = 0.3
-    # speculative decoding: fresh KV slots per request per decode step (tree nodes incl. root);
-    # 1 = plain decoding
-    num_draft_tokens: int = 1
-    # a request may draft up to this many nodes while the step's total stays <= this (the
-    # flat part of the verify-cost curve): any request when the drafter sizes its trees by
-    # match length (NGRAM's default, `deep_for_all`), else one whose last step accepted
-    # >= num_draft_tokens - 1 drafts (it is copying); = num_draft_tokens turns deep drafts off
-    max_draft_tokens: int = 1
-    deep_for_all: bool = False
-    # load-aware speculation (`spec_budget.py`): nodes per request chosen from the verify-cost
-    # curve of the engine and each request's acceptance; False = always the sizes above (with
-    # --speculative-disable-adaptive, and for a drafter that cuts its own trees by the same
-    # curve from per-node probabilities: `Drafter.cuts_own_trees`)
-    load_aware: bool = True
-    engine: str = "cpu"  # whose stored verify-cost curve to plan with, when none was measured
-    # the curve the runner measured at start-up (runtime/verify_cost.py), if it did
-    measured_verify_cost: VerifyCost | None = None
-
-    @property
-    def verify_cost(self) -> VerifyCost:
-        if self.measured_verify_cost is not None:
-            return self.measured_verify_cost
-        return stored_verify_cost(self.engine)
 
     @classmethod
     def from_server_args(cls, server_args) -> SchedulerConfig:
-        """The scheduler's part of resolved `ServerArgs`."""
-        n, deep, deep_for_all, plan = 1, 1, False, True
-        spec = server_args.spec_config()
-        if spec is not None:
-            from speculative.base import ALGORITHMS
-
-            drafter = ALGORITHMS[spec.algorithm]
-            n, deep, deep_for_all = drafter.scheduler_sizes(spec)
-            plan = not drafter.cuts_own_trees(spec)
+        """The scheduler's part of resolved server args."""
         return cls(
             max_running_requests=server_args.max_running_requests,
             chunked_prefill_size=server_args.chunked_prefill_size,
@@ -121,27 +88,7 @@ class SchedulerConfig:
             max_queued_requests=server_args.max_queued_requests,
             disable_radix_cache=server_args.disable_radix_cache,
             shared_prefill_min_tokens=server_args.shared_prefill_min_tokens,
-            num_draft_tokens=n,
-            max_draft_tokens=deep,
-            deep_for_all=deep_for_all,
-            load_aware=plan and not server_args.speculative_disable_adaptive,
         )
-
-
-def draft_sizes(
-    last_accepted: list[int], base: int, deep: int, deep_for_all: bool = False
-) -> list[int]:
-    """KV slots (tree nodes) per decoding request: `base`, or `deep` while the step's total
-    stays <= deep, which keeps the verify forward on the flat part of its cost curve: so only
-    when a single request decodes.
-
-    It gets `deep` with `deep_for_all` (the NGRAM drafter then sizes each tree by how long its
-    context match is and leaves the slots it does not use), otherwise only when its last step
-    accepted a whole base-size draft (>= base - 1 drafts): copied text keeps matching."""
-    sizes = [base] * len(last_accepted)
-    if deep > base and len(sizes) == 1 and (deep_for_all or last_accepted[0] >= base - 1):
-        sizes[0] = deep
-    return sizes
 
 
 class Scheduler:
@@ -152,8 +99,12 @@ class Scheduler:
         stop_checker: StopChecker,
         run_batch: Callable[[RunBatch], BatchResult],
         emit: Callable[[object], None],
+        spec: SpecController | None = None,
     ) -> None:
+        """`spec`: the speculation controller (None: plain decoding)."""
         self.cfg = cfg
+        self.spec = spec
+        self._plan: StepPlan | None = None  # the controller's plan for the step being built
         self.allocator = TokenSlotAllocator(kv_capacity)
         self.cache = RadixCache(self.allocator, disable=cfg.disable_radix_cache)
         self.stop = stop_checker
@@ -178,8 +129,8 @@ class Scheduler:
     # ---- messages from the tokenizer side ------------------------------------------------
     def handle(self, msg) -> None:
         if isinstance(msg, GenerateReq):
-            req = Req(msg.rid, list(msg.input_ids), SamplingParams(**msg.sampling_params),
-                      msg.stream, logprobs=LogprobOptions.from_dict(msg.logprobs),
+            req = Req(msg.rid, list(msg.input_ids), msg.sampling_params,
+                      msg.stream, logprobs=msg.logprobs,
                       priority=msg.priority if self.cfg.enable_priority_scheduling else None)
             if len(req.prompt_ids) >= self.stop.context_length or not req.prompt_ids:
                 self._finish_now(req, {"type": "abort", "message": "prompt length invalid"})
@@ -200,6 +151,8 @@ class Scheduler:
             ok = self.idle
             if ok:
                 self.cache.reset()
+                if self.spec is not None:
+                    self.spec.reset()
                 # the drafter's learned state (e.g. the n-gram trie) is a cache too
                 self.batch_id += 1
                 self.run_batch(RunBatch(batch_id=self.batch_id, mode=ForwardMode.DECODE.value,
@@ -237,7 +190,7 @@ class Scheduler:
         }
 
     def _spec_info(self) -> dict:
-        if self.cfg.num_draft_tokens <= 1:
+        if self.spec is None:
             return {}
         t = self.spec_totals
         steps = max(t["spec_verify_steps"], 1)
@@ -264,13 +217,19 @@ class Scheduler:
         if not entries:
             return False
         self.batch_id += 1
+        plan = self._plan if mode == ForwardMode.DECODE else None
         msg = RunBatch(
             batch_id=self.batch_id, mode=mode.value,
             reqs=[e for _, e, _ in entries], released_rids=self.released,
+            drafter_idle=plan is not None and plan.idle,
+            traffic_off=plan is not None and plan.traffic_off,
         )
         self.released = []
         result = self.run_batch(msg)
         assert result.batch_id == self.batch_id, "runner answered another batch"
+        if plan is not None and result.spec_info is not None:
+            self.spec.observe([req.spec for req, _, _ in entries], result.spec_info,
+                              result.forward_s)
         self._apply(entries, result)
         return True
 
@@ -291,10 +250,9 @@ class Scheduler:
             kv_slots=pack_ints(slots), slots_start=known, needs_token=chunk == req.num_pending,
         )
         if not req.runner_knows:
-            entry.sampling_params = req.params.to_dict()
+            entry.sampling_params = req.params
             entry.prompt_ids = req.prompt_ids
-            if req.logprobs is not None:
-                entry.logprobs = req.logprobs.to_dict()
+            entry.logprobs = req.logprobs
             req.runner_knows = True
         return req, entry, new_slots
 
@@ -415,10 +373,12 @@ class Scheduler:
         return n
 
     def _decode_batch(self, speculate: bool) -> list[tuple]:
+        self._plan = None
         decoding = [r for r in self.running if r.num_pending == 1]
         if not decoding:
             return []
-        tokens_per_req = self.cfg.num_draft_tokens if speculate else 1
+        speculate = speculate and self.spec is not None
+        tokens_per_req = self.spec.base_nodes if speculate else 1
         # retract before allocating anything, so no batch entry ever points at freed KV
         while (
             len(decoding) * tokens_per_req > self.allocator.num_free + self.cache.evictable_size
@@ -429,16 +389,14 @@ class Scheduler:
             decoding.remove(victim)
             self._retract(victim)
         entries = []
-        sizes = [1] * len(decoding)
-        if tokens_per_req > 1:
-            sizes = draft_sizes([r.spec_last_accepted for r in decoding], tokens_per_req,
-                                self.cfg.max_draft_tokens, self.cfg.deep_for_all)
-            if self.cfg.load_aware:
-                caps = sizes
-                sizes = plan_drafts([r.spec_acceptance.rate for r in decoding], caps,
-                                    self.cfg.verify_cost)
-                sizes = with_probes(sizes, caps, [r.spec_acceptance for r in decoding])
-        for req, n in zip(decoding, sizes):
+        sizes, confident = [1] * len(decoding), [False] * len(decoding)
+        if speculate:
+            for r in decoding:
+                if r.spec is None:
+                    r.spec = self.spec.new_request()
+            self._plan = self.spec.plan([r.spec for r in decoding])
+            sizes, confident = self._plan.sizes, self._plan.confident
+        for req, n, sure in zip(decoding, sizes, confident):
             # never draft past the context length: the tree's positions must exist
             room = self.stop.context_length - req.kv_len
             slots = None
@@ -449,6 +407,7 @@ class Scheduler:
             if slots is None:
                 raise RuntimeError("KV cache too small for a single request")
             entries.append(self._entry(req, 1, slots))
+            entries[-1][1].confident_only = sure
         return entries
 
     def _retract(self, req: Req, why: str = "KV cache full") -> None:
@@ -660,8 +619,6 @@ class Scheduler:
             self.spec_accepted_per_pos[pos] += 1
         req.spec_verify_ct += 1
         req.spec_drafted += spec["drafted"]
-        req.spec_last_accepted = acc
-        req.spec_acceptance.update(spec["drafted"], acc)
         if len(req.spec_accept_hist) <= acc:
             req.spec_accept_hist += [0] * (acc + 1 - len(req.spec_accept_hist))
         req.spec_accept_hist[acc] += 1

@@ -3,7 +3,6 @@ model runner. It blocks in ZMQ polls whenever it has nothing to do."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 
@@ -29,7 +28,8 @@ from runtime.proc_utils import (
 )
 from runtime.scheduler.scheduler import Scheduler, SchedulerConfig
 from runtime.scheduler.stop import StopChecker
-from runtime.verify_cost import VerifyCost
+from runtime.speculation import Speculation
+from runtime.verify_cost import VerifyCost, stored_verify_cost
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +38,11 @@ class RunnerDiedError(RuntimeError):
     pass
 
 
-def run_scheduler_process(server_args, ipc_dir: str, parent_pid: int, loaded=None) -> None:
+def run_scheduler_process(server_args, ipc_dir: str, parent_pid: int, loaded=None,
+                          speculation: Speculation | None = None) -> None:
     """`loaded`: an event set once the tokenizer is loaded (the runner times its verify-cost
-    curve after it, so this start-up work overlaps the runner's model load, not its timing)."""
+    curve after it, so this start-up work overlaps the runner's model load, not its timing).
+    `speculation`: the launcher's speculative configuration (None: plain decoding)."""
     die_with_parent("specserve-sched")
     thread_locks_for_progress_bars()
     setup_logging(server_args.log_level, "scheduler")
@@ -80,12 +82,16 @@ def run_scheduler_process(server_args, ipc_dir: str, parent_pid: int, loaded=Non
         assert isinstance(result, BatchResult), f"unexpected {type(result).__name__}"
         return result
 
-    # speculation plans with the verify-cost curve of the engine the runner actually runs
-    measured = info.get("verify_cost")
-    cfg = dataclasses.replace(
-        SchedulerConfig.from_server_args(server_args), engine=str(info.get("engine", "torch")),
-        measured_verify_cost=VerifyCost.from_dict(measured) if measured else None)
-    sched = Scheduler(cfg, int(info["kv_capacity"]), stop, run_batch, to_tokenizer.send)
+    cfg = SchedulerConfig.from_server_args(server_args)
+    spec = None
+    if speculation is not None:
+        # speculation plans with the verify-cost curve the runner measured, else the stored
+        # one of the engine it actually runs
+        measured = info.get("verify_cost")
+        curve = VerifyCost.from_dict(measured) if measured else \
+            stored_verify_cost(str(info.get("engine", "torch")))
+        spec = speculation.create_controller(curve)
+    sched = Scheduler(cfg, int(info["kv_capacity"]), stop, run_batch, to_tokenizer.send, spec)
     to_tokenizer.send(ReadyOut(info={**info, "scheduler_pid": os.getpid()}))
     logger.info("scheduler ready: %d KV slots, max %d running requests",
                 info["kv_capacity"], cfg.max_running_requests)

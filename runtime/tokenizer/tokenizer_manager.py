@@ -286,8 +286,8 @@ class TokenizerManager:
             st.logprobs = {}
         self._states[rid] = st
         self._send.send(self._enc.encode(GenerateReq(
-            rid=rid, input_ids=list(input_ids), sampling_params=params.to_dict(),
-            stream=stream, logprobs=None if logprobs is None else logprobs.to_dict(),
+            rid=rid, input_ids=list(input_ids), sampling_params=params,
+            stream=stream, logprobs=logprobs,
             priority=priority,
         )))
         try:

@@ -30,7 +30,7 @@ from torch import Tensor
 from runtime.sampling.argmax import argmax_rows
 from runtime.sampling.sampler import SamplingBatchInfo, process_logits
 from runtime.sampling.seeded import gumbel_noise
-from speculative.base import Drafter, SpecReq
+from speculative.base import Drafter, RunnerReq
 from speculative.eagle_tree import SampledTree, TopKTree, level_widths, topk_children
 from speculative.options import DraftTreeOptions, ResolveContext, check_tree_shape, flag
 from speculative.tree import DraftTree
@@ -41,7 +41,7 @@ from speculative.verify import QMode
 class Chain:
     """One request's chain while it grows."""
 
-    req: SpecReq
+    req: RunnerReq
     depth: int  # drafts to make
     tokens: list[int]  # root first
     probs: list[Tensor]  # q at each fed node (sampled requests)
@@ -53,7 +53,7 @@ class TreeRow:
     """One frontier node fed in a tree level: its token at `position`, attending to `kv` (the
     committed prefix, the root's fresh slot, its ancestors' scratch slots, its own last)."""
 
-    req: SpecReq
+    req: RunnerReq
     token: int
     position: int
     kv: Tensor
@@ -66,11 +66,6 @@ class ChainDrafter(Drafter):
     # and sampled top-k trees draw siblings without replacement
     q_mode = QMode.WITHOUT_REPLACEMENT
     supports_trees = False  # top-k trees need scratch KV slots for unverified tree nodes
-    # a draft step costs ~0.15-0.35 of a target decode step on the CPU engine (the draft's LM
-    # head alone is the target's), so S drafts pay only when about half a draft per step lands
-    # (docs/benchmarks.md, "Every method"); probes are rarer for the same reason
-    min_accept_per_step = 0.5
-    probe_every = 32
     # (num_steps) when --speculative-num-steps is unset, by engine
     default_num_steps: dict[str, int] = {"cpu": 3, "torch": 3}
 
@@ -139,7 +134,7 @@ class ChainDrafter(Drafter):
 
     # ---- growing ------------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, reqs: list[SpecReq]) -> list[DraftTree]:
+    def propose(self, reqs: list[RunnerReq]) -> list[DraftTree]:
         if self.grows_trees:
             return self._propose_trees(reqs)
         chains = []
@@ -170,7 +165,7 @@ class ChainDrafter(Drafter):
         return trees
 
     # ---- top-k trees --------------------------------------------------------------------------
-    def _propose_trees(self, reqs: list[SpecReq]) -> list[DraftTree]:
+    def _propose_trees(self, reqs: list[RunnerReq]) -> list[DraftTree]:
         k, steps = self.cfg.eagle_topk, self.cfg.num_steps
         chains, builders = [], []
         for i, r in enumerate(reqs):
@@ -243,12 +238,12 @@ class ChainDrafter(Drafter):
                                                     logits[at: at + len(nodes)])
                     at += len(nodes)
 
-    def _tree_sampled(self, r: SpecReq) -> bool:
+    def _tree_sampled(self, r: RunnerReq) -> bool:
         """Sampled trees (verified with q) unless target-only: top-k trees verified one-hot."""
         return (r.params is not None and not r.params.is_greedy
                 and not self.cfg.eagle_target_only)
 
-    def _tree_expand(self, builder, req: SpecReq, nodes: list[int], logits: Tensor) -> list[int]:
+    def _tree_expand(self, builder, req: RunnerReq, nodes: list[int], logits: Tensor) -> list[int]:
         logits = logits[:, : self.vocab_size].float()
         if isinstance(builder, TopKTree):
             logq, toks = topk_children(logits, self.cfg.eagle_topk)

@@ -55,7 +55,7 @@ from runtime.mem_cache.kv_pool import KVPool
 from runtime.models.llama import ModelOutput
 from runtime.sampling.sampler import SamplingBatchInfo, process_logits
 from runtime.sampling.seeded import gumbel_noise
-from speculative.base import Drafter, SpecReq, TargetRows, register_algorithm
+from speculative.base import Drafter, RunnerReq, TargetRows, register_algorithm
 from speculative.eagle_tree import SampledTree, TopKTree, level_widths, topk_children
 from speculative.models import Eagle3Head, EagleHead, load_draft_head
 from speculative.models.base import HeadOutput
@@ -143,7 +143,7 @@ class _Pending:
 
 @dataclass(slots=True)
 class _Growing:
-    req: SpecReq
+    req: RunnerReq
     builder: TopKTree | SampledTree
     frontier: list[int]
     hidden: dict[int, Tensor]  # node → its head output hidden [H] (root: HeadState.hidden)
@@ -153,7 +153,6 @@ class _Growing:
 @register_algorithm("EAGLE")
 class EagleDrafter(Drafter):
     q_mode = QMode.WITHOUT_REPLACEMENT  # for the sampled trees; top-k trees carry no q
-    skips_when_off = True  # an idle request's per-step work (features, pending rows) only drafts
     head_kind = "eagle"
     options = EagleOptions
     vllm_methods = ("eagle",)
@@ -375,11 +374,11 @@ class EagleDrafter(Drafter):
             self.states[rid] = HeadState(res.logits[b], res.hidden[last[b]])
 
     # ---- drafting --------------------------------------------------------------------------
-    def _sampled(self, r: SpecReq) -> bool:
+    def _sampled(self, r: RunnerReq) -> bool:
         return r.params is not None and not r.params.is_greedy and not self.cfg.eagle_target_only
 
     @torch.inference_mode()
-    def propose(self, reqs: list[SpecReq]) -> list[DraftTree]:
+    def propose(self, reqs: list[RunnerReq]) -> list[DraftTree]:
         trees: list[DraftTree | None] = [None] * len(reqs)
         work: list[tuple[int, _Growing]] = []
         for r in reqs:

@@ -60,7 +60,6 @@ class EarlyExitDrafter(ChainDrafter):
     vllm_methods = ("early_exit", "layer_skip", "self_speculative")
     default_num_steps = {"cpu": 2, "torch": 3}
     # drafting keeps no state between steps (the draft layers' KV is the target's own)
-    skips_when_off = True
 
     shipped_adapter = DEFAULT_EXIT_ADAPTER
 

@@ -34,7 +34,7 @@ import random
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from speculative.base import Drafter, SpecReq, register_algorithm
+from speculative.base import Drafter, RunnerReq, register_algorithm
 from speculative.options import ResolveContext, SpecOptions, flag, option
 from speculative.tree import DraftTree
 
@@ -78,7 +78,6 @@ class LookaheadDrafter(Drafter):
     wants_node_argmax = True
     # a request without draft slots keeps its window as it is (no columns drafted, no Jacobi
     # step), so a step in which no request has slots is plain decoding
-    plain_without_budget = True
 
     @classmethod
     def resolve_options(cls, opts: LookaheadOptions, ctx: ResolveContext) -> LookaheadOptions:
@@ -200,7 +199,7 @@ class LookaheadDrafter(Drafter):
         st.layout = layout
         return tokens, parents
 
-    def propose(self, reqs: list[SpecReq]) -> list[DraftTree]:
+    def propose(self, reqs: list[RunnerReq]) -> list[DraftTree]:
         trees = []
         for r in reqs:
             st = self.reqs.get(r.rid)

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from speculative.base import Drafter, SpecReq, TargetRows, register_algorithm
+from speculative.base import Drafter, RunnerReq, TargetRows, register_algorithm
 from speculative.models.medusa import load_medusa
 from speculative.options import DraftTreeOptions, ResolveContext, SpecConfig, flag, option
 from speculative.tree import DraftTree
@@ -93,8 +93,7 @@ class MedusaDrafter(Drafter):
         return super().resolve_options(opts, ctx)
 
     # a probe reads only the last committed row's hidden state, which the full steps before
-    # it (the worker's WARM_STEPS) keep current
-    skips_when_off = True
+    # it (the controller's WARM_STEPS) keep current
 
     def __init__(self, cfg: SpecConfig, runner) -> None:
         super().__init__(cfg, runner)
@@ -121,7 +120,7 @@ class MedusaDrafter(Drafter):
     def _lm_head(self, x: Tensor) -> Tensor:
         return self.runner.model.compute_logits(x)
 
-    def propose(self, reqs: list[SpecReq]) -> list[DraftTree]:
+    def propose(self, reqs: list[RunnerReq]) -> list[DraftTree]:
         trees: list[DraftTree | None] = [None] * len(reqs)
         live = [i for i, r in enumerate(reqs) if r.budget > 1 and r.rid in self.hidden]
         for i, r in enumerate(reqs):

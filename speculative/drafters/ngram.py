@@ -16,7 +16,8 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from speculative.base import Drafter, SpecReq, register_algorithm
+from speculative.base import Drafter, RunnerReq, register_algorithm
+from speculative.controller import TreeSizes
 from speculative.ngram_cache import NgramConfig, new_ngram_cache, tree_size_for_match
 from speculative.ngram_context import OWN_CONTEXT_MAX_MATCH, ContextIndex, own_context_tree
 from speculative.options import ResolveContext, SpecConfig, SpecOptions, flag, option
@@ -62,7 +63,6 @@ class NgramDrafter(Drafter):
     # (docs/benchmarks.md).
     default_num_draft_tokens = {"cpu": 4, "torch": 8}
     vllm_methods = ("ngram", "prompt_lookup")
-    plain_without_budget = True
 
     @classmethod
     def resolve_options(cls, opts: NgramOptions, ctx: ResolveContext) -> NgramOptions:
@@ -75,14 +75,15 @@ class NgramDrafter(Drafter):
         return dataclasses.replace(opts, ngram_max_draft_tokens=deep)
 
     @classmethod
-    def scheduler_sizes(cls, cfg: SpecConfig) -> tuple[int, int, bool]:
-        return (cfg.num_draft_tokens, cfg.ngram_max_draft_tokens,
-                not cfg.ngram_disable_match_sizing)
+    def tree_sizes(cls, cfg: SpecConfig) -> TreeSizes:
+        # with match sizing a tree grows with the context match, so any request alone may get
+        # the deep size, and a long match is a sure draft even for a request kept back
+        sizing = not cfg.ngram_disable_match_sizing
+        return TreeSizes(cfg.num_draft_tokens, cfg.ngram_max_draft_tokens, deep_for_all=sizing,
+                         judges_confidence=sizing)
 
     def __init__(self, cfg: SpecConfig, runner) -> None:
         super().__init__(cfg, runner)
-        # with match sizing, a backed-off request still drafts on a confident (long) match
-        self.drafts_when_backed_off = not cfg.ngram_disable_match_sizing
         self.cache = new_ngram_cache(NgramConfig(
             capacity=cfg.ngram_capacity,
             max_trie_depth=cfg.ngram_max_trie_depth,
@@ -113,7 +114,7 @@ class NgramDrafter(Drafter):
             self._tok = load_tokenizer(self.runner.model_config.model_dir)
         return self._tok.encode(text, add_special_tokens=False)
 
-    def propose(self, reqs: list[SpecReq]) -> list[DraftTree]:
+    def propose(self, reqs: list[RunnerReq]) -> list[DraftTree]:
         depth = self.cfg.ngram_max_trie_depth
         for r in reqs:  # every drafting request's n-grams first, as if counted as they came
             if r.budget > 1:
@@ -124,13 +125,13 @@ class NgramDrafter(Drafter):
                 trees.append(DraftTree.root(r.tokens[-1]))
                 continue
             tokens, parents = self.cache.draft_lists(r.tokens[-depth:], r.budget, key=r.rid,
-                                                     backed_off=r.backed_off)
+                                                     backed_off=r.confident_only)
             if self.own_context:
                 tokens, parents = self._own_context_first(r, tokens, parents)
             trees.append(DraftTree.from_parents(tokens, parents))
         return trees
 
-    def _own_context_first(self, r: SpecReq, tokens: list[int],
+    def _own_context_first(self, r: RunnerReq, tokens: list[int],
                            parents: list[int]) -> tuple[list[int], list[int]]:
         """On a short match, the trie's tree rebuilt from the request's own context first (the
         trie's nodes fill what is left); the same node count."""

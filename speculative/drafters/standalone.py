@@ -97,7 +97,6 @@ class StandaloneDrafter(ChainDrafter):
     shipped_draft = DEFAULT_DRAFT_MODEL
     # a skipped step leaves `_valid` where it was (its position gets draft KV when the request
     # next drafts); `_fed` is written by every propose before the draft_extend that reads it
-    skips_when_off = True
 
     @classmethod
     def resolve_options(cls, opts: StandaloneOptions, ctx: ResolveContext) -> StandaloneOptions:

@@ -18,7 +18,8 @@ along its path, pruned below `min_token_prob`, at most `max_spec_factor * match_
 max_spec_offset` drafts (and the step's node budget). Each tree's score is the sum of its
 nodes' probabilities (the expected accepted drafts); the two trees are merged (a path both hold
 keeps the higher probability), best first, and cut where another node would cost more verify
-time than it is expected to bring (`worth_drafting`, the engine's verify-cost curve). Long
+time than it is expected to bring (`worth_drafting`: the controller's `best_prefix` on the
+engine's verify-cost curve). Long
 matches in text that repeats across requests (agentic loops, one JSON schema filled again and
 again) draft long, short matches draft one or two tokens or nothing.
 
@@ -34,13 +35,14 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from speculative.base import Drafter, SpecReq, register_algorithm
+from speculative.base import Drafter, RunnerReq, register_algorithm
+from speculative.controller import TreeSizes, best_prefix
 from speculative.ngram_cache import NgramConfig, new_ngram_cache
 from speculative.ngram_context import ContextIndex
 from speculative.options import ResolveContext, SpecConfig, SpecOptions, flag, option
 from speculative.tree import DraftTree
 
-# A backed-off request (its drafts kept failing) still drafts a tree this confident: the
+# A request the controller keeps from drafting still drafts a tree this confident: the
 # expected number of accepted drafts, the tree's score.
 CONFIDENT_SCORE = 2.0
 # Requests whose own index is kept at once (a request never released is dropped beyond this).
@@ -158,7 +160,7 @@ class SuffixDrafter(Drafter):
     # are sized by the match, so the budget is a ceiling
     default_num_draft_tokens = {"cpu": 4, "torch": 8}
     vllm_methods = ("suffix",)
-    drafts_when_backed_off = True
+    judges_confidence = True
 
     @classmethod
     def resolve_options(cls, opts: SuffixOptions, ctx: ResolveContext) -> SuffixOptions:
@@ -182,14 +184,11 @@ class SuffixDrafter(Drafter):
         return dataclasses.replace(opts, suffix_max_draft_tokens=deep)
 
     @classmethod
-    def scheduler_sizes(cls, cfg: SpecConfig) -> tuple[int, int, bool]:
-        return cfg.num_draft_tokens, cfg.suffix_max_draft_tokens, True
-
-    @classmethod
-    def cuts_own_trees(cls, cfg: SpecConfig) -> bool:
-        # the scheduler's plan from running acceptance rates cut trees that the nodes'
-        # probabilities said were worth it (docs/benchmarks.md, "SUFFIX sizes its own trees")
-        return not cfg.suffix_planned_sizes
+    def tree_sizes(cls, cfg: SpecConfig) -> TreeSizes:
+        # a request the controller lets draft gets its cap, cut here by the nodes'
+        # probabilities, which know more than the request's running acceptance rate
+        return TreeSizes(cfg.num_draft_tokens, cfg.suffix_max_draft_tokens, deep_for_all=True,
+                         self_sized=not cfg.suffix_planned_sizes, judges_confidence=True)
 
     def __init__(self, cfg: SpecConfig, runner) -> None:
         super().__init__(cfg, runner)
@@ -221,10 +220,10 @@ class SuffixDrafter(Drafter):
                 f"{c.suffix_max_cached_requests} requests' outputs")
 
     # ---- drafting -----------------------------------------------------------------------
-    def propose(self, reqs: list[SpecReq]) -> list[DraftTree]:
+    def propose(self, reqs: list[RunnerReq]) -> list[DraftTree]:
         return [DraftTree.from_parents(*self.draft_lists(r, len(reqs))) for r in reqs]
 
-    def draft_lists(self, r: SpecReq, batch_size: int = 1) -> tuple[list[int], list[int]]:
+    def draft_lists(self, r: RunnerReq, batch_size: int = 1) -> tuple[list[int], list[int]]:
         root = ([r.tokens[-1]], [-1])
         self.last_source, self.last_probs = "", [1.0]
         if r.budget <= 1 or not self.can_pay(batch_size, r.budget):
@@ -255,7 +254,7 @@ class SuffixDrafter(Drafter):
                  (src, (t[0], t[1], [1.0] + [q * f for q in t[2][1:]], t[3] * f, *t[4:]))
                  for (src, t), f in zip(found, scale)]
         self.last_source = max(found, key=lambda f: f[1][3])[0]
-        if r.backed_off and max(t[3] for _, t in found) < CONFIDENT_SCORE:
+        if r.confident_only and max(t[3] for _, t in found) < CONFIDENT_SCORE:
             return root
         origins: list[int] = []
         tokens, parents, probs = merge_best_first([t for _, t in found], r.budget, origins)
@@ -299,8 +298,7 @@ class SuffixDrafter(Drafter):
         rate only falls as a probability does, so when a tree of certain drafts is cut to
         its root, every tree is, and drafting it is skipped. On a CPU-engine curve measured
         at start-up no draft pays in a batch of ~48 or more, where drafting each request's
-        trees costs ~45 us (py-spy at batch ~35: ~1.6 ms a step; docs/benchmarks.md,
-        "Seventeenth session")."""
+        trees costs ~45 us (py-spy at batch ~35: ~1.6 ms a step)."""
         if self.verify_cost is None or self.cfg.disable_adaptive:
             return True
         if self._payable_for is not self.verify_cost or len(self._payable) > 4096:
@@ -312,26 +310,16 @@ class SuffixDrafter(Drafter):
         return ok
 
     def worth_drafting(self, probs: list[float], batch_size: int = 1) -> int:
-        """Nodes (root included) of a best-first tree worth verifying: the prefix that
-        maximises the step's expected tokens per verify cost. Alone, (1 + sum of its drafts'
-        probabilities) / C(nodes); in a batch of B, beside B - 1 one-row requests,
-        (B + sum) / C(B - 1 + nodes), with C the verify-cost curve T(n)/T(1) measured on this
-        machine (`runtime/verify_cost.py`, set by the worker; None: no cut). Where rows are
-        nearly free (a GPU, or a small batch on a memory-bound engine) this keeps everything
-        above min_token_prob; on the CPU engine a row costs ~1/5 of a decode step alone and
-        about a whole token's share of the step once the batch is compute-bound (B >= 8), so
-        the unlikely tail goes first and, in busy batches, all but near-certain drafts."""
-        if self.verify_cost is None or len(probs) <= 1 or self.cfg.disable_adaptive:
-            return len(probs)  # no curve, or --speculative-disable-adaptive: the full budget
-        others = max(batch_size, 1) - 1
-        base = self.verify_cost(others + 1)
-        best_k, best_rate, tokens = 1, (others + 1) / base, others + 1.0
-        for k in range(2, len(probs) + 1):
-            tokens += probs[k - 1]
-            rate = tokens / self.verify_cost(others + k)
-            if rate > best_rate:
-                best_k, best_rate = k, rate
-        return best_k
+        """Nodes (root included) of a best-first tree worth verifying: the controller's
+        `best_prefix` on the verify-cost curve measured on this machine (set by the worker;
+        None: no cut). Where rows are nearly free (a GPU, or a small batch on a memory-bound
+        engine) this keeps everything above min_token_prob; on the CPU engine a row costs ~1/5
+        of a decode step alone and about a whole token's share of the step once the batch is
+        compute-bound (B >= 8), so the unlikely tail goes first and, in busy batches, all but
+        near-certain drafts."""
+        if self.cfg.disable_adaptive:
+            return len(probs)  # --speculative-disable-adaptive: the full budget
+        return best_prefix(probs, batch_size, self.verify_cost)
 
     # ---- state --------------------------------------------------------------------------
     def observe(self, rid: str, tokens: list[int], num_new: int) -> None:

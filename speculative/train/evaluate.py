@@ -37,15 +37,15 @@ def evaluate_head(
 ) -> dict:
     """{"accept_length", "verify_steps", "completion_tokens", "accept_rate_per_pos", ...}."""
     from corpora.datasets import chat_prompt_ids, load_bench_tokenizer, sample_requests
-    from runtime.engine import Engine
+    from speculative.plugin import speculative_engine
 
     tokenizer = load_bench_tokenizer(None if target_model == "default" else target_model)
     reqs = sample_requests("sharegpt", num_prompts, tokenizer, seed=seed, split="heldout",
                            max_new_tokens=max_new_tokens)
     prompts = [chat_prompt_ids(tokenizer, r.messages) for r in reqs]
-    engine = Engine(model_path=target_model, speculative_algorithm=algorithm,
-                    speculative_draft_model_path=str(head_dir), max_running_requests=concurrency,
-                    log_level="warning", **{**EVAL_TREE, **(extra_server_args or {})})
+    options = {"draft_model_path": str(head_dir), **EVAL_TREE, **(extra_server_args or {})}
+    engine = speculative_engine(algorithm, options, model_path=target_model,
+                                max_running_requests=concurrency, log_level="warning")
     t0 = time.monotonic()
     try:
         outs = asyncio.run(_run(engine, prompts, reqs, temperature, seed, concurrency))

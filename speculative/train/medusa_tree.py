@@ -102,7 +102,7 @@ def choose(acc: np.ndarray, max_nodes: int, cost, draft_cost: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from runtime.scheduler.spec_budget import VERIFY_COST
+    from runtime.verify_cost import VERIFY_COST
     from speculative.models.medusa import load_medusa
 
     ap = argparse.ArgumentParser(prog="python -m speculative.train.medusa_tree",

@@ -53,7 +53,7 @@ def test_cuda_backend_equals_torch_native(backend, mode, bsz, seed, dtype, atol)
 @pytest.mark.parametrize("algo", [None, "NGRAM", "EAGLE3"])
 def test_greedy_output_identical_across_backends(algo, backend):
     _backend_class(backend)
-    from runtime import Engine
+    from launch import Engine
 
     prompts = ["The capital of France is", "def fib(n):", "List three colors:"]
     params = {"max_new_tokens": 32, "temperature": 0}

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import msgspec
 
+from launch.server_args import ServerArgs
 from runtime.messages import (
     TO_SCHEDULER,
     AbortReq,
@@ -27,7 +28,6 @@ from runtime.messages import (
     InfoOut,
     TokenOut,
 )
-from runtime.server_args import ServerArgs
 from runtime.tokenizer.tokenizer_manager import TokenizerManager
 from tests.helpers.tiny_models import EOS_ID, TINY_VOCAB_SIZE, write_tiny_tokenizer_files
 
@@ -91,7 +91,7 @@ class FakeScheduler:
     async def _run(self, req: GenerateReq) -> None:
         p = req.sampling_params
         out = self._outputs[req.rid][1]
-        offset = p["seed"] or 0
+        offset = p.seed or 0
         while True:
             await asyncio.sleep(self.token_delay)
             new: list[int] = []
@@ -105,7 +105,7 @@ class FakeScheduler:
                 self._tasks.pop(req.rid, None)
             lp = None
             if req.logprobs is not None:
-                lp = fake_logprobs(new, req.logprobs["top"])
+                lp = fake_logprobs(new, req.logprobs.top)
                 if len(out) == len(new):  # the first step also carries the prompt's
                     lp.update(fake_input_logprobs(req.input_ids, req.logprobs))
             self._emit(req.rid, new, reason, lp)
@@ -121,14 +121,14 @@ class FakeScheduler:
 
     def _finish_reason(self, req: GenerateReq, out: list[int]) -> dict | None:
         p, token = req.sampling_params, out[-1]
-        if token in p["stop_token_ids"] or (token == EOS_ID and not p["ignore_eos"]):
+        if token in p.stop_token_ids or (token == EOS_ID and not p.ignore_eos):
             return {"type": "stop", "matched": token}
-        if p["stop"]:
+        if p.stop:
             text = self.tm.tokenizer.decode(out)
-            for s in p["stop"]:
+            for s in p.stop:
                 if s in text:
                     return {"type": "stop", "matched": s}
-        if len(out) >= p["max_new_tokens"] or len(req.input_ids) + len(out) >= CONTEXT_LENGTH:
+        if len(out) >= p.max_new_tokens or len(req.input_ids) + len(out) >= CONTEXT_LENGTH:
             return {"type": "length", "length": len(out)}
         return None
 
@@ -170,13 +170,13 @@ def fake_logprobs(tokens: list[int], top: int, prefix: str = "") -> dict:
     return out
 
 
-def fake_input_logprobs(prompt: list[int], options: dict) -> dict:
+def fake_input_logprobs(prompt: list[int], options) -> dict:
     """The prompt part: tokens from position max(input_from, 1) on."""
-    start = options["input_from"]
+    start = options.input_from
     if start is None:
         return {}
     pos = max(start, 1)
-    return {"in_pos": pos, **fake_logprobs(prompt[pos:], options["top"], "in_")}
+    return {"in_pos": pos, **fake_logprobs(prompt[pos:], options.top, "in_")}
 
 
 def make_fake_tm(model_dir: str | Path, token_delay: float = 0.0,

@@ -51,7 +51,7 @@ def logprobs_of(out: dict) -> list | None:
 def plain_reference() -> tuple[list[list[int]], list[list[int]], list]:
     """52 held-out prompts (26 rewrite, 26 ShareGPT) and plain greedy decoding's outputs and
     logprobs."""
-    from runtime import Engine
+    from launch import Engine
 
     tok = load_tokenizer(resolve_model_path(None))
     reqs = sample_requests("rewrite", 26, tok, seed=7, max_new_tokens=48, split="heldout")
@@ -93,7 +93,7 @@ def check_greedy_spec_equals_plain(algo: str, reference) -> None:
     every one the plain output (and its logprobs, where asked) exactly, or a near-tie the judge
     excuses on the torch engine. With no draft path, EAGLE3 / STANDALONE / EARLY_EXIT run the
     head, draft model and exit adapter shipped in assets/ for the default model."""
-    from runtime import Engine
+    from launch import Engine
 
     prompts, ref, ref_logprobs = reference
     params = GREEDY

@@ -23,7 +23,7 @@ GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
 def run():
     """(prompts, first outputs with output logprobs and 3 alternatives, the same prompts
     extended by their outputs and scored from where the output began, stop-cut outputs)."""
-    from runtime import Engine
+    from launch import Engine
 
     tok = load_tokenizer(resolve_model_path(None))
     reqs = sample_requests("rewrite", 3, tok, seed=11, max_new_tokens=24, split="heldout")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime import Engine
+from launch import Engine
 from runtime.errors import InvalidRequestError
 
 pytestmark = pytest.mark.slow
@@ -89,7 +89,7 @@ def test_an_engine_script_exits_cleanly_without_leaked_semaphore_warnings(tmp_pa
     left behind; runtime/proc_utils.py: thread_locks_for_progress_bars)."""
     script = tmp_path / "use_engine.py"
     script.write_text(textwrap.dedent("""
-        from runtime import Engine
+        from launch import Engine
 
         if __name__ == "__main__":
             with Engine(log_level="warning") as engine:

@@ -31,7 +31,7 @@ ALGOS = ("NGRAM", "EAGLE3")  # EAGLE3: the head shipped for the default model
 @pytest.fixture(scope="module")
 def engines():
     """Engines started on first use (plain, NGRAM, EAGLE3), shut down after the module."""
-    from runtime import Engine
+    from launch import Engine
 
     started = {}
 

@@ -14,12 +14,12 @@ import json
 import pytest
 import torch
 
+from launch.server_args import ServerArgs
 from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.messages import AbortReq
 from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
 from runtime.model_runner.runner_process import RunnerWorker
-from runtime.server_args import ServerArgs
-from speculative.base import SpecConfig, SpecReq, TargetRows, create_drafter
+from speculative.base import RunnerReq, SpecConfig, TargetRows, create_drafter
 from speculative.drafters.standalone import DraftModelError
 from speculative.models.exit_adapter import AdapterShape, export_exit_adapter, load_exit_adapter
 from speculative.models.vocab_head import write_draft_vocab
@@ -153,7 +153,7 @@ def test_exit_adapter_drafts_are_its_greedy_choices_within_its_vocabulary(target
     prompt = list(range(5, 25))
     slots = torch.arange(1, len(prompt) + 4)
     runner.forward(ForwardBatch.build(ForwardMode.EXTEND, [prompt[:-1]], [slots[:19]], [0]))
-    req = SpecReq("a", prompt, 4, None, prefix_slots=slots[:19], fresh_slots=slots[19:])
+    req = RunnerReq.drafting("a", prompt, 4, None, slots=slots[: 19 + 4])
     tree = drafter.propose([req])[0]
     assert tree.num_nodes == 4
     allowed = set(adapter.draft_ids.tolist())
@@ -245,23 +245,25 @@ def test_decoding_requests_riding_a_prefill_step_keep_their_draft_kv(target, tru
 
 @pytest.mark.parametrize("algo", ["STANDALONE", "EARLY_EXIT"])
 def test_steps_skipped_while_off_leave_the_drafts_right(target, truth, algo):
-    """Both skip whole steps while the drafter is off (`skips_when_off`: no propose, no
-    draft_extend). Forcing two steps in three off: output is still plain decoding's, and a
-    draft equal to the target is still accepted everywhere, so the draft KV of the positions
-    decoded in skipped steps is caught up before it is read."""
+    """Both skip whole steps the controller calls idle (no propose, no draft_extend). Forcing
+    two steps in three idle: output is still plain decoding's, and a draft equal to the target
+    is still accepted everywhere, so the draft KV of the positions decoded in skipped steps is
+    caught up before it is read."""
+    from runtime.speculation import StepPlan
+
     ps, ref = truth
     h, drafter = harness(target, make_cfg(algo, target, draft="same"), max_running_requests=4,
                          chunked_prefill_size=16)
-    assert drafter.skips_when_off
-    spec, n = h.worker.spec, {"steps": 0, "skipped": 0}
+    ctl, n = h.sched.spec, {"steps": 0, "skipped": 0}
 
-    def off(entries, budgets):
+    def plan(states, full=ctl.plan):
         n["steps"] += 1
-        skip = n["steps"] % 3 != 0
-        n["skipped"] += skip
-        return skip
+        if n["steps"] % 3 == 0:
+            return full(states)
+        n["skipped"] += 1
+        return StepPlan([1] * len(states), [False] * len(states), True, True)
 
-    spec._off_step = off
+    ctl.plan = plan
     for i, p in enumerate(ps[:8]):
         h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=NEW)
     h.run()
@@ -287,7 +289,7 @@ def test_a_tree_from_a_draft_equal_to_the_target_holds_its_argmax_under_every_no
     # the prompt's prefill (a chunk: the draft runs nothing now, its first step catches up)
     drafter.draft_extend([TargetRows("a", 0, slots[:19], torch.arange(19), prompt[1:20],
                                      prompt[:19])], None)
-    req = SpecReq("a", prompt, 11, None, prefix_slots=slots[:19], fresh_slots=slots[19:])
+    req = RunnerReq.drafting("a", prompt, 11, None, slots=slots[: 19 + 11])
     tree = drafter.propose([req])[0]
     assert tree.num_nodes == 11 and int(tree.depth.max()) == 3
     logits = runner.forward(ForwardBatch.build(
@@ -333,7 +335,7 @@ def test_early_exit_verify_resumed_from_draft_hidden_states_is_bit_exact(target)
     prompt = list(range(5, 25))
     slots = torch.arange(1, len(prompt) + 4)  # 19 committed + 4 fresh
     runner.forward(ForwardBatch.build(ForwardMode.EXTEND, [prompt[:-1]], [slots[:19]], [0]))
-    req = SpecReq("a", prompt, 4, None, prefix_slots=slots[:19], fresh_slots=slots[19:])
+    req = RunnerReq.drafting("a", prompt, 4, None, slots=slots[: 19 + 4])
     tree = drafter.propose([req])[0]
     assert tree.num_nodes == 4
     batch = lambda: ForwardBatch.build(  # noqa: E731 - one batch per forward

@@ -5,16 +5,15 @@ slots, and no KV leaks."""
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
 import torch
 
+from launch.server_args import ServerArgs
 from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
 from runtime.model_runner.runner_process import RunnerWorker
-from runtime.server_args import ServerArgs
 from speculative.base import SpecConfig, create_drafter
 from speculative.drafters.eagle import Eagle3Drafter, EagleDrafter
 from speculative.models.base import HeadOutput
@@ -114,6 +113,20 @@ def eagle_harness(target, ckpt, algo, *, hints=None, steps=3, topk=4, n=8, **sch
     h.worker = RunnerWorker(runner, SpeculativeWorker(cfg, drafter, runner))
     h.sched.run_batch = h.worker.run
     return h, drafter
+
+
+def force_sizes(h, sizes_of) -> None:
+    """The harness's controller plans as before, then `sizes_of(states, plan_sizes)` decides
+    each request's tree nodes (the step neither idle nor off)."""
+    from runtime.speculation import StepPlan
+
+    ctl = h.sched.spec
+
+    def plan(states, full=ctl.plan):
+        sizes = sizes_of(states, full(states).sizes)
+        return StepPlan(sizes, [False] * len(states), False, False)
+
+    ctl.plan = plan
 
 
 def head_rows_run(monkeypatch, drafter) -> list[int]:
@@ -251,12 +264,13 @@ def test_server_args_choose_the_eagle_tree_and_check_it(target, heads):
 
 def test_a_request_that_does_not_draft_runs_the_head_in_batches_not_per_step(target, heads,
                                                                                monkeypatch):
-    """The head runs lazily: a request kept from drafting (budget 1 every step, as the backoff
-    does) stores its committed rows' features and the head goes over them in one forward per
-    MAX_PENDING_ROWS rows, and at release; a drafting request catches up before it drafts."""
+    """The head runs lazily: a request kept from drafting (budget 1 every step, as the
+    controller does) stores its committed rows' features and the head goes over them in one
+    forward per MAX_PENDING_ROWS rows, and at release; a drafting request catches up before
+    it drafts."""
     ps = prompts(2, seed=7)
     h, drafter = eagle_harness(target, heads["EAGLE3"], "EAGLE3", chunked_prefill_size=16)
-    h.sched.cfg = dataclasses.replace(h.sched.cfg, num_draft_tokens=1)  # nobody drafts
+    force_sizes(h, lambda states, sizes: [1] * len(states))  # nobody drafts
     calls = []
     real = drafter._run_head
 
@@ -294,16 +308,14 @@ def test_an_idle_request_drops_its_rows_and_stays_exact_when_it_drafts_again(
     monkeypatch.setattr(drafter, "IDLE_STEPS", 4)
     rows_run = head_rows_run(monkeypatch, drafter)
     worker = h.worker.spec
-    real_budget = worker._budget
-    steps: dict[str, int] = {}
+    steps: dict[int, int] = {}
 
-    def budget(e, batch_size=1, global_probe=None):  # plain for 30 steps, then drafting
-        steps[e.rid] = steps.get(e.rid, 0) + 1
-        if steps[e.rid] <= 30:
-            return 1, False
-        return real_budget(e, batch_size, global_probe)
+    def sizes_of(states, sizes):  # plain for 30 steps, then drafting
+        for st in states:
+            steps[id(st)] = steps.get(id(st), 0) + 1
+        return [1 if steps[id(st)] <= 30 else n for st, n in zip(states, sizes)]
 
-    monkeypatch.setattr(worker, "_budget", budget)
+    force_sizes(h, sizes_of)
     for i, p in enumerate(ps):
         h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=60)
     h.run()
@@ -332,11 +344,12 @@ def test_while_nobody_drafts_prompts_skip_the_head_until_a_probe(target, truth, 
                      eagle_topk=4)  # adaptive: the worker's regimes apply
     drafter = create_drafter(cfg, runner)
     monkeypatch.setattr(drafter, "MAX_PENDING_ROWS", 4)  # every prompt is over the cap
-    h = Harness(target, num_draft_tokens=8)
+    h = Harness(target, num_draft_tokens=8, load_aware=True)
     worker = SpeculativeWorker(cfg, drafter, runner)
-    worker.prior_accept = 0.0  # the traffic does not pay: the server-wide regime,
-    drafter.traffic_off = True  # as the worker's steps before these requests would have set
-    worker.global_interval = 24 if probes else 10**9
+    # the traffic does not pay: the server-wide regime, as the steps before these requests
+    # would have set it
+    h.traffic_off(global_interval=24 if probes else 10**9)
+    drafter.traffic_off = True
     h.worker = RunnerWorker(runner, worker)
     h.sched.run_batch = h.worker.run
     rows_run = head_rows_run(monkeypatch, drafter)

@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 
+from launch.server_args import ServerArgs
 from runtime.proc_utils import HeapTrimmer, _glibc_malloc_trim
-from runtime.server_args import ServerArgs
 
 
 class Clock:

@@ -12,9 +12,9 @@ import time
 import httpx
 import pytest
 
+from launch.server_args import ServerArgs
 from runtime.entrypoints.http_server import create_app
 from runtime.errors import InvalidRequestError, QueueFullError
-from runtime.server_args import ServerArgs
 from tests.helpers.fake_tm import make_fake_tm
 from tests.helpers.live_server import live_server, wait_for
 
@@ -52,7 +52,7 @@ def test_n_samples_each_prompt_in_sglangs_order_with_seed_plus_j(env):
     assert [o["meta_info"]["prompt_tokens"] for o in out] == [
         len(tm.tokenize("a"))] * 2 + [len(tm.tokenize("hello world"))] * 2
     # the fake model starts `seed` tokens into its reply: sample j ran with seed 5 + j
-    seed_of = {req.rid: req.sampling_params["seed"] for req in sched.requests[-4:]}
+    seed_of = {req.rid: req.sampling_params.seed for req in sched.requests[-4:]}
     assert [seed_of[o["meta_info"]["id"]] for o in out] == [5, 6, 5, 6]
     assert out[0]["output_ids"] != out[1]["output_ids"]
     assert out[0]["output_ids"] == out[2]["output_ids"]  # same seed, same draws

@@ -421,13 +421,13 @@ def test_integer_fields_take_json_numbers_without_a_fraction(env):
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 2
     req = sched.requests[-1]
-    assert req.sampling_params["max_new_tokens"] == 3
-    assert sorted(q.sampling_params["seed"] for q in sched.requests[-2:]) == [5, 6]  # seed + j
-    assert req.sampling_params["top_k"] == 4 and req.sampling_params["stop_token_ids"] == [7]
+    assert req.sampling_params.max_new_tokens == 3
+    assert sorted(q.sampling_params.seed for q in sched.requests[-2:]) == [5, 6]  # seed + j
+    assert req.sampling_params.top_k == 4 and req.sampling_params.stop_token_ids == [7]
     r = client.post("/generate", json={"text": "hi", "sampling_params": {
         "max_new_tokens": 2.0, "n": 2.0, "seed": 1.0}})
     assert r.status_code == 200, r.text
-    assert len(r.json()) == 2 and sched.requests[-1].sampling_params["max_new_tokens"] == 2
+    assert len(r.json()) == 2 and sched.requests[-1].sampling_params.max_new_tokens == 2
     r = client.post("/generate", json={"input_ids": [5.0, 6], "sampling_params": {
         "max_new_tokens": 1}})
     assert r.status_code == 200 and sched.requests[-1].input_ids == [5, 6]

@@ -4,8 +4,13 @@ import pytest
 
 from kernels import cpu
 from launch.launcher import main
-from launch.server_args import build_parser, parse_args
-from runtime.server_args import ServerArgs, server_args_class
+from launch.server_args import (
+    ServerArgs,
+    build_parser,
+    parse_args,
+    server_args_class,
+    speculation,
+)
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -75,39 +80,41 @@ def test_ngram_deep_drafts_default_to_twice_the_tree_size():
     assert ServerArgs().resolve().speculative_ngram_max_draft_tokens is None
 
 
-def test_ngram_match_sizing_is_on_by_default_and_one_flag_turns_it_off():
-    from runtime.scheduler.scheduler import SchedulerConfig
+def controller_of(args):
+    """The scheduler's speculation controller for these resolved args (the stored curve)."""
+    from runtime.verify_cost import stored_verify_cost
 
+    return speculation(args).create_controller(stored_verify_cost("cpu"))
+
+
+def test_ngram_match_sizing_is_on_by_default_and_one_flag_turns_it_off():
     on = ServerArgs(speculative_algorithm="NGRAM").resolve()
     assert not on.spec_config().ngram_disable_match_sizing
-    assert SchedulerConfig.from_server_args(on).deep_for_all
+    sizes = controller_of(on).sizes
+    assert sizes.deep_for_all and sizes.judges_confidence  # a long match is a sure draft
     off = parse_args(["--speculative-algorithm", "NGRAM",
                       "--speculative-ngram-disable-match-sizing"]).resolve()
     assert off.spec_config().ngram_disable_match_sizing
-    assert not SchedulerConfig.from_server_args(off).deep_for_all
+    sizes = controller_of(off).sizes
+    assert not sizes.deep_for_all and not sizes.judges_confidence
 
 
-def test_the_scheduler_plans_sizes_unless_the_drafter_cuts_its_own_trees_by_cost():
+def test_the_controller_plans_sizes_unless_the_drafter_cuts_its_own_trees_by_cost():
     """SUFFIX cuts each tree by its nodes' probabilities and the verify-cost curve
-    (`worth_drafting`): the scheduler hands it the size caps instead of planning sizes from
-    running acceptance rates; every other algorithm keeps the load-aware plan, and
-    --speculative-disable-adaptive turns the plan off for all."""
-    from runtime.scheduler.scheduler import SchedulerConfig
-    from speculative.base import ALGORITHMS
-
-    suffix = ServerArgs(speculative_algorithm="SUFFIX").resolve()
-    assert ALGORITHMS["SUFFIX"].cuts_own_trees(suffix.spec_config())
-    assert not SchedulerConfig.from_server_args(suffix).load_aware
+    (`worth_drafting`): a request the controller lets draft gets its cap; every other
+    algorithm gets planned sizes, and --speculative-disable-adaptive turns the plan off for
+    all."""
+    suffix = controller_of(ServerArgs(speculative_algorithm="SUFFIX").resolve())
+    assert suffix.sizes.self_sized and suffix.adaptive
     for algo in ("NGRAM", "LOOKAHEAD"):
-        args = ServerArgs(speculative_algorithm=algo).resolve()
-        assert not ALGORITHMS[algo].cuts_own_trees(args.spec_config())
-        assert SchedulerConfig.from_server_args(args).load_aware
-    planned = parse_args(["--speculative-algorithm", "SUFFIX",
-                          "--speculative-suffix-planned-sizes"]).resolve()
-    assert SchedulerConfig.from_server_args(planned).load_aware
-    off = parse_args(["--speculative-algorithm", "NGRAM",
-                      "--speculative-disable-adaptive"]).resolve()
-    assert not SchedulerConfig.from_server_args(off).load_aware
+        c = controller_of(ServerArgs(speculative_algorithm=algo).resolve())
+        assert not c.sizes.self_sized and c.adaptive
+    planned = controller_of(parse_args(["--speculative-algorithm", "SUFFIX",
+                                        "--speculative-suffix-planned-sizes"]).resolve())
+    assert not planned.sizes.self_sized
+    off = controller_of(parse_args(["--speculative-algorithm", "NGRAM",
+                                    "--speculative-disable-adaptive"]).resolve())
+    assert not off.adaptive
 
 
 def test_ngram_own_context_is_on_by_default_and_one_flag_turns_it_off():

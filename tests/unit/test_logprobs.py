@@ -107,8 +107,8 @@ class LogprobHarness(Harness):
 
     def submit_lp(self, rid, ids, opts: LogprobOptions | None, **params):
         p = SamplingParams(**{"temperature": 0.0, "max_new_tokens": 12, **params})
-        self.sched.handle(GenerateReq(rid=rid, input_ids=ids, sampling_params=p.to_dict(),
-                                      logprobs=None if opts is None else opts.to_dict()))
+        self.sched.handle(GenerateReq(rid=rid, input_ids=ids, sampling_params=p,
+                                      logprobs=opts))
 
 
 def _close(a: list[float], b: list[float], tol: float = 1e-5) -> bool:

@@ -189,7 +189,7 @@ def test_tiny_model_lookahead_greedy_equals_plain(tiny, concurrency):  # noqa: F
 
 
 def test_lookahead_sizes_its_tree_from_w_n_g():
-    from runtime.server_args import ServerArgs
+    from launch.server_args import ServerArgs
 
     args = ServerArgs(speculative_algorithm="LOOKAHEAD", speculative_lookahead_window=5,
                       speculative_lookahead_ngram=4, speculative_lookahead_guess_set=2).resolve()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from runtime.model_runner.runner_process import RunnerWorker
-from speculative.base import SpecConfig, SpecReq, create_drafter
+from speculative.base import RunnerReq, SpecConfig, create_drafter
 from speculative.drafters.medusa import parse_choices
 from speculative.models.medusa import MedusaError, MedusaHeads, load_medusa, save_medusa
 from speculative.worker import SpeculativeWorker
@@ -118,12 +118,13 @@ def test_the_tree_follows_the_choices(tiny, tmp_path):  # noqa: F811
 
     d.draft_extend([TargetRows("r", 0, torch.arange(3), torch.tensor([0, 1, 2]), [5, 6, 7],
                                [4, 5, 6])], Out)
-    tree = d.propose([SpecReq("r", [1, 2, 3], 6)])[0]
+    tree = d.propose([RunnerReq.drafting("r", [1, 2, 3], 6)])[0]
     assert tree.parents.tolist() == [-1, 0, 0, 1, 1, 3]
     t = tree.tokens.tolist()
     assert t[1] == t[3] == t[5] and t[2] == t[4]  # identity heads: the same top-2 at every depth
     assert t[1] != t[2]
-    assert d.propose([SpecReq("r", [1, 2, 3], 3)])[0].tokens.numel() == 3  # the budget cuts
+    cut = d.propose([RunnerReq.drafting("r", [1, 2, 3], 3)])[0]
+    assert cut.tokens.numel() == 3  # the budget cuts
 
 
 @pytest.mark.parametrize("concurrency", [1, 8])
@@ -146,7 +147,7 @@ def test_tiny_model_medusa_greedy_equals_plain(tiny, tmp_path, concurrency):  # 
 
 
 def test_medusa_needs_heads_and_sizes_its_tree_from_the_choices(tmp_path):
-    from runtime.server_args import ServerArgs
+    from launch.server_args import ServerArgs
     from speculative.drafters.medusa import DEFAULT_MEDUSA_HEADS
 
     with pytest.raises(ValueError, match="MEDUSA needs --speculative-draft-model-path"):

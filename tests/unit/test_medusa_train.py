@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from speculative.base import SpecConfig, SpecReq, TargetRows, create_drafter
+from speculative.base import RunnerReq, SpecConfig, TargetRows, create_drafter
 from speculative.models.medusa import load_medusa
 from speculative.train.capture import CaptureConfig, capture
 from speculative.train.distill import TRAINERS
@@ -62,14 +62,14 @@ def test_train_medusa_heads_resume_export_and_draft(target, captured_final, tmp_
 
     d.draft_extend([TargetRows("r", 0, torch.arange(5), torch.arange(5), [1] * 5, [1] * 5)],
                    Out)
-    tree = d.propose([SpecReq("r", [3, 4, 5], 3)])[0]
+    tree = d.propose([RunnerReq.drafting("r", [3, 4, 5], 3)])[0]
     assert tree.num_nodes == 3 and tree.parents.tolist() == [-1, 0, 1]
 
 
 def test_medusa_tree_greedy_construction_and_cost_choice():
     import numpy as np
 
-    from runtime.scheduler.spec_budget import VerifyCost
+    from runtime.verify_cost import VerifyCost
     from speculative.train.medusa_tree import choose, grow_tree
 
     acc = np.array([[0.6, 0.2, 0.1], [0.5, 0.1, 0.05]])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from runtime.sampling.sampling_params import SamplingParams
-from speculative.base import SpecConfig, SpecReq
+from speculative.base import RunnerReq, SpecConfig
 from speculative.drafters.ngram import NgramDrafter
 from speculative.ngram_context import OWN_CONTEXT_MAX_MATCH, ContextIndex, own_context_tree
 
@@ -94,7 +94,7 @@ GREEDY = SamplingParams(temperature=0.0)
 def _teach(d: NgramDrafter, rid: str, tokens: list[int]) -> None:
     """A request that came, drafted and finished: its n-grams are in the trie."""
     d.observe(rid, tokens, len(tokens))
-    d.propose([SpecReq(rid, tokens, 8, GREEDY)])
+    d.propose([RunnerReq.drafting(rid, tokens, 8, GREEDY)])
     d.release(rid)
 
 
@@ -116,11 +116,12 @@ def test_the_trie_counts_a_request_before_it_drafts_and_all_of_it_when_it_ends()
     for n in range(31, 36):
         d.observe("r", history[:n], 1)
     assert d.cache.num_nodes == 0  # decoding only: nothing counted yet
-    d.propose([SpecReq("r", history[:35], 8, GREEDY)])
+    d.propose([RunnerReq.drafting("r", history[:35], 8, GREEDY)])
     whole = NgramCache(d.cache.cfg)
     whole.insert(history[:35])
     assert _ngram_counts(d.cache) == _ngram_counts(whole)
-    d.propose([SpecReq("r", history[:35], 1, GREEDY)])  # no budget: no counting either way
+    # no budget: no counting either way
+    d.propose([RunnerReq.drafting("r", history[:35], 1, GREEDY)])
     for n in range(36, 41):
         d.observe("r", history[:n], 1)
     d.release("r")
@@ -131,7 +132,7 @@ def test_the_trie_counts_a_request_before_it_drafts_and_all_of_it_when_it_ends()
     before = _ngram_counts(d.cache)
     other = [rng.randrange(50, 90) for _ in range(20)]
     d.observe("q", other, 20)
-    d.propose([SpecReq("q", other, 1, GREEDY)])
+    d.propose([RunnerReq.drafting("q", other, 1, GREEDY)])
     d.release("q")
     assert _ngram_counts(d.cache) == before
     assert not d._counted and not d._history
@@ -149,11 +150,11 @@ def test_a_short_match_drafts_the_requests_own_continuation_first():
         # ends in 77, so the longest match is the single token 77
         prompt = [1, 77, *passage, 2]
         d.observe("r", prompt, len(prompt))
-        d.propose([SpecReq("r", prompt, 16, GREEDY)])  # it drafted on its prompt
+        d.propose([RunnerReq.drafting("r", prompt, 16, GREEDY)])  # it drafted on its prompt
         _teach(d, "old2", [6, 77, 88, 9])  # the other continuation is the most recent
         history = [*prompt, 11, 77]
         d.observe("r", history, 2)
-        tree = d.propose([SpecReq("r", history, 16, GREEDY)])[0]
+        tree = d.propose([RunnerReq.drafting("r", history, 16, GREEDY)])[0]
         assert d.cache.last_match_len <= OWN_CONTEXT_MAX_MATCH
         results[own] = tree
     own_tree, trie_tree = results[True], results[False]
@@ -172,7 +173,7 @@ def test_release_and_reset_drop_request_contexts_and_the_count_is_bounded():
     for i in range(5):
         toks = [1, 2, 1, 2, 1]
         d.observe(f"r{i}", toks, len(toks))
-        d.propose([SpecReq(f"r{i}", toks, 8, SamplingParams(temperature=0.0))])
+        d.propose([RunnerReq.drafting(f"r{i}", toks, 8, SamplingParams(temperature=0.0))])
     assert len(d._contexts) == 3 and "r0" not in d._contexts
     d.release("r4")
     assert "r4" not in d._contexts

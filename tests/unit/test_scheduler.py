@@ -14,6 +14,8 @@ from runtime.model_runner.runner_process import RunnerWorker
 from runtime.sampling.sampling_params import SamplingParams
 from runtime.scheduler.scheduler import Scheduler, SchedulerConfig
 from runtime.scheduler.stop import StopChecker
+from runtime.verify_cost import stored_verify_cost
+from speculative.controller import SpecController, TreeSizes
 from tests.helpers.tiny_models import write_tiny_model
 
 
@@ -25,19 +27,36 @@ def tiny(tmp_path_factory):
 
 
 class Harness:
-    """A scheduler over a real runner, in process. Speculative tests get fixed draft sizes (the
-    load-aware budget off) unless they pass `load_aware=True`: they test what a draft of a
-    given size does, the budget's own tests what size it picks."""
+    """A scheduler over a real runner, in process. `num_draft_tokens` > 1 gives it a
+    speculation controller (tests then set `h.worker` to a speculative runner worker): fixed
+    draft sizes, every request its cap every step, unless `load_aware=True` (the controller
+    plans: speculative/controller.py) — speculative tests check what a draft of a given size
+    does, the controller's own tests what size it picks. `max_draft_tokens` / `deep_for_all`
+    are the controller's `TreeSizes.alone` / `deep_for_all`."""
 
-    def __init__(self, tiny, capacity=4096, **cfg):
-        cfg.setdefault("load_aware", False)
+    def __init__(self, tiny, capacity=4096, num_draft_tokens=1, load_aware=False,
+                 max_draft_tokens=None, deep_for_all=False, **cfg):
         model_dir, runner = tiny
         self.worker = RunnerWorker(runner)
         self.outputs: dict[str, list[int]] = {}
         self.finish: dict[str, dict] = {}
         self.meta: dict[str, dict] = {}
         stop = StopChecker(load_tokenizer(model_dir), [2], 256)
-        self.sched = Scheduler(SchedulerConfig(**cfg), capacity, stop, self.worker.run, self.emit)
+        spec = None
+        if num_draft_tokens > 1:
+            sizes = TreeSizes(num_draft_tokens, max_draft_tokens or num_draft_tokens,
+                              deep_for_all=deep_for_all)
+            spec = SpecController(sizes, stored_verify_cost("cpu"), adaptive=load_aware)
+        self.sched = Scheduler(SchedulerConfig(**cfg), capacity, stop,
+                               lambda msg: self.worker.run(msg), self.emit, spec)
+
+    def traffic_off(self, global_interval: int = 64) -> None:
+        """The controller (`load_aware=True`) as on traffic where drafting does not pay, and
+        stays so whatever the probes accept: only server-wide probes, every
+        `global_interval` steps (as after a few probes that did not pay)."""
+        assert self.sched.spec.adaptive, "traffic_off needs load_aware=True"
+        self.sched.spec.prior = [0.0, 1e9]
+        self.sched.spec.global_interval = global_interval
 
     def emit(self, msg):
         if isinstance(msg, TokenOut):
@@ -50,7 +69,7 @@ class Harness:
 
     def submit(self, rid, ids, priority=None, **params):
         p = SamplingParams(**{"temperature": 0.0, "max_new_tokens": 12, **params})
-        self.sched.handle(GenerateReq(rid=rid, input_ids=ids, sampling_params=p.to_dict(),
+        self.sched.handle(GenerateReq(rid=rid, input_ids=ids, sampling_params=p,
                                       priority=priority))
 
     @property

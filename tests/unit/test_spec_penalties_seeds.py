@@ -203,8 +203,8 @@ def test_unseeded_sampled_requests_still_draw_fresh_randomness(tiny_vocab, heads
 
 @pytest.mark.parametrize("kind", ["greedy", *PARAMS])
 def test_plain_steps_of_a_drafter_that_is_off_equal_plain_decoding(tiny_vocab, heads, kind):  # noqa: F811
-    """While a `skips_when_off` drafter (EAGLE-3) does not pay on the traffic, the worker
-    decodes plain steps without it (`_plain_step`): a batch of greedy requests without
+    """While a drafter (EAGLE-3) does not pay on the traffic, the worker decodes plain steps
+    without it between server-wide probes (`_plain_step`): a batch of greedy requests without
     penalties takes the target's argmax, any other batch goes through verification of
     one-node trees (penalties, seeded draws). Either way: plain decoding's output."""
     params = {"temperature": 0.0} if kind == "greedy" else PARAMS[kind]
@@ -215,14 +215,13 @@ def test_plain_steps_of_a_drafter_that_is_off_equal_plain_decoding(tiny_vocab, h
     spec = SpecConfig("EAGLE3", 6, draft_model_path=str(heads["EAGLE3"]), num_steps=2,
                       eagle_topk=3)
     drafter = create_drafter(spec, runner)
-    assert drafter.skips_when_off
+    assert drafter.wants_committed_rows
     worker = SpeculativeWorker(spec, drafter, runner)
-    # the drafter does not pay on this traffic, and stays so: server-wide probes only
-    worker.prior_accept, worker.PRIOR_WEIGHT, worker.global_interval = 0.0, 0.0, 64
     skipped = []
     drafter.skipped = lambda rids, inner=drafter.skipped: (skipped.append(len(rids)),
                                                           inner(rids))
-    h = Harness(tiny_vocab, num_draft_tokens=6, max_running_requests=6)
+    h = Harness(tiny_vocab, num_draft_tokens=6, max_running_requests=6, load_aware=True)
+    h.traffic_off()  # the drafter does not pay on this traffic: server-wide probes only
     h.worker = RunnerWorker(runner, worker)
     h.sched.run_batch = h.worker.run
     for i, p in enumerate(ps):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from speculative.base import ALGORITHMS, Drafter, SpecReq, register_algorithm
+from speculative.base import ALGORITHMS, Drafter, RunnerReq, register_algorithm
 from speculative.options import SpecOptions, option
 from speculative.tree import DraftTree
 
@@ -30,7 +30,7 @@ if "TOY" not in ALGORITHMS:  # imported once by pytest and once per spawned proc
         default_num_draft_tokens = {"cpu": 4, "torch": 4}
         vllm_methods = ("toy",)
 
-        def propose(self, reqs: list[SpecReq]) -> list[DraftTree]:
+        def propose(self, reqs: list[RunnerReq]) -> list[DraftTree]:
             trees = []
             for r in reqs:
                 root, drafts = r.tokens[-1], []
@@ -43,8 +43,8 @@ if "TOY" not in ALGORITHMS:  # imported once by pytest and once per spawned proc
 
 
 def test_a_toy_algorithm_is_served_through_its_own_generated_flag(tmp_path, monkeypatch):
+    from launch.engine import Engine
     from launch.server_args import build_parser, parse_args
-    from runtime.engine import Engine
     from tests.helpers.tiny_models import write_tiny_model
     from tests.unit.test_scheduler import prompts
 

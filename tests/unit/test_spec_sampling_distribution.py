@@ -21,7 +21,7 @@ from runtime.sampling.penalties import RowHistory, apply_penalties
 from runtime.sampling.sampler import SamplingBatchInfo, process_logits
 from runtime.sampling.sampling_params import SamplingParams
 from runtime.verify_cost import VerifyCost
-from speculative.base import Drafter, SpecConfig, SpecReq
+from speculative.base import Drafter, RunnerReq, SpecConfig
 from speculative.drafters.lookahead import LookaheadDrafter
 from speculative.drafters.suffix import SuffixDrafter
 from speculative.tree import DraftTree
@@ -90,7 +90,7 @@ class SkewedTreeDrafter(Drafter):
     root gets 2 children, each continued as a chain. Not uniform, so a verifier that forgets
     the residual is visible (uniformly random drafts would average that bug away)."""
 
-    def propose(self, reqs: list[SpecReq]) -> list[DraftTree]:
+    def propose(self, reqs: list[RunnerReq]) -> list[DraftTree]:
         out = []
         for r in reqs:
             n = r.budget
@@ -115,7 +115,7 @@ class IIDDrafter(Drafter):
         q = torch.rand(VOCAB, generator=self.gen) ** 3
         self.q = q / q.sum()
 
-    def propose(self, reqs: list[SpecReq]) -> list[DraftTree]:
+    def propose(self, reqs: list[RunnerReq]) -> list[DraftTree]:
         out = []
         for r in reqs:
             # root with 2 i.i.d. children, each with 1 child of its own: depth 2

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from runtime.model_runner.runner_process import RunnerWorker
-from speculative.base import SpecConfig, SpecReq, create_drafter
+from speculative.base import RunnerReq, SpecConfig, create_drafter
 from speculative.ngram_cache import NgramCache, NgramConfig
 from speculative.worker import SpeculativeWorker
 from tests.integration.test_spec_lossless import copy_heavy_prompts
@@ -137,17 +137,17 @@ def test_drafts_from_the_request_itself_and_from_earlier_outputs():
     d.release("a")
     ctx = [20, 21, 22] + answer[:4]
     d.observe("b", ctx, len(ctx))
-    tokens, parents = d.draft_lists(SpecReq("b", ctx, 16))
+    tokens, parents = d.draft_lists(RunnerReq.drafting("b", ctx, 16))
     assert d.last_source == "global" and tokens == [53, 54, 55, 56, 57]  # m = 4 -> 4 drafts
     own = [1, 2, 3, 4, 5, 6, 90, 1, 2, 3]
     d.observe("c", own, len(own))
-    tokens, _ = d.draft_lists(SpecReq("c", own, 16))
+    tokens, _ = d.draft_lists(RunnerReq.drafting("c", own, 16))
     assert d.last_source == "request" and tokens == [3, 4, 5, 6]
     # a backed-off request drafts only a confident tree (expected accepted >= 2)
-    assert d.draft_lists(SpecReq("c", own, 16, backed_off=True))[0] == [3, 4, 5, 6]
+    assert d.draft_lists(RunnerReq.drafting("c", own, 16, confident_only=True))[0] == [3, 4, 5, 6]
     short = [1, 2, 3, 4, 5, 99, 5]
     d.observe("e", short, len(short))
-    assert d.draft_lists(SpecReq("e", short, 16, backed_off=True))[0] == [5]
+    assert d.draft_lists(RunnerReq.drafting("e", short, 16, confident_only=True))[0] == [5]
     # the global tree counts outputs, not prompts
     assert d.global_tree.count([7, 8, 9]) == 0 and d.global_tree.count(answer[:3]) == 1
 
@@ -160,7 +160,7 @@ def test_memory_stays_within_its_bounds_over_a_long_run():
         out = [t if rng.random() < 0.7 else rng.randrange(100) for t in template]
         prompt = [rng.randrange(100) for _ in range(rng.randrange(5, 60))]
         toks = feed(d, f"r{i}", prompt, out)
-        d.draft_lists(SpecReq(f"r{i}", toks, 8))
+        d.draft_lists(RunnerReq.drafting(f"r{i}", toks, 8))
         d.release(f"r{i}")
         mem = d.memory_nodes()
         assert mem["global"] <= 3000 and mem["cached_requests"] <= 20
@@ -234,10 +234,11 @@ def test_a_batch_where_no_draft_can_pay_skips_drafting_and_cuts_the_same_trees()
     assert not d.can_pay(64, 8) and d.can_pay(1, 8) and d.can_pay(32, 8)
     toks = [5, 6, 7, 8, 9] * 6
     d.observe("a", toks, len(toks))
-    assert d.propose([SpecReq("a", toks, 8)])[0].num_nodes > 1  # alone, a sure chain pays
+    # alone, a sure chain pays
+    assert d.propose([RunnerReq.drafting("a", toks, 8)])[0].num_nodes > 1
     calls = []
     d.global_tree.draft_scored = lambda *a, **k: calls.append(a)
-    trees = d.propose([SpecReq("a", toks, 8)] + [SpecReq(f"b{i}", toks[:5], 8)
+    trees = d.propose([RunnerReq.drafting("a", toks, 8)] + [RunnerReq.drafting(f"b{i}", toks[:5], 8)
                                                  for i in range(63)])
     assert trees[0].num_nodes == 1 and not calls
 
@@ -282,7 +283,7 @@ def test_global_drafts_that_keep_missing_are_scaled_down_and_request_ones_are_no
     for i in range(60):  # each new request goes elsewhere after answer[:4]
         ctx = [200 + i, 21, 22] + answer[:4]
         d.observe(f"b{i}", ctx, len(ctx))
-        tokens, _ = d.draft_lists(SpecReq(f"b{i}", ctx, 16))
+        tokens, _ = d.draft_lists(RunnerReq.drafting(f"b{i}", ctx, 16))
         assert tokens[:2] == [53, 54] and d.last_source == "global"
         d.observe(f"b{i}", ctx + [99], 1)  # the target's token: no draft accepted
         d.release(f"b{i}")
@@ -290,9 +291,9 @@ def test_global_drafts_that_keep_missing_are_scaled_down_and_request_ones_are_no
     assert trust < 0.5
     ctx = [1, 2, 3] + answer[:4]
     d.observe("c", ctx, len(ctx))
-    d.draft_lists(SpecReq("c", ctx, 16))
+    d.draft_lists(RunnerReq.drafting("c", ctx, 16))
     assert d.last_probs[1] == pytest.approx(trust)  # count 1 of 1, scaled by the record
     own = [1, 2, 3, 4, 5, 6, 90, 1, 2, 3]  # the request's own history: not scaled
     d.observe("e", own, len(own))
-    assert d.draft_lists(SpecReq("e", own, 16))[0] == [3, 4, 5, 6]
+    assert d.draft_lists(RunnerReq.drafting("e", own, 16))[0] == [3, 4, 5, 6]
     assert d.last_source == "request" and d.last_probs[1:] == [1.0, 1.0, 1.0]

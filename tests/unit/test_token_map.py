@@ -13,11 +13,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from launch.server_args import parse_args
+from launch.server_args import ServerArgs, parse_args
 from runtime.layers.linear import Linear
 from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
 from runtime.model_runner.runner_process import RunnerWorker
-from runtime.server_args import ServerArgs
 from speculative.base import SpecConfig, create_drafter
 from speculative.drafters.eagle import EagleDrafter
 from speculative.models.eagle_head import lm_head_rows
