@@ -17,7 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from speculative.base import Drafter, SpecReq, register_algorithm
-from speculative.ngram_cache import NgramConfig, new_ngram_cache, tree_size_for_match
+from speculative.ngram_cache import NgramCache, NgramConfig, tree_size_for_match
 from speculative.ngram_context import OWN_CONTEXT_MAX_MATCH, ContextIndex, own_context_tree
 from speculative.options import ResolveContext, SpecConfig, SpecOptions, flag, option
 from speculative.tree import DraftTree
@@ -83,7 +83,7 @@ class NgramDrafter(Drafter):
         super().__init__(cfg, runner)
         # with match sizing, a backed-off request still drafts on a confident (long) match
         self.drafts_when_backed_off = not cfg.ngram_disable_match_sizing
-        self.cache = new_ngram_cache(NgramConfig(
+        self.cache = NgramCache(NgramConfig(
             capacity=cfg.ngram_capacity,
             max_trie_depth=cfg.ngram_max_trie_depth,
             min_match_window=cfg.ngram_min_match_window,
@@ -163,7 +163,7 @@ class NgramDrafter(Drafter):
 
     def reset(self) -> None:
         cfg, self.cache = self.cache.cfg, None  # the old trie's memory goes first
-        self.cache = new_ngram_cache(cfg)
+        self.cache = NgramCache(cfg)
         self._contexts.clear()
         self._counted.clear()
         self._history.clear()
