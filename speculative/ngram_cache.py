@@ -141,19 +141,25 @@ def bfs_breadths(cfg: NgramConfig) -> list[int]:
     return [lo + delta * max(span - i, 0) // span for i in range(depth)]
 
 
+def trie_extension():
+    """The CPU extension module that holds the trie; raises CpuExtensionUnavailable saying so.
+    NGRAM and SUFFIX call it when their options are resolved, so a server without it fails at
+    start with that message, not later in its model runner."""
+    try:
+        return cpu.load()
+    except cpu.CpuExtensionUnavailable as exc:
+        raise cpu.CpuExtensionUnavailable(
+            f"the n-gram trie (NGRAM, SUFFIX) is part of the CPU extension: {exc}") from exc
+
+
 class NgramCache:
     """A capacity-bounded n-gram trie with LRU leaf eviction, and tree drafting from it (the
     C++ trie of the CPU extension; see the module docstring). Request keys that are not
     strings are keyed by their repr."""
 
     def __init__(self, cfg: NgramConfig) -> None:
-        try:
-            ext = cpu.load()
-        except cpu.CpuExtensionUnavailable as exc:
-            raise cpu.CpuExtensionUnavailable(
-                f"the n-gram trie (NGRAM, SUFFIX) is part of the CPU extension: {exc}") from exc
         self.cfg = cfg
-        self._t = ext.NgramTrie(
+        self._t = trie_extension().NgramTrie(
             cfg.capacity, cfg.max_trie_depth, cfg.min_match_window, cfg.max_bfs_breadth,
             bfs_breadths(cfg), cfg.match_type == "PROB", cfg.max_tracked_requests)
         logger.info("n-gram trie: up to %s nodes, %.0f MB reserved", f"{cfg.capacity:,}",

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from speculative.base import Drafter, SpecReq, register_algorithm
-from speculative.ngram_cache import NgramCache, NgramConfig, tree_size_for_match
+from speculative.ngram_cache import NgramCache, NgramConfig, tree_size_for_match, trie_extension
 from speculative.ngram_context import OWN_CONTEXT_MAX_MATCH, ContextIndex, own_context_tree
 from speculative.options import ResolveContext, SpecConfig, SpecOptions, flag, option
 from speculative.tree import DraftTree
@@ -72,6 +72,7 @@ class NgramDrafter(Drafter):
         if deep < n:
             raise ValueError(f"{flag('ngram_max_draft_tokens')} must be >= "
                              f"{flag('num_draft_tokens')} ({n}), got {deep}")
+        trie_extension()  # after the flags' own errors: a server fails at start, not later
         return dataclasses.replace(opts, ngram_max_draft_tokens=deep)
 
     @classmethod

@@ -35,7 +35,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from speculative.base import Drafter, SpecReq, register_algorithm
-from speculative.ngram_cache import NgramCache, NgramConfig
+from speculative.ngram_cache import NgramCache, NgramConfig, trie_extension
 from speculative.ngram_context import ContextIndex
 from speculative.options import ResolveContext, SpecConfig, SpecOptions, flag, option
 from speculative.tree import DraftTree
@@ -179,6 +179,7 @@ class SuffixDrafter(Drafter):
             raise ValueError(f"{flag('suffix_min_token_prob')} must be in (0, 1]")
         if opts.suffix_max_spec_factor < 0:
             raise ValueError(f"{flag('suffix_max_spec_factor')} must be >= 0")
+        trie_extension()  # after the flags' own errors: a server fails at start, not later
         return dataclasses.replace(opts, suffix_max_draft_tokens=deep)
 
     @classmethod

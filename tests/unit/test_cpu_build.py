@@ -3,6 +3,11 @@ what failed, the compiler's last lines and how to proceed, unless SPECSERVE_ALLO
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from kernels import cpu
@@ -59,3 +64,20 @@ def test_the_failure_keeps_the_whole_log_and_reports_its_short_tail(tmp_path) ->
     assert "engine.cpp:3:1: error" in exc.output_tail
     assert max(len(line) for line in tail) <= 240  # command lines cut to their start
 
+
+def test_the_test_session_stops_without_the_extension_unless_allowed() -> None:
+    """tests/conftest.py: no skipped kernel tests or excused near-ties by accident."""
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != cpu.ALLOW_NO_CPU_EXT}
+    env["SPECSERVE_DISABLE_CPU_EXT"] = "1"  # as if it could not be built
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
+           "tests/unit/test_cpu_build.py", "-k", "only_a_set_flag"]
+
+    def run(**extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(cmd, cwd=root, env={**env, **extra}, capture_output=True,
+                              text=True, timeout=300)
+
+    stopped = run()
+    assert stopped.returncode == pytest.ExitCode.USAGE_ERROR
+    assert "the CPU extension (kernels/cpu/csrc) is unavailable" in stopped.stdout + stopped.stderr
+    assert run(**{cpu.ALLOW_NO_CPU_EXT: "1"}).returncode == 0
