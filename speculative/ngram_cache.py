@@ -162,7 +162,7 @@ class NgramCache:
         self._t = trie_extension().NgramTrie(
             cfg.capacity, cfg.max_trie_depth, cfg.min_match_window, cfg.max_bfs_breadth,
             bfs_breadths(cfg), cfg.match_type == "PROB", cfg.max_tracked_requests)
-        logger.info("n-gram trie: up to %s nodes, %.0f MB reserved", f"{cfg.capacity:,}",
+        logger.info("n-gram trie (C++): up to %s nodes, %.0f MB reserved", f"{cfg.capacity:,}",
                     self.reserved_bytes / 2**20)
 
     @staticmethod

@@ -69,8 +69,8 @@ def failure_report(exc: CpuExtensionUnavailable) -> str:
                   "----"]
     lines += [
         "It holds the CPU engine's kernels and the NGRAM / SUFFIX n-gram trie. Building it needs",
-        "a C++17 compiler (g++) and ninja (`pip install ninja`); fix the error above and run",
-        "`python -m kernels.cpu.build` (or `make`) again.",
+        "a C++17 compiler (g++) and ninja (a dependency of this package); fix the error above",
+        "and run `python -m kernels.cpu.build` (or `make`) again.",
         "To go on without it instead (the torch reference engine serves, NGRAM and SUFFIX are",
         f"unavailable, tests that need it skip), set {ALLOW_NO_CPU_EXT}=1, e.g.",
         f"`make test {ALLOW_NO_CPU_EXT}=1`.",
