@@ -6,7 +6,7 @@ The token stream mixes random tokens from a small vocabulary with repeated passa
 suffixes match and drafts are real trees. For each (context length, new tokens per step) a
 fresh cache gets the context via `insert` (the prompt), then every step times
 `extend(key, tail, new)` (what the worker does after verify) and the next step's draft
-separately. Draft modes: `tree` = `draft(tail)` -> DraftTree, as speculative/ngram.py calls it;
+separately. Draft modes: `tree` = `draft(tail)` -> DraftTree, as the NGRAM drafter calls it;
 `keyed` = `draft(tail, key=key)` (suffix nodes reused from the extend); `lists` =
 `draft_lists(tail)` (plain lists, no tensors); `drafter` = the whole `NgramDrafter` as the
 model runner drives it (`observe` then `propose`, with the own-context drafts of short matches,
@@ -15,8 +15,6 @@ tree over the context, depth 24, and the global tree over the outputs, observe t
 rows at every `--context-lens`, one new token per step, reported under match "SUFFIX").
 `keyed`, `lists` and `drafter` run at `--aux-context`.
 `--evict-capacity` adds rows with a small capacity, so every step also evicts.
-`--impls python,native` runs every row on the Python trie and on the C++ one
-(`NativeNgramCache`, the default where the CPU extension builds; both give the same drafts).
 `hit %` = steps whose tree has the true next token as a child of the root. `step p99 cpu` is the
 p99 of the thread's CPU time for extend + draft: on a shared machine the wall-clock tail also
 holds time slices lost to other processes (the 4 ms scheduler tick shows up there).
@@ -27,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import random
 import statistics
 import time
@@ -37,7 +34,7 @@ from runtime.sampling.sampling_params import SamplingParams
 from speculative.base import RunnerReq, SpecConfig
 from speculative.drafters.ngram import NgramDrafter
 from speculative.drafters.suffix import SuffixDrafter
-from speculative.ngram_cache import NativeNgramCache, NgramCache, NgramConfig, native_available
+from speculative.ngram_cache import NgramCache, NgramConfig
 
 
 def ints(text: str) -> list[int]:
@@ -68,11 +65,8 @@ def summary(xs: list[float]) -> dict[str, float]:
 
 def run_case(
     cfg: NgramConfig, stream: list[int], ctx_len: int, new_per_step: int, steps: int, mode: str,
-    impl: str = "python",
 ) -> dict:
     drafter = None
-    saved = os.environ.get("SPECSERVE_NGRAM_NATIVE")
-    os.environ["SPECSERVE_NGRAM_NATIVE"] = "1" if impl == "native" else "0"  # the drafters' trie
     if mode == "suffix":
         drafter = SuffixDrafter(SpecConfig(
             "SUFFIX", num_draft_tokens=cfg.num_draft_tokens,
@@ -85,11 +79,7 @@ def run_case(
             ngram_disable_match_sizing=not cfg.size_by_match), runner=None)
         cache = drafter.cache
     else:
-        cache = (NativeNgramCache if impl == "native" else NgramCache)(cfg)
-    if saved is None:
-        os.environ.pop("SPECSERVE_NGRAM_NATIVE")
-    else:
-        os.environ["SPECSERVE_NGRAM_NATIVE"] = saved
+        cache = NgramCache(cfg)
     depth = cfg.max_trie_depth
     t0 = time.perf_counter()
     if drafter is not None:
@@ -134,7 +124,6 @@ def run_case(
             nodes.append(tree.num_nodes)
             hits += stream[pos] in {int(tree.tokens[c]) for c in tree.children(0)}
     return {
-        "impl": impl,
         "context_len": ctx_len,
         "new_per_step": new_per_step,
         "draft_mode": mode,
@@ -170,14 +159,9 @@ def main(argv: list[str] | None = None) -> dict:
                    help="extra rows at --aux-context with this capacity (0: skip)")
     p.add_argument("--no-suffix", dest="suffix", action="store_false",
                    help="skip the SUFFIX drafter rows")
-    p.add_argument("--impls", default="python,native" if native_available() else "python",
-                   help="tries to time: python (the reference) and/or native (C++)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default="results/bench_ngram_cache.json")
     args = p.parse_args(argv)
-    impls = args.impls.split(",")
-    if "native" in impls and not native_available():
-        p.error("--impls native needs the CPU extension (python -m kernels.cpu.build)")
 
     longest = max(args.context_lens + [args.aux_context]) + args.steps * max(args.new_per_step)
     stream = token_stream(longest + 64, args.vocab, args.passages, args.passage_len, args.seed)
@@ -198,17 +182,16 @@ def main(argv: list[str] | None = None) -> dict:
         cases += [(base, n, args.new_per_step[0], "suffix") for n in args.context_lens]
     runs = []
     for cfg, n, k, mode in cases:
-        for impl in impls:
-            gc.collect()
-            r = run_case(cfg, stream, n, k, args.steps, mode, impl)
-            runs.append(r)
-            print(f"{impl} {cfg.match_type} ctx={n} new={k} cap={cfg.capacity} draft={mode}: "
-                  f"step median {r['step_us']['median']:.0f} us", flush=True)
+        gc.collect()
+        r = run_case(cfg, stream, n, k, args.steps, mode)
+        runs.append(r)
+        print(f"{cfg.match_type} ctx={n} new={k} cap={cfg.capacity} draft={mode}: "
+              f"step median {r['step_us']['median']:.0f} us", flush=True)
 
     result = {"machine": machine_info(), "args": vars(args), "runs": runs}
     path = write_json(args.output, result)
     rows = [
-        [r["impl"], r["match_type"], r["context_len"], r["new_per_step"], r["capacity"],
+        [r["match_type"], r["context_len"], r["new_per_step"], r["capacity"],
          r["draft_mode"], r["num_nodes"], r["extend_us"]["median"], r["extend_us"]["p99"],
          r["draft_us"]["median"], r["draft_us"]["p99"], r["step_us"]["median"],
          r["step_us"]["p99"], r["step_cpu_us"]["p99"], r["mean_draft_nodes"],
@@ -217,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
     ]
     print(f"\nJSON: {path}\n")
     print(format_table(
-        ["impl", "match", "ctx", "new", "capacity", "draft", "nodes", "ext med us", "ext p99",
+        ["match", "ctx", "new", "capacity", "draft", "nodes", "ext med us", "ext p99",
          "draft med us", "draft p99", "step med us", "step p99", "step p99 cpu", "tree nodes",
          "hit %", "insert us/tok"],
         rows,

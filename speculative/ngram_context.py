@@ -26,19 +26,61 @@ context length.
 
 from __future__ import annotations
 
+import heapq
 from array import array
-from collections.abc import Sequence
-
-from speculative.ngram_cache import grow_best_first
+from collections.abc import Callable, Sequence
 
 # Matches of at most this many tokens draft from the request's own context first.
-OWN_CONTEXT_MAX_MATCH = 3  # = ngram_cache.CONFIDENT_MATCH
+OWN_CONTEXT_MAX_MATCH = 3
 # Most earlier occurrences of the root token looked at per step (most recent first).
 OWN_CONTEXT_SCAN = 64
 # SUFFIX's own-context trees: occurrences of the root token compared per step (most recent
 # first). Larger than NGRAM's scan: every occurrence adds to the counts, not just the first
 # few distinct continuations.
 SUFFIX_SCAN = 256
+
+
+def grow_best_first(
+    root: int,
+    start: object,
+    expand: Callable[[object], tuple[int, list[tuple[int, int, object]]]],
+    limit: int,
+    min_prob: float,
+) -> tuple[list[int], list[int], list[float], float]:
+    """Suffix decoding's best-first tree below one matched suffix: (tokens, parents, probs,
+    score), at most `limit` drafts under `root`, nodes in best-first order (parents first).
+
+    `expand(handle)` gives a node's continuations as (total, [(token, count, child handle),
+    ...]): total counts every occurrence that continued, so a child's probability is its
+    parent's times count / total; children below `min_prob` are pruned, and count ties go to
+    the child listed first. The score is the sum of the drafts' probabilities (the expected
+    number accepted). `ContextIndex.draft_scored` grows its trees with it; the n-gram trie's
+    `draft_scored` runs the same steps in C++ (kernels/cpu/csrc/ngram_trie.cpp)."""
+    heappush, heappop = heapq.heappush, heapq.heappop
+    tokens, parents, probs, score = [root], [-1], [1.0], 0.0
+    heap: list[tuple[float, int, int, int, object]] = []  # (-p, seq, parent, token, handle)
+    seq, idx, handle, prob = 0, 0, start, 1.0
+    while True:
+        total, kids = expand(handle)
+        if total > 0:
+            scale = prob / total
+            for t, c, child in kids:
+                p = c * scale
+                if p >= min_prob:
+                    heappush(heap, (-p, seq, idx, t, child))
+                    seq += 1
+        if not heap or len(tokens) > limit:
+            break
+        negp, _, parent, t, handle = heappop(heap)
+        idx = len(tokens)
+        tokens.append(t)
+        parents.append(parent)
+        prob = -negp
+        probs.append(prob)
+        score += prob
+        if len(tokens) > limit:
+            break
+    return tokens, parents, probs, score
 
 
 class ContextIndex:

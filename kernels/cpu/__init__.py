@@ -1,6 +1,6 @@
 """The CPU engine's C++ extension: quantized batch-invariant matmuls, query-invariant attention
 and the fused decoder stack (sources in `kernels/cpu/csrc/`), and the NGRAM / SUFFIX drafters'
-n-gram trie (`ngram_trie.cpp`, used through `speculative.ngram_cache.NativeNgramCache`).
+n-gram trie (`ngram_trie.cpp`, used through `speculative.ngram_cache.NgramCache`).
 
 It is compiled by this project on first use (`torch.utils.cpp_extension.load`, ninja + the
 system g++) into `<cache>/cpu_ext/`, keyed by a hash of the sources, and reused afterwards;
@@ -9,7 +9,10 @@ for AVX-512 (+VNNI), AVX2+FMA and plain C++ are all compiled in; the widest one 
 chosen at run time (`SPECSERVE_CPU_ISA=amx|avx512|avx2|generic` forces one the CPU has).
 
 `load()` returns the module, or raises `CpuExtensionUnavailable` with the reason; `available()`
-answers without raising (callers then fall back to the torch reference engine and say so).
+answers without raising. A missing extension is an error (`python -m kernels.cpu.build` exits
+non-zero, the engine and the test suite refuse to start) unless SPECSERVE_ALLOW_NO_CPU_EXT=1
+asks to go on without it (`fallback_allowed()`): then the torch reference engine serves, NGRAM
+and SUFFIX are unavailable and the tests that need the extension skip.
 """
 
 from __future__ import annotations
@@ -40,8 +43,40 @@ ACTIVATION_DIGITS = (1, 2, 3)
 DEFAULT_ACTIVATION_DIGITS = 3
 
 
+ALLOW_NO_CPU_EXT = "SPECSERVE_ALLOW_NO_CPU_EXT"
+# lines of compiler output a failure report shows (the whole log stays in the build directory)
+REPORT_LINES = 30
+
+
 class CpuExtensionUnavailable(SpecserveError, RuntimeError):
-    """The C++ extension could not be built or loaded here (the message says why)."""
+    """The C++ extension could not be built or loaded here (the message says why;
+    `output_tail` holds the end of the compiler's output when a build failed)."""
+
+    def __init__(self, message: str, output_tail: str = "") -> None:
+        super().__init__(message)
+        self.output_tail = output_tail
+
+
+def fallback_allowed() -> bool:
+    """Whether running without the extension was asked for (SPECSERVE_ALLOW_NO_CPU_EXT=1)."""
+    return os.environ.get(ALLOW_NO_CPU_EXT, "") not in ("", "0")
+
+
+def failure_report(exc: CpuExtensionUnavailable) -> str:
+    """What failed, the compiler's last lines, and how to proceed (for `make` and pytest)."""
+    lines = [f"error: the CPU extension (kernels/cpu/csrc) is unavailable: {exc}"]
+    if exc.output_tail:
+        lines += [f"---- compiler output, last {REPORT_LINES} lines ----", exc.output_tail,
+                  "----"]
+    lines += [
+        "It holds the CPU engine's kernels and the NGRAM / SUFFIX n-gram trie. Building it needs",
+        "a C++17 compiler (g++) and ninja (a dependency of this package); fix the error above",
+        "and run `python -m kernels.cpu.build` (or `make`) again.",
+        "To go on without it instead (the torch reference engine serves, NGRAM and SUFFIX are",
+        f"unavailable, tests that need it skip), set {ALLOW_NO_CPU_EXT}=1, e.g.",
+        f"`make test {ALLOW_NO_CPU_EXT}=1`.",
+    ]
+    return "\n".join(lines)
 
 
 def _read_sources() -> dict[str, bytes]:
@@ -128,12 +163,26 @@ def _build(out: Path, sources: dict[str, bytes], done: Path):
             verbose=False,
         )
     except Exception as exc:  # compiler missing, ninja missing, a build error: say which
-        raise CpuExtensionUnavailable(f"building the CPU kernels failed: {exc}") from exc
+        raise _build_failure(out, str(exc)) from exc
     tmp = done.with_suffix(".so.tmp")
     tmp.write_bytes((work / "specserve_cpu.so").read_bytes())
     os.replace(tmp, done)  # published only when complete
     logger.info("CPU kernels built in %.0fs", time.perf_counter() - t0)
     return mod
+
+
+def _build_failure(out: Path, output: str) -> CpuExtensionUnavailable:
+    """The error for a failed build; torch puts the whole ninja / compiler output in its
+    message: the full text goes to build.log beside the build."""
+    log = out / "build.log"
+    log.write_text(output)
+    lines = output.strip().splitlines()
+    head = lines[0].split(": [")[0] if lines else "no output"
+    # compiler command lines run to kilobytes: their start says enough
+    short = [ln if len(ln) <= 240 else ln[:120] + " ..." for ln in lines[-REPORT_LINES:]]
+    tail = "\n".join(short) if len(lines) > 1 else ""
+    return CpuExtensionUnavailable(f"building the CPU kernels failed ({head}; full log: {log})",
+                                   tail)
 
 
 def load():

@@ -80,9 +80,10 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def resolve_engine(weight_format: str, device: torch.device, dtype: str = "auto") -> str:
     """"cpu" (the C++ engine, kernels/cpu) or "torch" (the reference engine) for a weight format.
 
-    auto picks the CPU engine on the CPU when its extension builds here, else torch (logged); a
-    half-precision `--dtype` asks for the torch engine (the CPU engine computes in float32). An
-    explicit packed format without the extension is an error, never a silent fallback."""
+    auto picks the CPU engine on the CPU; without its extension that is an error unless
+    SPECSERVE_ALLOW_NO_CPU_EXT=1 allows the torch engine instead (logged). A half-precision
+    `--dtype` asks for the torch engine (the CPU engine computes in float32). An explicit packed
+    format without the extension is an error, never a silent fallback."""
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"--weight-format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
     if weight_format == "torch":
@@ -104,6 +105,11 @@ def resolve_engine(weight_format: str, device: torch.device, dtype: str = "auto"
         return "cpu"
     if weight_format != "auto":
         raise ValueError(f"--weight-format {weight_format} needs the CPU extension: {why}")
+    if not cpu.fallback_allowed():
+        raise cpu.CpuExtensionUnavailable(
+            f"the CPU engine needs its extension ({why}); run `python -m kernels.cpu.build` to "
+            f"see why it fails, or set {cpu.ALLOW_NO_CPU_EXT}=1 (or --weight-format torch) to "
+            "serve with the torch reference engine")
     logger.warning("CPU engine unavailable (%s); running the torch reference engine", why)
     return "torch"
 

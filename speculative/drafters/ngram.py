@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from speculative.base import Drafter, RunnerReq, register_algorithm
 from speculative.controller import TreeSizes
-from speculative.ngram_cache import NgramConfig, new_ngram_cache, tree_size_for_match
+from speculative.ngram_cache import NgramCache, NgramConfig, tree_size_for_match, trie_extension
 from speculative.ngram_context import OWN_CONTEXT_MAX_MATCH, ContextIndex, own_context_tree
 from speculative.options import ResolveContext, SpecConfig, SpecOptions, flag, option
 from speculative.tree import DraftTree
@@ -72,6 +72,7 @@ class NgramDrafter(Drafter):
         if deep < n:
             raise ValueError(f"{flag('ngram_max_draft_tokens')} must be >= "
                              f"{flag('num_draft_tokens')} ({n}), got {deep}")
+        trie_extension()  # after the flags' own errors: a server fails at start, not later
         return dataclasses.replace(opts, ngram_max_draft_tokens=deep)
 
     @classmethod
@@ -84,7 +85,7 @@ class NgramDrafter(Drafter):
 
     def __init__(self, cfg: SpecConfig, runner) -> None:
         super().__init__(cfg, runner)
-        self.cache = new_ngram_cache(NgramConfig(
+        self.cache = NgramCache(NgramConfig(
             capacity=cfg.ngram_capacity,
             max_trie_depth=cfg.ngram_max_trie_depth,
             min_match_window=cfg.ngram_min_match_window,
@@ -125,7 +126,7 @@ class NgramDrafter(Drafter):
                 trees.append(DraftTree.root(r.tokens[-1]))
                 continue
             tokens, parents = self.cache.draft_lists(r.tokens[-depth:], r.budget, key=r.rid,
-                                                     backed_off=r.confident_only)
+                                                     confident_only=r.confident_only)
             if self.own_context:
                 tokens, parents = self._own_context_first(r, tokens, parents)
             trees.append(DraftTree.from_parents(tokens, parents))
@@ -164,7 +165,7 @@ class NgramDrafter(Drafter):
 
     def reset(self) -> None:
         cfg, self.cache = self.cache.cfg, None  # the old trie's memory goes first
-        self.cache = new_ngram_cache(cfg)
+        self.cache = NgramCache(cfg)
         self._contexts.clear()
         self._counted.clear()
         self._history.clear()

@@ -2,7 +2,7 @@
 `method="suffix"`), no draft model.
 
 Two suffix structures answer every step, through one best-first tree grower
-(`speculative.ngram_cache.grow_best_first`):
+(`speculative.ngram_context.grow_best_first`):
 - the request's own prompt and output so far, as a positional index (`ngram_context.ContextIndex`,
   the one NGRAM's own-context drafts read): one int per token, so a long prompt costs nothing
   to index, and its trees equal those of a depth-bounded count trie over the same tokens
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from speculative.base import Drafter, RunnerReq, register_algorithm
 from speculative.controller import TreeSizes, best_prefix
-from speculative.ngram_cache import NgramConfig, new_ngram_cache
+from speculative.ngram_cache import NgramCache, NgramConfig, trie_extension
 from speculative.ngram_context import ContextIndex
 from speculative.options import ResolveContext, SpecConfig, SpecOptions, flag, option
 from speculative.tree import DraftTree
@@ -181,6 +181,7 @@ class SuffixDrafter(Drafter):
             raise ValueError(f"{flag('suffix_min_token_prob')} must be in (0, 1]")
         if opts.suffix_max_spec_factor < 0:
             raise ValueError(f"{flag('suffix_max_spec_factor')} must be >= 0")
+        trie_extension()  # after the flags' own errors: a server fails at start, not later
         return dataclasses.replace(opts, suffix_max_draft_tokens=deep)
 
     @classmethod
@@ -197,7 +198,7 @@ class SuffixDrafter(Drafter):
         breadth = max(1, min(64, math.ceil(1.0 / cfg.suffix_min_token_prob)))
         self._global_cfg = NgramConfig(capacity=cfg.suffix_cache_capacity, max_trie_depth=depth,
                                        max_bfs_breadth=breadth)
-        self.global_tree = new_ngram_cache(self._global_cfg)
+        self.global_tree = NgramCache(self._global_cfg)
         self.trees: OrderedDict[str, ContextIndex] = OrderedDict()  # per live request
         # outputs the global tree counts, oldest first (finished or running)
         self.outputs: OrderedDict[str, array] = OrderedDict()
@@ -359,7 +360,7 @@ class SuffixDrafter(Drafter):
 
     def reset(self) -> None:
         self.global_tree = None  # the old tree's memory goes first
-        self.global_tree = new_ngram_cache(self._global_cfg)
+        self.global_tree = NgramCache(self._global_cfg)
         self.calibration = SourceCalibration()
         self._pending.clear()
         self.trees.clear()

@@ -196,8 +196,14 @@ def test_bf16_checkpoints_stay_bf16(tmp_path):
     assert (a - b).abs().max() <= 1e-4 * b.abs().max()
 
 
-def test_without_the_extension_auto_falls_back_and_explicit_formats_fail(monkeypatch, caplog):
+def test_without_the_extension_auto_fails_unless_allowed_and_explicit_formats_fail(
+        monkeypatch, caplog):
     monkeypatch.setattr(cpu, "available", lambda: (False, "no compiler"))
+    monkeypatch.delenv(cpu.ALLOW_NO_CPU_EXT, raising=False)
+    with pytest.raises(cpu.CpuExtensionUnavailable, match="no compiler.*ALLOW_NO_CPU_EXT=1"):
+        mr.resolve_engine("auto", torch.device("cpu"))
+    assert mr.resolve_engine("torch", torch.device("cpu")) == "torch"  # asked for: no extension
+    monkeypatch.setenv(cpu.ALLOW_NO_CPU_EXT, "1")
     assert mr.resolve_engine("auto", torch.device("cpu")) == "torch"
     assert "CPU engine unavailable (no compiler)" in caplog.text
     with pytest.raises(ValueError, match="q4_1 needs the CPU extension: no compiler"):

@@ -1,3 +1,7 @@
+"""The n-gram trie (`speculative.ngram_cache.NgramCache`, C++): counting, recency orders, BFS
+and PROB trees, tree sizing, LRU eviction within capacity, corpus loading. Its drafts against a
+Python reference on random operations: test_ngram_reference.py."""
+
 from __future__ import annotations
 
 import gc
@@ -7,44 +11,18 @@ from collections import Counter
 
 import pytest
 
-from speculative.ngram_cache import (
-    NativeNgramCache,
-    NgramCache,
-    NgramConfig,
-    _breadths,
-    native_available,
-    tree_size_for_match,
-)
-
-IMPLS = ["python", "native"] if native_available() else ["python"]
+from speculative.ngram_cache import NgramCache, NgramConfig, bfs_breadths, tree_size_for_match
 
 
-@pytest.fixture(params=IMPLS, autouse=True)
-def impl(request) -> str:
-    """Every test runs on the Python trie and on the C++ one (same behaviour, same drafts)."""
-    global _IMPL
-    _IMPL = request.param
-    return request.param
-
-
-_IMPL = "python"
-
-
-def _cache(**kw) -> NgramCache | NativeNgramCache:
+def _cache(**kw) -> NgramCache:
     """A cache whose trees fill their budget (the builders' own behaviour); the tests of
     sizing by match length pass size_by_match=True."""
-    cls = NativeNgramCache if _IMPL == "native" else NgramCache
-    return cls(NgramConfig(**{"size_by_match": False, **kw}))
+    return NgramCache(NgramConfig(**{"size_by_match": False, **kw}))
 
 
 def _dump(cache) -> list[tuple[tuple[int, ...], int]]:
     """Every stored n-gram with its count, children in the trie's recency order."""
     return cache.dump()
-
-
-def _python_only(impl: str) -> None:
-    if impl != "python":
-        pytest.skip("reads the Python trie's internals")
 
 
 def _brute_counts(seqs: list[list[int]], depth: int) -> dict[tuple[int, ...], int]:
@@ -107,7 +85,7 @@ def test_bfs_takes_the_most_recent_children_within_decaying_breadth() -> None:
     depth, max_b, min_b = 6, 5, 1
     cache = _cache(max_trie_depth=depth, max_bfs_breadth=max_b, min_bfs_breadth=min_b)
     # breadth index m + level - 2 spans exactly max_b .. min_b and never grows
-    breadth = _breadths(cache.cfg)
+    breadth = bfs_breadths(cache.cfg)
     assert breadth[0] == max_b and breadth[depth - 2] == min_b
     assert all(a >= b for a, b in zip(breadth, breadth[1:]))
     # after token 7: 30 continuations c, each followed by 6 continuations d, then e
@@ -135,7 +113,7 @@ def test_bfs_takes_the_most_recent_children_within_decaying_breadth() -> None:
 
 def test_longer_matches_get_narrower_trees_and_shorter_ones_merge_in() -> None:
     cache = _cache(max_trie_depth=10, max_bfs_breadth=9, min_bfs_breadth=1)
-    breadth = _breadths(cache.cfg)
+    breadth = bfs_breadths(cache.cfg)
     assert breadth[:5] == [9, 8, 7, 6, 5]
     for c in range(100, 120):
         cache.insert([1, 2, 3, 4, 5, c])
@@ -378,24 +356,48 @@ def test_integrity_holds_after_random_operations(match_type: str, seed: int) -> 
     cache.check_integrity()
 
 
-def test_check_integrity_catches_a_corrupted_trie(impl: str) -> None:
-    _python_only(impl)
-    cache = _cache(match_type="PROB")
+def test_integrity_check_and_bad_input_report_through_python_errors() -> None:
+    cache = _cache(capacity=64, max_trie_depth=4)
     cache.insert([1, 2, 3, 1, 2, 4])
-    cache.draft([1, 2], 4)
-    cache.check_integrity()
-    one = cache._walk([1], 0)
-    cache._cnt[one] += 1  # the root's child total no longer matches
-    with pytest.raises(AssertionError):
-        cache.check_integrity()
-    cache._cnt[one] -= 1
-    cache.check_integrity()
-    cache._num_nodes += 1
-    with pytest.raises(AssertionError):
-        cache.check_integrity()
+    cache.check_integrity()  # a C++ logic_error would come out as an AssertionError
+    assert cache.count([1, 2]) == 2 and cache.count([2, 3, 1, 2]) == 1 and cache.count([9]) == 0
+    with pytest.raises(ValueError, match="context token"):
+        cache.draft_lists([], 4)
+    with pytest.raises(ValueError, match="counts the root"):
+        cache.draft_lists([1], 0)
 
 
-def test_trie_nodes_add_no_objects_for_the_garbage_collector(impl: str) -> None:
+def test_memory_is_reserved_up_front_and_never_grows() -> None:
+    """The whole trie's storage is allocated at construction (its RSS is its ceiling from the
+    start): filling it past capacity, evicting all the while, reallocates nothing."""
+    cache = _cache(capacity=5000, max_trie_depth=6)
+    reserved = cache.reserved_bytes
+    # 64 bytes of per-node arrays a node, a child table of >= 2 slots a node (12 bytes each)
+    assert reserved >= 5000 * (64 + 24)
+    rng = random.Random(5)
+    for _ in range(60):
+        cache.insert([rng.randrange(500) for _ in range(200)])
+        assert cache.reserved_bytes == reserved
+    assert cache.num_nodes == 5000  # full, so it evicted
+    cache.check_integrity()
+
+
+@pytest.mark.parametrize("match_type", ["BFS", "PROB"])
+def test_a_smaller_budgets_tree_is_a_prefix_of_a_larger_ones(match_type: str) -> None:
+    """What lets the tree sizing cut the trie's tree instead of building it again."""
+    rng = random.Random(8)
+    cache = _cache(max_trie_depth=6, match_type=match_type, max_bfs_breadth=4)
+    seqs = [[rng.randrange(6) for _ in range(80)] for _ in range(5)]
+    for s in seqs:
+        cache.insert(s)
+    for s in seqs:
+        for end in range(3, 80, 7):
+            tokens, parents = cache.draft_lists(s[:end], 24)
+            for b in range(1, 24):
+                assert cache.draft_lists(s[:end], b) == (tokens[:b], parents[:b])
+
+
+def test_trie_nodes_add_no_objects_for_the_garbage_collector() -> None:
     # millions of nodes must not make every full collection walk millions of objects
     rng = random.Random(6)
     cache = _cache(match_type="PROB")
@@ -486,8 +488,7 @@ def test_tree_size_grows_with_the_match_length_within_the_budget() -> None:
 
 
 def test_sized_trees_follow_the_longest_match_and_backoff_drafts_only_on_long_ones() -> None:
-    cls = NativeNgramCache if _IMPL == "native" else NgramCache
-    cache = cls(NgramConfig(max_trie_depth=18, num_draft_tokens=8))
+    cache = NgramCache(NgramConfig(max_trie_depth=18, num_draft_tokens=8))
     assert cache.cfg.size_by_match  # the default
     passage = list(range(1000, 1040))
     cache.insert(passage)
@@ -499,11 +500,11 @@ def test_sized_trees_follow_the_longest_match_and_backoff_drafts_only_on_long_on
     # a long match (inside the passage): the whole budget, as a chain of the passage
     tokens, parents = cache.draft_lists(passage[:10], 16)
     assert tokens == passage[9:25] and parents == list(range(-1, 15))
-    # backed off: nothing on a short match, the sized tree on a long one
-    assert cache.draft_lists([5, 7], 16, backed_off=True) == ([7], [-1])
-    assert cache.draft_lists(passage[:10], 16, backed_off=True)[0] == passage[9:25]
-    assert cache.draft_lists(passage[:2], 16, backed_off=True) == ([passage[1]], [-1])  # m = 2
-    # no match at all: the root alone, backed off or not
+    # confident only: nothing on a short match, the sized tree on a long one
+    assert cache.draft_lists([5, 7], 16, confident_only=True) == ([7], [-1])
+    assert cache.draft_lists(passage[:10], 16, confident_only=True)[0] == passage[9:25]
+    assert cache.draft_lists(passage[:2], 16, confident_only=True) == ([passage[1]], [-1])  # m = 2
+    # no match at all: the root alone, confident only or not
     assert cache.draft_lists([99999], 16) == ([99999], [-1])
     # sizing off: a one-token match fills the budget
     flat = _cache(max_trie_depth=8, num_draft_tokens=8)

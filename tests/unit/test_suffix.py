@@ -143,7 +143,7 @@ def test_drafts_from_the_request_itself_and_from_earlier_outputs():
     d.observe("c", own, len(own))
     tokens, _ = d.draft_lists(RunnerReq.drafting("c", own, 16))
     assert d.last_source == "request" and tokens == [3, 4, 5, 6]
-    # a backed-off request drafts only a confident tree (expected accepted >= 2)
+    # a request kept back drafts only a confident tree (expected accepted >= 2)
     assert d.draft_lists(RunnerReq.drafting("c", own, 16, confident_only=True))[0] == [3, 4, 5, 6]
     short = [1, 2, 3, 4, 5, 99, 5]
     d.observe("e", short, len(short))

@@ -1,13 +1,16 @@
-// The n-gram trie of speculative/ngram_cache.py in C++: the same nodes, counts, recency orders,
-// LRU eviction and drafting, operation for operation, so every draft and every count equals
-// the Python reference's (tests/unit/test_ngram_native.py replays random operations on both).
-// Read the Python module's docstrings for what each operation means; this file only says where
-// the representation differs:
+// The NGRAM / SUFFIX drafters' n-gram trie (the only implementation; used through
+// speculative/ngram_cache.py: NgramCache, whose docstrings say what each operation means).
+// Representation:
+//   - per-node arrays indexed by node id (0 = the root, also the global LRU's sentinel); evicted
+//     ids are reused and a version bump tells stale references apart;
 //   - a node's children are an intrusive doubly linked sibling list in recency order (least
-//     recent first), the Python dict's insertion order, plus one hash table from
-//     (parent, token) to child for lookups;
-//   - request states are keyed by strings (the Python wrapper turns other keys into strings).
-// Not thread-safe, like the Python class: the model runner calls it from one thread.
+//     recent first), plus one hash table from (parent, token) to child for lookups;
+//   - request states (the anchors `extend` continues from) are keyed by strings (the Python
+//     wrapper turns other keys into strings).
+// Tree sizing and backoff are the caller's: `draft_lists` builds the tree for the whole budget,
+// and any smaller budget's tree is a prefix of it. tests/helpers/ngram_reference.py, a small
+// Python trie, checks the counts, recency orders and drafts (tests/unit/test_ngram_reference.py).
+// Not thread-safe: the model runner calls it from one thread.
 
 #include <torch/extension.h>
 
@@ -132,11 +135,9 @@ using Scored = std::tuple<std::vector<int64_t>, std::vector<int>, std::vector<do
 class NgramTrie {
  public:
   NgramTrie(int64_t capacity, int depth, int min_match_window, int max_bfs_breadth,
-            std::vector<int> breadth, bool prob, int num_draft_tokens, bool size_by_match,
-            int64_t max_tracked_requests)
+            std::vector<int> breadth, bool prob, int64_t max_tracked_requests)
       : capacity_(capacity), depth_(depth), min_match_(min_match_window),
         max_breadth_(max_bfs_breadth), breadth_(std::move(breadth)), prob_(prob),
-        num_draft_(num_draft_tokens), size_by_match_(size_by_match),
         max_states_(max_tracked_requests) {
     if (depth_ < 2 || capacity_ < int64_t(depth_) * depth_ || int(breadth_.size()) != depth_)
       throw std::invalid_argument("ngram trie: bad configuration");
@@ -253,10 +254,10 @@ class NgramTrie {
     return best;
   }
 
+  // the tree for `budget` nodes (root included) from every match, longest first; the
+  // caller cuts it to the size it wants (a smaller budget's tree is a prefix of this one)
   std::pair<std::vector<int64_t>, std::vector<int>> draft_lists(
-      const std::vector<int64_t>& context, std::optional<int64_t> num_draft_tokens,
-      const std::optional<std::string>& key, bool backed_off) {
-    int64_t budget = num_draft_tokens ? *num_draft_tokens : num_draft_;
+      const std::vector<int64_t>& context, int64_t budget, const std::optional<std::string>& key) {
     if (budget < 1) throw std::invalid_argument("num_draft_tokens counts the root, >= 1");
     const std::vector<int64_t> tail = tail_of(context);
     if (tail.empty()) throw std::invalid_argument("drafting needs at least one context token");
@@ -268,27 +269,11 @@ class NgramTrie {
     int node, m;
     if (!mt.next(node, m)) return {tokens, parents};
     last_match_ = m;
-    if (backed_off && m < kConfidentMatch) return {tokens, parents};
-    if (size_by_match_) budget = tree_size_for_match(m, num_draft_, budget);
     if (prob_)
       build_prob(mt, node, m, tokens, parents, budget);
     else
       build_bfs(mt, node, m, tokens, parents, budget);
     return {tokens, parents};
-  }
-
-  static int64_t tree_size_for_match(int64_t m, int64_t base, int64_t budget) {
-    if (m <= 0 || budget <= 1) return 1;
-    int64_t n;
-    if (m == 1)
-      n = std::max<int64_t>(2, base / 2);
-    else if (m == 2)
-      n = std::max<int64_t>(2, 3 * base / 4);
-    else if (m == kConfidentMatch)
-      n = (base + std::max(base, budget)) / 2;
-    else
-      n = budget;
-    return std::min(n, budget);
   }
 
   // every stored n-gram with its count, depth first, children in recency order (tests)
@@ -375,9 +360,8 @@ class NgramTrie {
   }
 
  private:
-  static constexpr int kConfidentMatch = 3;  // = ngram_cache.CONFIDENT_MATCH
-
-  // suffix matches of a tail, longest first, nodes with children only (ngram_cache._matches)
+  // suffix matches of a tail, longest first (down to min_match_window), nodes with children
+  // only; a request's anchors stand in for lookups while their versions hold
   class Matcher {
    public:
     Matcher(const NgramTrie& t, const std::vector<int64_t>& tail,
@@ -700,7 +684,7 @@ class NgramTrie {
     }
   };
 
-  // ngram_cache.grow_best_first over this trie
+  // speculative/ngram_context.py: grow_best_first over this trie
   Scored grow_best_first(int64_t root, int start, int64_t limit, double min_prob) {
     std::vector<int64_t> tokens{root};
     std::vector<int> parents{-1};
@@ -816,8 +800,6 @@ class NgramTrie {
   const int depth_, min_match_, max_breadth_;
   const std::vector<int> breadth_;
   const bool prob_;
-  const int num_draft_;
-  const bool size_by_match_;
   const int64_t max_states_;
 
   // per node (id 0 = the root); ids of evicted nodes are reused, versions tell them apart
@@ -837,10 +819,9 @@ class NgramTrie {
 
 void register_ngram_trie(py::module_& m) {
   py::class_<NgramTrie>(m, "NgramTrie")
-      .def(py::init<int64_t, int, int, int, std::vector<int>, bool, int, bool, int64_t>(),
+      .def(py::init<int64_t, int, int, int, std::vector<int>, bool, int64_t>(),
            py::arg("capacity"), py::arg("depth"), py::arg("min_match_window"),
            py::arg("max_bfs_breadth"), py::arg("breadth"), py::arg("prob"),
-           py::arg("num_draft_tokens"), py::arg("size_by_match"),
            py::arg("max_tracked_requests"))
       .def_property_readonly("num_nodes", &NgramTrie::num_nodes)
       .def_property_readonly("reserved_bytes", &NgramTrie::reserved_bytes)
