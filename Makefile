@@ -8,7 +8,7 @@ STAMP := $(VENV)/.specserve-installed
 SERVE_ARGS ?=
 # pytest-xdist workers for `make test`, one test file per worker at a time (0: one process).
 # Two on two cores: half the suite is single-threaded Python, and the engine tests leave cores
-# idle between their bursts; 16 -> 12 minutes on 2 cores (docs/benchmarks.md, "Twenty-sixth").
+# idle between their bursts; 16 -> 12 minutes on 2 cores (docs/benchmarks.md, "Test suite time").
 TEST_WORKERS ?= 2
 
 .PHONY: install model serve test test-fast lint clean gpu-check

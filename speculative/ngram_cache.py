@@ -889,12 +889,12 @@ class NativeNgramCache(_CacheCommon):
     operation (counts, recency orders, LRU eviction, every draft identical;
     tests/unit/test_ngram_native.py replays random operations on both), at native cost. At
     c = 64 SUFFIX's global tree counted and drafted for ~2 ms of every step in Python
-    (docs/benchmarks.md, "Seventeenth session"). Request keys that are not strings are keyed
-    by their repr.
+    (docs/benchmarks.md, "Step time outside the forward"). Request keys that are not strings
+    are keyed by their repr.
 
     Its node arrays and child table are allocated and written for `cfg.capacity` nodes when it
     is built (`reserved_bytes`, ~90 bytes a node): its memory is its ceiling from the start
-    instead of creeping up as the trie fills (docs/benchmarks.md, "Eighteenth session")."""
+    instead of creeping up as the trie fills (docs/benchmarks.md, "Admission, soak and fuzz")."""
 
     def __init__(self, cfg: NgramConfig) -> None:
         from kernels import cpu

@@ -264,9 +264,9 @@ class SpeculativeWorker:
     # SLOT_HORIZON steps had them (at c = 1 and 4 its per-request probes come every 16 and 64
     # steps, `spec_budget.PROBE_EVERY`; in a busy batch the load-aware plan keeps every request
     # plain and a request's probe would come after its whole life). Otherwise no request can
-    # probe or draft and the step stays plain. (It was the full path, every step, for as long
-    # as the probe stayed due: at c = 32 on ShareGPT ~90% of an off EAGLE-3's steps,
-    # docs/benchmarks.md, "Eleventh session".)
+    # probe or draft and the step stays plain: a due probe that ran the full path every step
+    # would, at c = 32 on ShareGPT, make ~90% of an off EAGLE-3's steps full ones
+    # (docs/benchmarks.md, "Draft models and heads on the default model").
     WARM_STEPS = 8
     SLOT_HORIZON = 64
 
@@ -293,7 +293,7 @@ class SpeculativeWorker:
         forward and sampling, exactly what the speculative path gives a one-node tree. A batch
         of greedy requests without penalties takes the target's argmax as the non-speculative
         runner does (what `_verify` gives a one-node tree, without building trees or
-        verifying them; docs/benchmarks.md, "Tenth session")."""
+        verifying them; docs/benchmarks.md, "Step time outside the forward")."""
         batch = ForwardBatch.build(ForwardMode.DECODE, [[e.tokens[-1]] for e in entries],
                                    [e.slots[: e.prefix_len + 1] for e in entries],
                                    [e.prefix_len for e in entries])

@@ -273,7 +273,7 @@ class EagleDrafter(Drafter):
     IDLE_STEPS = 64
     # While the drafter does not pay on the current traffic (`traffic_off`, set by the worker),
     # rows wait past MAX_PENDING_ROWS, up to this many over all requests (~57 MB of EAGLE-3
-    # features), and a request that finishes drops its rows: a prompt no longer goes through
+    # features), and a request that finishes drops its rows: a prompt does not go through
     # the head at prefill on a server that is not drafting (a never-drafting EAGLE-3 server at
     # batch 1 spent a third of its extra time per step there, `benchmark.profile_spec_step`),
     # and a request chosen for a server-wide probe runs the head over its whole history then.

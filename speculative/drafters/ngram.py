@@ -174,9 +174,9 @@ class NgramDrafter(Drafter):
     # token as it came would have, in time for every draft it makes (a piecewise `extend`
     # equals one `insert`). A request that never drafts (at c = 32 the load-aware plan gives
     # a compute-bound batch no draft slots) leaves no n-grams: counting ~18 n-grams per token
-    # in Python took ~1 ms of a ~50 ms batch-32 step that no one drafted from
-    # (docs/benchmarks.md, "Thirteenth session"). What one request wrote still helps the next
-    # as long as drafting is on.
+    # in Python took ~1 ms of a ~50 ms batch-32 step that no one drafted from (docs/benchmarks.md,
+    # "Step time outside the forward"). What one request wrote still helps the next as long as
+    # drafting is on.
     def observe(self, rid: str, tokens: list[int], num_new: int) -> None:
         self._history[rid] = tokens
 
