@@ -157,7 +157,8 @@ class NgramConfig:
 
 # A context suffix of at least this many tokens matched is a confident match: drafts from it
 # are accepted most of the time (on the train split, 3-token matches got >= 1 draft accepted
-# 81% of the time against 49% for 1-token matches; docs/benchmarks.md), so a backed-off request
+# 81% of the time against 49% for 1-token matches: `python -m benchmark.replay_ngram ...
+# --by-match`), so a backed-off request
 # still drafts on one.
 CONFIDENT_MATCH = 3
 

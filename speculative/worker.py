@@ -145,8 +145,9 @@ class SpeculativeWorker:
         self.prior_accept = 1.0
         self.drafter.reset()  # (the measured costs are kept: they describe the machine)
 
-    # Backoff. On this CPU a verify pass of 8 nodes costs ~1.2x a decode step (docs/benchmarks.md),
-    # so drafting pays while more than ~0.2 draft tokens are accepted per step on average.
+    # Backoff. On the torch engine a verify pass of 8 nodes costs ~1.2x a decode step (`python
+    # -m benchmark.bench_one_batch --engines torch --verify-ns 1,8`), so drafting pays while
+    # more than ~0.2 draft tokens are accepted per step on average.
     # Acceptance is bursty (nothing for a while, then a long copied run), so the average is slow
     # (about the last 10-20 drafting steps) and the decision binary: the full tree, or plain
     # decoding with a full-tree probe every `probe_every` steps (~2.5% overhead when nothing

@@ -68,7 +68,8 @@ class ChainDrafter(Drafter):
     supports_trees = False  # top-k trees need scratch KV slots for unverified tree nodes
     # a draft step costs ~0.15-0.35 of a target decode step on the CPU engine (the draft's LM
     # head alone is the target's), so S drafts pay only when about half a draft per step lands
-    # (docs/benchmarks.md, "Every method"); probes are rarer for the same reason
+    # (docs/benchmarks.md, "Draft models and heads on the default model"); probes are rarer
+    # for the same reason
     min_accept_per_step = 0.5
     probe_every = 32
     # (num_steps) when --speculative-num-steps is unset, by engine

@@ -59,7 +59,8 @@ class NgramDrafter(Drafter):
     # torch engine (fp32, weight-bandwidth-bound): a verify pass of 8 nodes costs ~1.15x a
     # decode step. CPU engine: ~5x faster decode, so each node is dearer (T(4)/T(1) ~1.5,
     # T(8)/T(1) ~2.4); on train-split rewrite/ShareGPT prompts 4 nodes beat 6, 8 and 12
-    # (docs/benchmarks.md).
+    # (`python -m benchmark.bench_speculative --split train --configs NGRAM
+    # NGRAM:num_draft_tokens=6 NGRAM:num_draft_tokens=8 NGRAM:num_draft_tokens=12`).
     default_num_draft_tokens = {"cpu": 4, "torch": 8}
     vllm_methods = ("ngram", "prompt_lookup")
     plain_without_budget = True

@@ -188,7 +188,7 @@ class SuffixDrafter(Drafter):
     @classmethod
     def cuts_own_trees(cls, cfg: SpecConfig) -> bool:
         # the scheduler's plan from running acceptance rates cut trees that the nodes'
-        # probabilities said were worth it (docs/benchmarks.md, "SUFFIX sizes its own trees")
+        # probabilities said were worth it (docs/benchmarks.md, "Speculative methods compared")
         return not cfg.suffix_planned_sizes
 
     def __init__(self, cfg: SpecConfig, runner) -> None:
