@@ -8,7 +8,7 @@ STAMP := $(VENV)/.specserve-installed
 SERVE_ARGS ?=
 # pytest-xdist workers for `make test`, one test file per worker at a time (0: one process).
 # Two on two cores: half the suite is single-threaded Python, and the engine tests leave cores
-# idle between their bursts; 16 -> 12 minutes on 2 cores (docs/benchmarks.md, "Twenty-sixth").
+# idle between their bursts; 16 -> 12 minutes on 2 cores (docs/benchmarks.md, "Test suite time").
 TEST_WORKERS ?= 2
 # The C++ CPU extension (CPU engine kernels, NGRAM / SUFFIX n-gram trie) must build, or `model`
 # stops with the compiler's error. SPECSERVE_ALLOW_NO_CPU_EXT=1 goes on without it: the torch

@@ -81,7 +81,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300,
     One `httpx.Client` for every poll: a bare `httpx.get` builds a client and its SSL context
     per call, ~35 ms of CPU on the 2-core machines here, so polling every 0.5 s took ~7% of a
     core (every 50 ms: ~70%) from the server being waited for, whose model runner is timing
-    its verify-cost curve at that moment (docs/benchmarks.md, twenty-first session)."""
+    its verify-cost curve at that moment (docs/benchmarks.md, "Start-up")."""
     t0 = time.monotonic()
     where = f"; log: {log}" if log else ""
     with httpx.Client(timeout=1) as client:

@@ -14,7 +14,8 @@ prompt's single-request run, memory must stay flat and the KV must come back.
    per process as well, each taken idle: the clients pause until nothing is in flight and
    `--idle-wait` s pass, so the model runner has handed its freed heap back (HeapTrimmer) and
    RSS is the memory in use. Under load the runner's RSS also holds the allocator's freed
-   buffers (~0.5 GB, refilled within seconds of a trim: docs/benchmarks.md); those in-load
+   buffers (~0.5 GB, refilled within seconds of a trim: docs/benchmarks.md, "Admission, soak
+   and fuzz"); those in-load
    figures and a time series every `--rss-every` s are in the JSON too. Then /flush_cache
    and `kv_free == kv_capacity` from /server_info.
 Prints the summary last and writes JSON; exit 0 only when every check holds.

@@ -108,7 +108,7 @@ class ForwardBatch:
         # Index arithmetic in Python lists, then one tensor per field: after a forward has
         # streamed the weights through the caches, each small torch op costs 20-60 us cold (a
         # 3 us torch.cat measured 56-79 us there), so a per-request slice or arange of a batch
-        # of 32 was ~1 ms of bookkeeping a step (docs/benchmarks.md, "Sixteenth session").
+        # of 32 was ~1 ms of bookkeeping a step (`python -m benchmark.bench_step_bookkeeping`).
         extend_lens = [len(t) for t in new_tokens]
         seq_lens = [s.numel() for s in kv_slots]
         for b, (n, p, e) in enumerate(zip(seq_lens, prefix_lens, extend_lens)):

@@ -79,7 +79,7 @@ class HeapTrimmer:
     pages stay resident, so the runner's RSS drifts hundreds of MB above what it uses and a
     leak cannot be told from fragmentation. `malloc_trim(0)` returns every free page of every
     arena: 5.5-16.5 ms a trim for ~500 MB in a 64-stream SUFFIX soak (docs/benchmarks.md,
-    eighteenth session). Under load the heap refills within seconds, so this does not shrink
+    "Admission, soak and fuzz"). Under load the heap refills within seconds, so this does not shrink
     a busy process; it hands the memory back once the load stops. A no-op off glibc or with
     interval 0.
     """

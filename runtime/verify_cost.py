@@ -4,7 +4,7 @@ load-aware budget, the speculative worker's backoff, a drafter that sizes its tr
 
 The curve belongs to the machine, not to the code: on the CPU engine T(1) streams the weights
 (memory-bound, and memory bandwidth here swings 2x between hours and machines) while each extra
-row costs compute, so C(4) was 1.33 on one session's machine and 2.15 on another's. So the
+row costs compute, so C(4) was 1.33 on one machine and 2.15 on another. So the
 runner measures it at start-up (`measure_verify_cost`: a few seconds of verify forwards over
 a 256-token prefix) and every planner uses that; the stored tables below are the
 fallback (`--speculative-verify-cost table`, and code that runs without a runner).

@@ -13,7 +13,7 @@ Whatever budget is left is filled from the trie's tree (merged: a path both prop
 path). Same node count as the trie alone, so the verify cost does not change.
 
 Replayed on two train-split samples (`benchmark.replay_ngram ... --configs NGRAM
-NGRAM:ngram_disable_own_context=true`, docs/benchmarks.md), modelled speedup against the trie
+NGRAM:ngram_disable_own_context=true`), modelled speedup against the trie
 alone: rewrite 2.840x vs 2.802x and 2.881x vs 2.865x, ShareGPT 1.498x vs 1.491x and 1.565x vs
 1.564x. Small, but it never lost; own-first up to m = 2 lost on the second sample (2.856x),
 so it reaches up to m = 3.

@@ -137,7 +137,7 @@ class DraftTree:
     def __getattr__(self, name: str):
         # `tokens` / `parents` of a tree built from lists (`root`, `_from_lists`) become tensors
         # on first use: the worker reads most trees of a step only as lists, and a small torch
-        # op right after a forward costs 20-60 us (docs/benchmarks.md, "Sixteenth session")
+        # op right after a forward costs 20-60 us (python -m benchmark.bench_step_bookkeeping)
         if name == "tokens":
             self.tokens = torch.tensor(self._token_list, dtype=torch.int64)
             return self.tokens

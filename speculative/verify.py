@@ -37,7 +37,7 @@ SEEDED   (`verify_seeded`, requests with a seed; runtime/sampling/seeded.py) the
          with a one-hot drafter equals ONE_HOT's: siblings x1..xk are accepted with probability
          p(x1) + ... + p(xk) either way. With a drafter that has q it is the Gumbel coupling's
          P(argmax(log q + G) = argmax(log p + G)) (per sibling set, top-m of log q + G), below
-         the IID / WITHOUT_REPLACEMENT modes' 1 - TV(p, q) (measured in docs/benchmarks.md).
+         the IID / WITHOUT_REPLACEMENT modes' 1 - TV(p, q) (docs/benchmarks.md, "Sampling").
 
 All modes also need: the subtree under each child is drafted with fresh randomness given the path
 (children of node c ~ draft_probs[c] as the mode says). Pruning a sampled tree by looking at the

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 
 
 def pytest_sessionstart(session):
-    """The CPU extension is built (or found) before any test runs. If it cannot be, the session
+    """The CPU extension is built (or found) before any test runs. If it cannot be, the test run
     stops with the build's report, unless SPECSERVE_ALLOW_NO_CPU_EXT=1 allowed running without
     it: only then do the tests that need it skip and the lossless checks excuse the torch
     engine's near-ties (tests/helpers/near_tie.py)."""

@@ -3,7 +3,8 @@
 Measured on the 2-core AVX2 machine (µs, fp32, hidden 576): F.linear's MKL path is slow for
 small M (the tokens of one verify pass), e.g. gate_up [3072x576] M=16: 451 vs 143 prepacked,
 and the 49152-row LM head M=1: 7.3 ms vs 2.8 ms. `pack()` reorders the weight once into
-oneDNN's blocked layout and drops the dense copy; see docs/benchmarks.md for end-to-end numbers.
+oneDNN's blocked layout and drops the dense copy (end to end: `python -m
+benchmark.bench_one_batch --engines torch`, and `--no-pack` without it).
 
 `pack(torch.bfloat16)` packs bf16 weights instead and multiplies in bf16 (inputs rounded to
 bf16, fp32 accumulation inside oneDNN, output back in the input's dtype). Only for modules

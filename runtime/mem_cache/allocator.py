@@ -19,7 +19,8 @@ class TokenSlotAllocator:
     """The free stack and the ownership marks are numpy arrays: every decode step allocates and
     (speculative steps) frees a few slots per request, and torch's per-op dispatch made that
     tens of microseconds per request and step, a visible part of a batch-1 step's time outside
-    the forward (docs/benchmarks.md, "Eighth session"). Slots go in and out as int64 tensors."""
+    the forward (docs/benchmarks.md, "Step time outside the forward"). Slots go in and out as
+    int64 tensors."""
 
     def __init__(self, capacity: int) -> None:
         assert capacity > 0, "capacity must be positive"

@@ -280,7 +280,7 @@ def single_torch_thread(runner) -> None:
     """On the CPU engine, torch's own ops (sampling, a draft head's attention and norms) run on
     one thread: the engine's pool owns the cores, and a second pool of torch workers waking
     beside it costs more than it saves on such small tensors (measured on an EAGLE-3 head
-    step over a 200-token prefix: 1.1-1.3 ms against 2.2-7.9 ms, docs/benchmarks.md)."""
+    step over a 200-token prefix: 1.1-1.3 ms against 2.2-7.9 ms)."""
     if runner.engine == "cpu" and torch.get_num_threads() > 1:
         logger.info("torch ops on 1 thread; the CPU engine's kernels on %d",
                     runner.kernel_threads)

@@ -102,7 +102,7 @@ def logprob_rows(logits: torch.Tensor, tokens: Sequence[int], top: int,
 
     With the engine's `stats` for these logits (k >= top): logprob = logit - lse, read off
     without touching the rows again (~0.02 ms a row, in the forward, against ~0.24 ms a row
-    read cold after it: docs/benchmarks.md, "Twenty-third session"). Else log_softmax and topk
+    read cold after it: docs/benchmarks.md, "Logprobs and streaming"). Else log_softmax and topk
     over the rows. Either way a row's numbers do not depend on the other rows of the call
     (tests/unit/test_logprobs.py), so a verify pass and a decode step agree bit for bit; the
     two ways differ in the last bits, and an engine takes one of them for every row it can

@@ -77,7 +77,8 @@ logger = logging.getLogger(__name__)
 def draft_matmul_dtype(name: str, device: torch.device) -> torch.dtype | str:
     """How a head's CPU matmuls multiply, for --speculative-draft-matmul-dtype: "auto" is q8_0
     blocks on the CPU engine's kernels where the extension is built (a quarter of the fp32
-    weight bytes a draft step streams; measured in docs/benchmarks.md), else bfloat16 where the
+    weight bytes a draft step streams; docs/benchmarks.md, "Draft models and heads on the
+    default model"), else bfloat16 where the
     CPU multiplies bf16 natively, else float32. Off the CPU nothing is prepacked, so it does
     not apply. Drafts only: verification is the target's, so output is unchanged."""
     if name == "float32" or device.type != "cpu":
@@ -109,7 +110,8 @@ DEFAULT_EAGLE3_HEAD = (Path(__file__).resolve().parents[2] / "assets"
 # head layer plus an LM-head matmul, and a verify node ~1 ms (~5% of a decode step), so a
 # shallow, narrow tree pays off: with the shipped head (acceptance at depth 3 ~0.05), 2 steps of
 # top-2 and 4 nodes beat 3 steps of top-4 and 8 nodes (1.29x against 1.14x) on train-split
-# ShareGPT prompts (docs/benchmarks.md, "EAGLE-3 tree on the CPU"). CUDA: SGLang's Llama default.
+# ShareGPT prompts (docs/benchmarks.md, "Draft models and heads on the default model"). CUDA:
+# SGLang's Llama default.
 EAGLE_TREE_DEFAULTS = {"cpu": (2, 2, 4), "cuda": (5, 4, 8)}
 
 
@@ -266,13 +268,13 @@ class EagleDrafter(Drafter):
     # when MAX_PENDING_ROWS wait, or when it finishes, its rows are dropped instead of run
     # through the head, all but the last (so the head state is current when it drafts again).
     # Its head KV keeps a stale stretch there: that costs acceptance if it drafts again (or a
-    # later request reuses its prefix), never exactness (every draft is verified). Measured:
-    # a never-drafting EAGLE-3 server cost 9-15% at every concurrency running its head over
-    # every row (docs/benchmarks.md).
+    # later request reuses its prefix), never exactness (every draft is verified). A
+    # never-drafting EAGLE-3 server that ran its head over every row cost 9-15% at every
+    # concurrency (`python -m benchmark.sweep_serving ... --config EAGLE3=...`).
     IDLE_STEPS = 64
     # While the drafter does not pay on the current traffic (`traffic_off`, set by the worker),
     # rows wait past MAX_PENDING_ROWS, up to this many over all requests (~57 MB of EAGLE-3
-    # features), and a request that finishes drops its rows: a prompt no longer goes through
+    # features), and a request that finishes drops its rows: a prompt does not go through
     # the head at prefill on a server that is not drafting (a never-drafting EAGLE-3 server at
     # batch 1 spent a third of its extra time per step there, `benchmark.profile_spec_step`),
     # and a request chosen for a server-wide probe runs the head over its whole history then.

@@ -60,7 +60,8 @@ class NgramDrafter(Drafter):
     # torch engine (fp32, weight-bandwidth-bound): a verify pass of 8 nodes costs ~1.15x a
     # decode step. CPU engine: ~5x faster decode, so each node is dearer (T(4)/T(1) ~1.5,
     # T(8)/T(1) ~2.4); on train-split rewrite/ShareGPT prompts 4 nodes beat 6, 8 and 12
-    # (docs/benchmarks.md).
+    # (`python -m benchmark.bench_speculative --split train --configs NGRAM
+    # NGRAM:num_draft_tokens=6 NGRAM:num_draft_tokens=8 NGRAM:num_draft_tokens=12`).
     default_num_draft_tokens = {"cpu": 4, "torch": 8}
     vllm_methods = ("ngram", "prompt_lookup")
 
@@ -176,9 +177,9 @@ class NgramDrafter(Drafter):
     # token as it came would have, in time for every draft it makes (a piecewise `extend`
     # equals one `insert`). A request that never drafts (at c = 32 the load-aware plan gives
     # a compute-bound batch no draft slots) leaves no n-grams: counting ~18 n-grams per token
-    # in Python took ~1 ms of a ~50 ms batch-32 step that no one drafted from
-    # (docs/benchmarks.md, "Thirteenth session"). What one request wrote still helps the next
-    # as long as drafting is on.
+    # in Python took ~1 ms of a ~50 ms batch-32 step that no one drafted from (docs/benchmarks.md,
+    # "Step time outside the forward"). What one request wrote still helps the next as long as
+    # drafting is on.
     def observe(self, rid: str, tokens: list[int], num_new: int) -> None:
         self._history[rid] = tokens
 

@@ -299,7 +299,8 @@ class SuffixDrafter(Drafter):
         rate only falls as a probability does, so when a tree of certain drafts is cut to
         its root, every tree is, and drafting it is skipped. On a CPU-engine curve measured
         at start-up no draft pays in a batch of ~48 or more, where drafting each request's
-        trees costs ~45 us (py-spy at batch ~35: ~1.6 ms a step)."""
+        trees costs ~45 us (py-spy at batch ~35: ~1.6 ms a step; docs/benchmarks.md,
+        "Step time outside the forward")."""
         if self.verify_cost is None or self.cfg.disable_adaptive:
             return True
         if self._payable_for is not self.verify_cost or len(self._payable) > 4096:

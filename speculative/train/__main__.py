@@ -9,7 +9,7 @@ exit adapter.
     python -m speculative.train --algorithm EARLY_EXIT --exit-layer 7 --output results/exit
     python -m speculative.train --algorithm MEDUSA --medusa-heads 3 --output results/medusa
 
-Every stage is resumable: rerun the same command (e.g. in a later session) and each stage
+Every stage is resumable: rerun the same command (e.g. after a stop) and each stage
 continues from what `--output` already holds. `--stages` picks a subset, in order.
 """
 

@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 
 # The tree every evaluation uses, whatever the device's serving default: accept length grows with
-# the tree, so a fixed one keeps the curve over training comparable across sessions.
+# the tree, so a fixed one keeps the curve over training comparable across runs.
 EVAL_TREE = {"speculative_num_steps": 3, "speculative_eagle_topk": 4,
              "speculative_num_draft_tokens": 8}
 

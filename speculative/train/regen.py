@@ -8,7 +8,7 @@ chat template applied; answers come from our own `runtime.Engine` with continuou
 Output: `regen.jsonl`, one line per finished answer:
     {"id", "prompt_ids", "output_ids", "temperature"}
 appended as answers finish, so a run stopped at any point (time budget, Ctrl-C, a crash) keeps
-what it had and a rerun skips the ids already present (resumable across sessions).
+what it had and a rerun skips the ids already present (resumable).
 
 Most answers are greedy (what greedy serving sees); every `sampled_every`-th prompt is sampled
 at `sampled_temperature` so the head also sees the target's sampled text.

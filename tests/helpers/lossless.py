@@ -4,7 +4,7 @@ check that tests/integration/test_spec_lossless*.py run for every algorithm.
 The algorithms are split over two test files because `make test` hands whole files to its two
 pytest-xdist workers (`--dist loadfile`): in one file these checks were ~21 minutes of one
 worker's time on an AVX2 machine; in two, each worker takes about half (the suite's time on two
-cores hardly moved: docs/benchmarks.md, "Thirtieth session"). The plain outputs they compare
+cores hardly moved: docs/benchmarks.md, "Test suite time"). The plain outputs they compare
 against are computed once per run (`shared_plain_reference`) and shared by both workers.
 """
 

@@ -16,7 +16,7 @@ greedy (and seeded) outputs may part there. The excuse is narrow:
 ALLOW_NEAR_TIES is the switch: False whenever the default engine is the exact CPU engine (or
 with SPECSERVE_EXACT_ENGINE=1), and then any difference fails. The default engine is the torch
 one only when SPECSERVE_ALLOW_NO_CPU_EXT=1 let the suite run without the extension
-(tests/conftest.py stops the session otherwise), so the excuse never hides a failed build.
+(tests/conftest.py stops the test run otherwise), so the excuse never hides a failed build.
 """
 
 from __future__ import annotations

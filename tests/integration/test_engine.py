@@ -85,8 +85,8 @@ def test_engine_generate_batch_stream_async_and_shutdown():
 
 def test_an_engine_script_exits_cleanly_without_leaked_semaphore_warnings(tmp_path):
     """A script that starts and stops an Engine ends with nothing on stderr about leaked
-    semaphores (the runner's progress bar used to create a process-shared lock that its SIGTERM
-    left behind; runtime/proc_utils.py: thread_locks_for_progress_bars)."""
+    semaphores (a progress bar's default process-shared lock would be left behind by SIGTERM;
+    runtime/proc_utils.py: thread_locks_for_progress_bars)."""
     script = tmp_path / "use_engine.py"
     script.write_text(textwrap.dedent("""
         from launch import Engine

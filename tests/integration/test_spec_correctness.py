@@ -1,9 +1,10 @@
-"""Issue 20 on the default model through `runtime.Engine` (real processes): speculation changes
-no request's output — penalised requests (the issue's repetition-penalty prompt, and frequency /
-presence penalties), greedy and seeded-sampled; 50 seeded sampled prompts at batch 1 and
-concurrency 8; streaming with a stop string; a client that disconnects mid-speculation gets its
-KV freed. Today's fp32 engine is not batch-invariant, so equality allows the narrow near-tie
-excuse of tests/helpers/near_tie.py (counted, and off with SPECSERVE_EXACT_ENGINE=1)."""
+"""Lossless speculation on the default model through `runtime.Engine` (real processes):
+speculation changes no request's output — penalised requests (a prompt that repeats itself under
+a repetition penalty, and frequency / presence penalties), greedy and seeded-sampled; 50 seeded
+sampled prompts at batch 1 and concurrency 8; streaming with a stop string; a client that
+disconnects mid-speculation gets its KV freed. Today's fp32 engine is not batch-invariant, so
+equality allows the narrow near-tie excuse of tests/helpers/near_tie.py (counted, and off with
+SPECSERVE_EXACT_ENGINE=1)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from tests.helpers.near_tie import NearTieJudge
 
 pytestmark = pytest.mark.slow
 
-ISSUE_PROMPT = "List the numbers one two three one two three one two three"
+REPEATING_PROMPT = "List the numbers one two three one two three one two three"
 PENALTIES = {"repetition": {"repetition_penalty": 1.5}, "frequency": {"frequency_penalty": 0.8},
              "presence": {"presence_penalty": 0.8}}
 MODES = {"greedy": {"temperature": 0}, "seeded": {"temperature": 0.7, "top_p": 0.9, "seed": 7}}
@@ -71,14 +72,14 @@ def plain_out(engines, prompt: str, params: dict) -> dict:
 @pytest.mark.parametrize("penalty", list(PENALTIES))
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("algo", ALGOS)
-def test_issue_prompt_with_penalties_is_identical_with_and_without_speculation(
+def test_repeating_prompt_with_penalties_is_identical_with_and_without_speculation(
         engines, judge, algo, mode, penalty):
     params = {"max_new_tokens": 40, "ignore_eos": True, **MODES[mode], **PENALTIES[penalty]}
-    ref = plain_out(engines, ISSUE_PROMPT, params)
-    ids = engines("plain").tm.tokenize(ISSUE_PROMPT)
+    ref = plain_out(engines, REPEATING_PROMPT, params)
+    ids = engines("plain").tm.tokenize(REPEATING_PROMPT)
     # twice: the second time NGRAM's trie holds the first answer, so long drafts of it are
     # verified with per-node penalties (a fresh trie has little to offer a penalised answer)
-    outs = [engines(algo).generate(ISSUE_PROMPT, params) for _ in range(2)]
+    outs = [engines(algo).generate(REPEATING_PROMPT, params) for _ in range(2)]
     for out in outs:
         ok, why = judge.check(ids, ref["output_ids"], out["output_ids"], params)
         assert ok, f"{why}\nplain: {ref['text']!r}\n{algo}: {out['text']!r}"

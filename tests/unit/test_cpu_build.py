@@ -65,7 +65,7 @@ def test_the_failure_keeps_the_whole_log_and_reports_its_short_tail(tmp_path) ->
     assert max(len(line) for line in tail) <= 240  # command lines cut to their start
 
 
-def test_the_test_session_stops_without_the_extension_unless_allowed() -> None:
+def test_the_test_run_stops_without_the_extension_unless_allowed() -> None:
     """tests/conftest.py: no skipped kernel tests or excused near-ties by accident."""
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != cpu.ALLOW_NO_CPU_EXT}

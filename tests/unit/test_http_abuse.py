@@ -1,5 +1,5 @@
-"""Inputs that used to answer 5xx or to be served as something else (issue 19): each gets a
-4xx with an OpenAI-shaped JSON error, reaches no scheduler, and leaves the server serving.
+"""Malformed or out-of-range inputs: each gets a 4xx with an OpenAI-shaped JSON error, reaches no
+scheduler, and leaves the server serving.
 Also the OpenAPI spec, served behind --api-key."""
 
 from __future__ import annotations

@@ -175,7 +175,8 @@ def test_an_option_on_by_default_has_a_no_flag_and_other_algorithms_start_untouc
 
 def test_chunked_prefill_size_defaults_by_device():
     """Unset, a step's prompt budget is 256 tokens on the CPU (a step's prefill stalls every
-    stream: docs/benchmarks.md, "Twenty-third session") and 512 on CUDA; a given value stays."""
+    stream: docs/benchmarks.md, "Prefix cache and chunked prefill") and 512 on CUDA; a given
+    value stays."""
     assert ServerArgs().resolve().chunked_prefill_size == 256
     assert ServerArgs(device="cuda").resolve().chunked_prefill_size == 512
     assert ServerArgs(chunked_prefill_size=1024).resolve().chunked_prefill_size == 1024

@@ -1,6 +1,6 @@
 """Speculation leaves every request's output exactly as plain decoding gives it, on a 12-token
 tiny target in-process (exact, no near-tie excuse): requests with repetition / frequency /
-presence penalties (which now draft too) and seeded sampled requests (whose tokens are keyed by
+presence penalties (which draft too) and seeded sampled requests (whose tokens are keyed by
 (seed, position)), for every algorithm, at batch 1 and 8, and through retractions."""
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def test_spec_output_equals_plain_decoding(tiny_vocab, heads, algo, kind):  # no
     out, info, _ = spec_run(tiny_vocab, heads, algo, ps, params, seeds, ref,
                             max_running_requests=8)
     assert out == ref
-    # penalised requests draft (they used to get no tree at all), and drafts get accepted
+    # penalised requests draft, and drafts get accepted
     assert info["spec_decode_num_draft_tokens"] > 0
     assert info["spec_decode_num_accepted_tokens"] > 0, info
 
@@ -182,7 +182,7 @@ def test_priority_preemption_under_speculation_keeps_outputs(tiny_vocab, heads, 
 
 def test_negative_control_penalties_dropped_in_verification_are_caught(
         tiny_vocab, heads, monkeypatch):  # noqa: F811
-    """The bug this issue reported (verification without penalties) fails the test above."""
+    """Verification that drops the penalties fails the test above."""
     monkeypatch.setattr("speculative.worker.SpeculativeWorker._penalise",
                         staticmethod(lambda entries, trees, logits, starts: logits))
     params = PARAMS["greedy_repetition"]

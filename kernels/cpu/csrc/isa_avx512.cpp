@@ -128,12 +128,12 @@ inline void block_tiles(const GemmArgs& a, const int* tiles, int m0, __m512 (&ac
       const int8_t* ab = a.act.q + m * L * K + b * QK;
       const int32_t* sums = a.act.sums + m * L * nb + b;
       // One chain per digit and tile (8 vpdpbusd each), combined after the block: Horner on the
-      // digits' sums is the integer the old two-chain split built digit by digit (integer sums
+      // digits' sums is the integer a two-chain split would build digit by digit (integer sums
       // are exact, so the bits are the same), and L independent chains of 8 hide vpdpbusd's
       // latency with fewer rows in flight than two chains of 8 L. Each digit row's pointer is
       // held apart: indexing one base by l * K ran the kernel out of general registers
       // (offsets parked in xmm, moved back per broadcast). Both: a verify forward of 8 nodes
-      // -10% (docs/benchmarks.md, "Eighth session").
+      // -10% (python -m benchmark.profile_cpu_engine --tokens 1,8).
       __m512i dig[L][NT];
       const int8_t* al[L];
       for (int l = 0; l < L; ++l) {
@@ -370,7 +370,7 @@ inline void tiles_rows(const GemmArgs& a, int t0, int t1, int m0) {
 // once), so a tile group's weights stay in L1/L2 while every row block reads them. Eight rows'
 // accumulators do not all fit in registers beside the weights; the spilled ones are touched
 // once per block (a forward of 8 rows -5%, a batch-8 decode step -9%, 6 rows no gain:
-// docs/benchmarks.md, "Eighth session").
+// python -m benchmark.profile_cpu_engine --tokens 1,6,8).
 template <int FMT, int L>
 void gemm_fmt(const GemmArgs& a, int t0, int t1) {
   constexpr int TG = 32;
@@ -806,9 +806,9 @@ struct alignas(64) TileConfig {
 // tiles for even / odd blocks (rows x 16 int32); tmm4 / tmm5: A of even / odd blocks (rows x
 // `acols` bytes: 32 digit bytes, or 64 paired bytes); tmm6 / tmm7: B of the two weight tiles
 // (acols / 4 rows x 64 bytes). The tile state is per thread: loaded on every call (a thread of
-// the pool may run any call). (Two row groups sharing each B load, all eight tiles busy with no
-// second set, ran a prefill's gate/up matmul in 1.2-1.3x this one's time: docs/benchmarks.md,
-// "Eleventh session".)
+// the pool may run any call). Two row groups sharing each B load, all eight tiles busy with no
+// second set, take 1.2-1.3x this one's time on a prefill's gate/up matmul
+// (python -m benchmark.bench_gemm --rows 256 --shapes gate_up --isa amx).
 inline void amx_config(int rows, int acols) {
   TileConfig c;
   for (int i = 0; i < 6; ++i) {
@@ -1203,8 +1203,8 @@ void amx_levels(const GemmArgs& a, int t0, int t1) {
 
 // quantize() at three levels with the digits written as pairs (kernels.h) straight from the
 // registers: the same scales, sums and integers as quantize() followed by pairing its three digit
-// rows, without storing and re-reading them (bench_gemm --rows 256: docs/benchmarks.md,
-// "Fifteenth session").
+// rows, without storing and re-reading them (python -m benchmark.bench_gemm --rows 256
+// --quantize).
 void quantize_pairs(const float* x, int64_t ldx, int r0, int r1, int K, int8_t* pairs,
                     float* scale, int32_t* sums, float* fsum) {
   const __m512i half = _mm512_set1_epi32(1024), seven = _mm512_set1_epi32(7);

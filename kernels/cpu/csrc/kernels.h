@@ -18,7 +18,7 @@ namespace specserve {
 // bits when it is a normal float (every live block's is: amax / 127 >= 2^-107), through
 // std::frexp otherwise; pow2(n) is std::ldexp(1.f, n), built from bits inside the normal range.
 // The same values as the libm calls (three per 32 activations: without them quantize() took
-// 16% less time on AVX-512; docs/benchmarks.md, "Fifteenth session").
+// 16% less time on AVX-512: python -m benchmark.bench_gemm --rows 32,256 --quantize).
 inline int block_exponent(float amax) {
   if (!(amax >= 0x1p-100f)) return 0;
   const float v = amax / 127.f;
