@@ -1,5 +1,5 @@
 """How long a server takes to start, then to answer its first one-token request, for each
-configuration, rounds interleaved. `--via engine` (default): `runtime.Engine(...)` from the call
+configuration, rounds interleaved. `--via engine` (default): `launch.Engine(...)` from the call
 to ready (the model runner loaded, the verify-cost curve timed for a speculative configuration,
 both tokenizers loaded). `--via launcher`: what a user of `python -m launch_server` waits for,
 from starting the interpreter to the first 200 from /health (polled every 50 ms), the request
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--model-path", default=None)
     p.add_argument("--via", choices=("engine", "launcher"), default="engine",
-                   help="runtime.Engine in this process, or `python -m launch_server` (HTTP)")
+                   help="launch.Engine in this process, or `python -m launch_server` (HTTP)")
     p.add_argument("--output", default="results/bench_startup.json")
     args = p.parse_args(argv)
     from kernels import cpu

@@ -1,4 +1,5 @@
-"""specserve runtime. `from runtime import Engine` gives the serving system without HTTP."""
+"""specserve runtime. `from runtime import Engine` gives the serving system without HTTP (plain
+decoding; `from launch import Engine` takes the speculative options too)."""
 
 import os as _os
 

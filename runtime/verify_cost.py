@@ -1,6 +1,7 @@
 """The verify-cost curve C(n) = T(n) / T(1): what one target forward over n rows costs, in units
 of a one-row (decode) forward. Speculation is planned with it everywhere (the scheduler's
-load-aware budget, the speculative worker's backoff, a drafter that sizes its trees by cost).
+speculation controller, speculative/controller.py, and a drafter that sizes its trees by
+cost).
 
 The curve belongs to the machine, not to the code: on the CPU engine T(1) streams the weights
 (memory-bound, and memory bandwidth here swings 2x between hours and machines) while each extra
@@ -29,7 +30,7 @@ class VerifyCost:
     ratios: tuple[float, ...]
     source: str = ""
     # seconds of the one-row forward where the curve was measured on this machine (None for
-    # the stored tables): the backoff's plain-step cost before any plain step has run
+    # the stored tables): the controller's plain-step cost before any plain step has run
     t1_s: float | None = None
 
     def __post_init__(self) -> None:

@@ -51,8 +51,8 @@ class SpecOptions:
     disable_adaptive: bool = option(
         False, "always draft the full budget, even when drafts keep failing")
     verify_cost: str = option(
-        "measure", "the verify-cost curve T(n)/T(1) that the load-aware budget and the backoff "
-        "plan with: measure it on this machine at start-up (a few hundred ms of verify "
+        "measure", "the verify-cost curve T(n)/T(1) that the speculation controller "
+        "plans with: measure it on this machine at start-up (a few hundred ms of verify "
         "forwards), or use the stored table of the engine", choices=("measure", "table"))
     tree_ops: str = option(
         "auto", "how a step's trees are verified, same results either way: walk each tree in "

@@ -264,7 +264,7 @@ class EagleDrafter(Drafter):
     # it drafts, or until this many are pending, then go through the head in one batched
     # forward. 128 rows of EAGLE-3 features are ~0.9 MB per request.
     MAX_PENDING_ROWS = 128
-    # A request that has not drafted for this many steps (the backoff keeps it plain) is idle:
+    # A request that has not drafted for this many steps (the controller keeps it plain) is idle:
     # when MAX_PENDING_ROWS wait, or when it finishes, its rows are dropped instead of run
     # through the head, all but the last (so the head state is current when it drafts again).
     # Its head KV keeps a stale stretch there: that costs acceptance if it drafts again (or a
@@ -285,7 +285,7 @@ class EagleDrafter(Drafter):
         """Keep the committed rows' target features; the head runs over them when the request
         next drafts (`propose`), when MAX_PENDING_ROWS are waiting, or when it finishes
         (`release`, so a radix-cache hit on its prefix finds the head KV). A request the
-        backoff keeps from drafting then costs no head forward per step: its rows go through
+        controller keeps from drafting then costs no head forward per step: its rows go through
         the head in batches, where a row costs a small fraction of a one-row forward. The head
         KV and state that result are the eager ones (same rows, same positions, same slots)."""
         # rows that waited (`traffic_off`) before a gap of steps run without the drafter

@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 EVAL_TREE = {"speculative_num_steps": 3, "speculative_eagle_topk": 4,
              "speculative_num_draft_tokens": 8}
 
-# Chain drafters (STANDALONE, EARLY_EXIT): chains of 3 that draft on every step (no backoff), so
+# Chain drafters (STANDALONE, EARLY_EXIT): chains of 3 that draft on every step (no adaptation), so
 # the accept length measures the draft, not the policy.
 CHAIN_EVAL = {"speculative_num_steps": 3, "speculative_eagle_topk": 1,
               "speculative_num_draft_tokens": 4, "speculative_disable_adaptive": True}

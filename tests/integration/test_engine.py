@@ -1,4 +1,4 @@
-"""`runtime.Engine`: the serving processes without HTTP."""
+"""`Engine`: the serving processes without HTTP."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Lossless speculation on the default model through `runtime.Engine` (real processes):
+"""Lossless speculation on the default model through `Engine` (launch/engine.py) (real processes):
 speculation changes no request's output — penalised requests (a prompt that repeats itself under
 a repetition penalty, and frequency / presence penalties), greedy and seeded-sampled; 50 seeded
 sampled prompts at batch 1 and concurrency 8; streaming with a stop string; a client that
@@ -38,7 +38,7 @@ def engines():
 
     def get(name: str):
         if name not in started:
-            # fixed draft sizes: every step drafts and verifies (the backoff would stop drafting
+            # fixed draft sizes: every step drafts and verifies (the controller would stop drafting
             # on this prompt, and these tests are about verifying penalised/seeded drafts); the
             # stored verify-cost table: the same trees on every machine, and no ~5 s of timing
             spec = {} if name == "plain" else {"speculative_algorithm": name,

@@ -487,7 +487,7 @@ def test_tree_size_grows_with_the_match_length_within_the_budget() -> None:
     assert tree_size_for_match(5, base, 1) == 1
 
 
-def test_sized_trees_follow_the_longest_match_and_backoff_drafts_only_on_long_ones() -> None:
+def test_sized_trees_follow_the_longest_match_and_sure_drafts_only_on_long_ones() -> None:
     cache = NgramCache(NgramConfig(max_trie_depth=18, num_draft_tokens=8))
     assert cache.cfg.size_by_match  # the default
     passage = list(range(1000, 1040))

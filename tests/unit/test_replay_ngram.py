@@ -1,4 +1,4 @@
-"""benchmark/replay_ngram: the replay drives the real drafter, backoff and deep-draft rule."""
+"""benchmark/replay_ngram: the replay drives the real drafter and the speculation controller."""
 
 from __future__ import annotations
 
