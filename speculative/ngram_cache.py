@@ -27,9 +27,9 @@ its front leaves the queue ("parked") until it is touched again or its last chil
 which point it is older than everything queued and goes back to the front. Amortised O(1).
 
 The trie is C++ (`kernels/cpu/csrc/ngram_trie.cpp`, in the CPU extension); `NgramCache` wraps it
-and owns the drafting policy on top (tree size by match length, sure drafts only). Its node arrays and
-child table are allocated for `capacity` nodes when it is built (~90 bytes a node), so its
-memory is its ceiling from the start. tests/helpers/ngram_reference.py is a small Python trie
+and owns the drafting policy on top (tree size by match length, sure drafts only). Its node
+arrays and child table are allocated for `capacity` nodes when it is built (~90 bytes a node),
+so its memory is its ceiling from the start. tests/helpers/ngram_reference.py is a small Python trie
 the tests check it against. Not thread-safe: the model runner calls it from one thread.
 """
 

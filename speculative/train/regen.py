@@ -3,7 +3,8 @@
 A draft head should predict the target's own next token, so the training text is the target's
 answers, not the recorded ShareGPT ones. Prompts are the first user turns of the `train` split
 (`corpora.datasets.split_of`: never the held-out conversations the benchmarks use), with the
-chat template applied; answers come from our own `Engine` (runtime/engine.py) with continuous batching.
+chat template applied; answers come from our own `Engine` (runtime/engine.py) with continuous
+batching.
 
 Output: `regen.jsonl`, one line per finished answer:
     {"id", "prompt_ids", "output_ids", "temperature"}

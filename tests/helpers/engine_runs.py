@@ -1,4 +1,5 @@
-"""Running a prompt set through an `Engine` (launch/engine.py) the ways the equality tests compare."""
+"""Running a prompt set through an `Engine` (launch/engine.py) the ways the equality tests
+compare."""
 
 from __future__ import annotations
 
