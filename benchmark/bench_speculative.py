@@ -106,13 +106,21 @@ def interleave_block(concurrency: int) -> int:
     return 1 if concurrency == 1 else 4 * concurrency
 
 
+PENALTIES = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+
+
 def sampling_filters(args: argparse.Namespace) -> dict[str, Any]:
-    """--top-p / --top-k for the sampled requests (only those set away from their defaults)."""
+    """--top-p / --top-k for the sampled requests, and the penalties for every request (only
+    those set away from their defaults; a key "all:<name>" applies to greedy requests too)."""
     out: dict[str, Any] = {}
     if getattr(args, "top_p", 1.0) < 1.0:
         out["top_p"] = args.top_p
     if getattr(args, "top_k", -1) > 0:
         out["top_k"] = args.top_k
+    for name, default in PENALTIES.items():
+        value = getattr(args, name, default)
+        if value != default:
+            out["all:" + name] = value
     return out
 
 
@@ -387,6 +395,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="top_p of the sampled requests (temperature > 0)")
     p.add_argument("--top-k", type=int, default=-1,
                    help="top_k of the sampled requests (temperature > 0; -1: off)")
+    for name, default in PENALTIES.items():
+        p.add_argument("--" + name.replace("_", "-"), type=float, default=default,
+                       help=f"{name} of every request, greedy ones included")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--unseeded", action="store_true",
                    help="sampled requests carry no seed (default: request i gets --seed + i)")

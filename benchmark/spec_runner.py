@@ -95,10 +95,13 @@ class HttpTarget:
 def sampling_params(req: BenchRequest, temperature: float, seed: int | None,
                     filters: dict[str, Any] | None = None) -> dict[str, Any]:
     """`seed` None: an unseeded sampled request (speculative sampling's rejection path);
-    `filters` (top_p, top_k, ...) apply to sampled requests only."""
+    `filters` (top_p, top_k, ...) apply to sampled requests only, those named "all:<name>"
+    (penalties) to every request."""
     params: dict[str, Any] = {"max_new_tokens": req.max_new_tokens, "temperature": temperature}
+    filters = filters or {}
+    params.update({k[4:]: v for k, v in filters.items() if k.startswith("all:")})
     if temperature > 0:
-        params.update(filters or {})
+        params.update({k: v for k, v in filters.items() if not k.startswith("all:")})
         if seed is not None:
             # per request: sampled runs are reproducible and, seeded, equal to the baseline's
             params["seed"] = seed
