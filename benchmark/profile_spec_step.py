@@ -36,7 +36,7 @@ WARMUP_PROMPTS = 2
 
 def serve(label: str, server_args: dict, prompts: list[tuple[list[int], int]],
           threads: int, concurrency: int = 1, warmup: int = WARMUP_PROMPTS,
-          logprobs: int | None = None) -> dict:
+          logprobs: int | None = None, penalty: float = 1.0) -> dict:
     from launch.server_args import ServerArgs, speculation
     from runtime.messages import GenerateReq
     from runtime.model_loader.tokenizer import load_tokenizer
@@ -103,7 +103,8 @@ def serve(label: str, server_args: dict, prompts: list[tuple[list[int], int]],
         if counting:
             submitted[f"p{i}"] = time.perf_counter()
         sched.handle(GenerateReq(rid=f"p{i}", input_ids=ids, sampling_params=SamplingParams(
-            temperature=0.0, max_new_tokens=max_new, ignore_eos=True),
+            temperature=0.0, max_new_tokens=max_new, ignore_eos=True,
+            repetition_penalty=penalty),
             logprobs=None if logprobs is None else LogprobOptions(top=logprobs)))
 
     bar = tqdm(total=len(prompts), desc=label, unit="prompt")
@@ -157,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="run every configuration again with each request asking for its "
                    "tokens' logprobs and N alternatives (what logprobs cost a step)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="every request's (greedy) repetition penalty")
     p.add_argument("--output", default="results/profile_spec_step.json")
     args = p.parse_args(argv)
     try:
@@ -170,9 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     ids = render_prompts(reqs, lambda m: chat_prompt_ids(tok, m),
                          lambda t: tok.encode(t, add_special_tokens=False))
     prompts = [(p, r.max_new_tokens) for p, r in zip(ids, reqs)]
-    runs = [serve("baseline", {}, prompts, args.threads, args.concurrency, args.warmup_prompts)]
+    pen = args.repetition_penalty
+    runs = [serve("baseline", {}, prompts, args.threads, args.concurrency, args.warmup_prompts,
+                  penalty=pen)]
     runs += [serve(c.label, c.server_args, prompts, args.threads, args.concurrency,
-                   args.warmup_prompts) for c in configs]
+                   args.warmup_prompts, penalty=pen) for c in configs]
     if args.logprobs is not None:  # each again, every request asking for logprobs
         lp = f"+logprobs{args.logprobs}"
         runs += [serve("baseline" + lp, {}, prompts, args.threads, args.concurrency,

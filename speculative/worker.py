@@ -364,6 +364,17 @@ class SpeculativeWorker:
         pen = [b for b, r in enumerate(reqs) if r.params.has_penalties]
         if not pen:
             return logits
+        info = SamplingBatchInfo.from_params([reqs[b].params for b in pen], logits.shape[-1],
+                                             logits.device)
+        prompts, outputs = [reqs[b].prompt_ids for b in pen], [reqs[b].output_ids for b in pen]
+        every_row = len(pen) == len(reqs)
+        if all(trees[b].num_nodes == 1 for b in pen):  # one row per request: plain decoding's
+            if every_row:
+                return apply_penalties(logits, info, prompts, outputs)
+            sel = torch.tensor(pen, device=logits.device)
+            out = logits.clone()
+            out[sel] = apply_penalties(logits[sel], info, prompts, outputs)
+            return out
         rows, request, extra_rows, extra_tokens = [], [], [], []
         r = 0
         for j, b in enumerate(pen):
@@ -375,14 +386,13 @@ class SpeculativeWorker:
             extra_rows.append(r + node)
             extra_tokens.append(token)
             r += n
-        sel = torch.cat(rows).to(logits.device)
-        info = expand(SamplingBatchInfo.from_params([reqs[b].params for b in pen],
-                                                    logits.shape[-1], logits.device),
-                      [trees[b].num_nodes for b in pen])
+        info = expand(info, [trees[b].num_nodes for b in pen])
         hist = RowHistory(torch.cat(request), torch.cat(extra_rows), torch.cat(extra_tokens))
+        if every_row:
+            return apply_penalties(logits, info, prompts, outputs, hist)
+        sel = torch.cat(rows).to(logits.device)
         out = logits.clone()
-        out[sel] = apply_penalties(logits[sel], info, [reqs[b].prompt_ids for b in pen],
-                                   [reqs[b].output_ids for b in pen], hist)
+        out[sel] = apply_penalties(logits[sel], info, prompts, outputs, hist)
         return out
 
     def _commit(self, r: RunnerReq, res: VerifyResult) -> None:

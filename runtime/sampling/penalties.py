@@ -11,10 +11,10 @@ the history. Any future history-dependent processor belongs here, behind the sam
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -29,15 +29,26 @@ class RowHistory(NamedTuple):
     extra_tokens: torch.Tensor  # [K] int64
 
 
-def _token_index(ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device
-                 ) -> torch.Tensor:
-    """Flat indices row * V + token into a [B * V] view, built on the host then moved once."""
-    lengths = torch.tensor([len(row) for row in ids], dtype=torch.int64)
-    tokens = torch.tensor(list(itertools.chain.from_iterable(ids)), dtype=torch.int64)
-    if tokens.numel() > 0:
-        assert 0 <= int(tokens.min()) and int(tokens.max()) < vocab_size, "token id out of vocab"
-    rows = torch.repeat_interleave(torch.arange(len(ids), dtype=torch.int64), lengths)
-    return (rows * vocab_size + tokens).to(device)  # [total_tokens]
+def _flat_index(request_tokens: Sequence[np.ndarray], rows: RowHistory | None, vocab_size: int
+                ) -> np.ndarray:
+    """row * V + token for every token of every row's history (row r's request tokens, then its
+    extra tokens), duplicates kept: [total] int64."""
+    V = vocab_size
+    if rows is None:
+        parts = [r * V + t for r, t in enumerate(request_tokens)]
+    else:
+        req = rows.request.tolist()
+        parts = [r * V + request_tokens[b] for r, b in enumerate(req)]
+        if rows.extra_rows.numel() > 0:
+            parts.append(rows.extra_rows.numpy() * V + rows.extra_tokens.numpy())
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def _tokens(ids: Sequence[int], vocab_size: int) -> np.ndarray:
+    t = np.fromiter(ids, dtype=np.int64, count=len(ids))
+    if t.size:
+        assert 0 <= t.min() and t.max() < vocab_size, "token id out of vocab"
+    return t
 
 
 def apply_penalties(
@@ -54,8 +65,10 @@ def apply_penalties(
     subtract `frequency_penalty * count` and `presence_penalty * (count > 0)`.
 
     Without `rows`, row i's history is prompt_ids[i] + output_ids[i]. With `rows` (tree nodes),
-    `info` has one entry per row and the histories one per request. Every operation is
-    elementwise per row, so a row gets the same bits whatever else is in the batch.
+    `info` has one entry per row and the histories one per request. Only the logits of tokens in
+    a row's history change, so only those are computed (a history is hundreds of tokens, a row
+    tens of thousands); each is the same elementwise float operation whatever the batch, so a
+    row gets the same bits in any batch.
     """
     R, V = logits.shape
     B = len(prompt_ids)
@@ -64,35 +77,21 @@ def apply_penalties(
     if rows is None:
         assert B == R, "one history per row"
     dev = logits.device
-    extra = None
-    if rows is not None and rows.extra_rows.numel() > 0:
-        extra = rows.extra_rows.to(dev) * V + rows.extra_tokens.to(dev)  # [K] flat indices
-
-    def per_row(base: torch.Tensor) -> torch.Tensor:  # [B, V] → [R, V]
-        return base if rows is None else base[rows.request.to(dev)]
-
-    out = logits.float()
+    out = logits.float().clone()
+    flat = out.view(-1)
     if info.need_repetition_penalty:
-        seen = torch.zeros(B * V, dtype=torch.bool, device=dev)  # [B * V]
-        both = [list(p) + list(o) for p, o in zip(prompt_ids, output_ids)]
-        seen[_token_index(both, V, dev)] = True
-        seen = per_row(seen.view(B, V))
-        if extra is not None:
-            seen = seen.clone().view(-1)
-            seen[extra] = True
-            seen = seen.view(R, V)
-        rp = info.repetition_penalties[:, None]  # [R, 1]
-        penalised = torch.where(out > 0, out / rp, out * rp)
-        out = torch.where(seen, penalised, out)
+        seen = [_tokens(list(p) + list(o), V) for p, o in zip(prompt_ids, output_ids)]
+        idx = np.unique(_flat_index(seen, rows, V))  # [seen (row, token) pairs]
+        index = torch.from_numpy(idx).to(dev)
+        vals = flat[index]
+        rp = info.repetition_penalties[torch.from_numpy(idx // V).to(dev)]
+        flat[index] = torch.where(vals > 0, vals / rp, vals * rp)
     if info.need_output_penalties:
-        index = _token_index(output_ids, V, dev)
-        counts = torch.zeros(B * V, dtype=torch.float32, device=dev)  # [B * V]
-        counts.scatter_add_(0, index, torch.ones_like(index, dtype=torch.float32))
-        counts = per_row(counts.view(B, V))
-        if extra is not None:
-            counts = counts.clone().view(-1)
-            counts.scatter_add_(0, extra, torch.ones_like(extra, dtype=torch.float32))
-            counts = counts.view(R, V)
-        out = out - info.frequency_penalties[:, None] * counts
-        out = out - info.presence_penalties[:, None] * (counts > 0).float()
+        outs = [_tokens(o, V) for o in output_ids]
+        idx, counts = np.unique(_flat_index(outs, rows, V), return_counts=True)
+        index = torch.from_numpy(idx).to(dev)
+        row = torch.from_numpy(idx // V).to(dev)
+        c = torch.from_numpy(counts.astype(np.float32)).to(dev)
+        vals = flat[index] - info.frequency_penalties[row] * c
+        flat[index] = vals - info.presence_penalties[row] * (c > 0).float()
     return out
