@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.constrained.runner_grammars import mask_output
 from runtime.model_runner.forward_batch import ForwardBatch, ForwardMode
 from runtime.models.llama import ModelOutput
 from runtime.sampling.argmax import argmax_rows
@@ -74,6 +75,23 @@ class SpecEntry:
         """Fresh KV slots the scheduler gave this step: tree nodes, root included (> 1: it
         may draft)."""
         return self.slots.numel() - self.prefix_len
+
+
+def _grammar_masked(entries: list[SpecEntry], sizes: list[int],
+                    out: ModelOutput) -> ModelOutput:
+    """`out` (sizes[b] logits rows per request, in entry order) with the row of each request
+    that follows a grammar masked by its matcher (runtime/constrained/runner_grammars.py), as
+    plain decoding masks it. Such a request drafts nothing (budget 1): its one row is its
+    root's, where its matcher stands."""
+    rows, matchers, off = [], [], 0
+    for e, n in zip(entries, sizes):
+        matcher = getattr(e.state, "grammar", None)
+        if matcher is not None:
+            assert n == 1, f"{e.rid}: a request with a grammar drafted {n - 1} tokens"
+            rows.append(off)
+            matchers.append(matcher)
+        off += n
+    return mask_output(out, rows, matchers)
 
 
 def _interpreted(runner) -> bool:
@@ -298,7 +316,7 @@ class SpeculativeWorker:
                                    [e.slots[: e.prefix_len + 1] for e in entries],
                                    [e.prefix_len for e in entries])
         batch.logit_top = logit_top(getattr(e.state, "logprobs", None) for e in entries)
-        out = self.runner.forward(batch, False)
+        out = _grammar_masked(entries, [1] * len(entries), self.runner.forward(batch, False))
         if self.tree_ops is None and all(e.state.params.takes_argmax for e in entries):
             tokens = [[t] for t in out.row_argmax().tolist()]
         else:
@@ -318,7 +336,8 @@ class SpeculativeWorker:
         probe = self._global_probe(entries)
         self.drafter.traffic_off = (not self.cfg.disable_adaptive and
                                     self.prior_accept < self.break_even(len(entries)))
-        budgets = [self._budget(e, len(entries), probe) for e in entries]
+        budgets = [(1, False) if getattr(e.state, "grammar", None) is not None
+                   else self._budget(e, len(entries), probe) for e in entries]
         if self._off_step(entries, budgets):
             return self._plain_step(entries, t_step)
         for e, (budget, backed_off) in zip(entries, budgets):
@@ -350,6 +369,7 @@ class SpeculativeWorker:
             )
         batch.logit_top = logit_top(getattr(e.state, "logprobs", None) for e in entries)
         out = self.drafter.target_forward(batch, trees, self.drafter.needs_final_hidden)
+        out = _grammar_masked(entries, [t.num_nodes for t in trees], out)
         results = self._verify(entries, trees, out.logits, out.argmax)  # logits [sum n, V]
         if self.drafter.wants_node_argmax and any(t.num_nodes > 1 for t in trees):
             am = out.row_argmax().tolist()

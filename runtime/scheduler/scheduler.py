@@ -29,6 +29,8 @@ import torch
 from runtime.mem_cache.allocator import OutOfSlotsError, TokenSlotAllocator
 from runtime.mem_cache.radix_cache import RadixCache
 from runtime.messages import (
+    GRAMMAR_END,
+    GRAMMAR_REJECTED,
     AbortReq,
     BatchResult,
     FlushCacheReq,
@@ -128,6 +130,19 @@ class SchedulerConfig:
         )
 
 
+def _grammar_finish(reason: dict | None, state: str, output_ids: list[int]) -> dict | None:
+    """The finish reason after a step, given the request's grammar state: a complete grammar
+    stops the request (its last token is the grammar's stop token, EOS, or with `ignore_eos`
+    the token that completed it; "stop" rather than "length" when that was the last token
+    allowed); a rejected token ends it as an abort."""
+    if state == GRAMMAR_END and (reason is None or reason["type"] == "length"):
+        return {"type": "stop", "matched": output_ids[-1], "keep": len(output_ids)}
+    if state == GRAMMAR_REJECTED and reason is None:
+        return {"type": "abort", "message": "the output could not continue its grammar",
+                "keep": len(output_ids)}
+    return reason
+
+
 def draft_sizes(
     last_accepted: list[int], base: int, deep: int, deep_for_all: bool = False
 ) -> list[int]:
@@ -180,7 +195,8 @@ class Scheduler:
         if isinstance(msg, GenerateReq):
             req = Req(msg.rid, list(msg.input_ids), SamplingParams(**msg.sampling_params),
                       msg.stream, logprobs=LogprobOptions.from_dict(msg.logprobs),
-                      priority=msg.priority if self.cfg.enable_priority_scheduling else None)
+                      priority=msg.priority if self.cfg.enable_priority_scheduling else None,
+                      grammar=msg.grammar, constrained=msg.grammar is not None)
             if len(req.prompt_ids) >= self.stop.context_length or not req.prompt_ids:
                 self._finish_now(req, {"type": "abort", "message": "prompt length invalid"})
                 return
@@ -262,6 +278,7 @@ class Scheduler:
             entries = self._decode_batch(speculate=True)
             mode = ForwardMode.DECODE
         if not entries:
+            self._send_releases()
             return False
         self.batch_id += 1
         msg = RunBatch(
@@ -273,6 +290,16 @@ class Scheduler:
         assert result.batch_id == self.batch_id, "runner answered another batch"
         self._apply(entries, result)
         return True
+
+    def _send_releases(self) -> None:
+        """With nothing to run, tell the runner which requests it can forget now (their
+        sampling state, drafter state and grammar matchers), not at the next batch."""
+        if not self.released:
+            return
+        self.batch_id += 1
+        self.run_batch(RunBatch(batch_id=self.batch_id, mode=ForwardMode.DECODE.value, reqs=[],
+                                released_rids=self.released))
+        self.released = []
 
     def _alloc(self, n: int) -> torch.Tensor | None:
         if self.allocator.num_free < n:
@@ -295,6 +322,9 @@ class Scheduler:
             entry.prompt_ids = req.prompt_ids
             if req.logprobs is not None:
                 entry.logprobs = req.logprobs.to_dict()
+            # the runner keeps it (and its matcher) until the request is released, retractions
+            # included
+            entry.grammar, req.grammar = req.grammar, None
             req.runner_knows = True
         return req, entry, new_slots
 
@@ -438,6 +468,8 @@ class Scheduler:
                 sizes = plan_drafts([r.spec_acceptance.rate for r in decoding], caps,
                                     self.cfg.verify_cost)
                 sizes = with_probes(sizes, caps, [r.spec_acceptance for r in decoding])
+            # a request that follows a grammar does not draft (its mask is its root's only)
+            sizes = [1 if r.constrained else n for r, n in zip(decoding, sizes)]
         for req, n in zip(decoding, sizes):
             # never draft past the context length: the tree's positions must exist
             room = self.stop.context_length - req.kv_len
@@ -579,8 +611,9 @@ class Scheduler:
         out_reqs = []
         spec_info = result.spec_info or [None] * len(entries)
         lps = result.logprobs or [None] * len(entries)
-        for (req, entry, new_slots), tokens, spec, lp in zip(entries, result.next_token_ids,
-                                                             spec_info, lps):
+        grammar = result.grammar_states or [""] * len(entries)
+        for (req, entry, new_slots), tokens, spec, lp, gs in zip(
+                entries, result.next_token_ids, spec_info, lps, grammar):
             # a prefill chunk keeps all its slots; a (speculative) decode step keeps one per
             # token gained (root + accepted drafts) and frees the rest of its tree's slots
             num_new = new_slots.numel()
@@ -600,7 +633,7 @@ class Scheduler:
             if not tokens:
                 continue
             req.output_ids.extend(tokens)
-            reason = self.stop.check(req, len(tokens))
+            reason = _grammar_finish(self.stop.check(req, len(tokens)), gs, req.output_ids)
             n_new = len(tokens)
             if reason is not None:
                 keep = reason.pop("keep")
