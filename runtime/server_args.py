@@ -20,6 +20,7 @@ from typing import Any
 
 from kernels.cpu import ACTIVATION_DIGITS, DEFAULT_ACTIVATION_DIGITS
 from runtime.constrained import GRAMMAR_BACKENDS
+from runtime.tool_calls import TOOL_CALL_PARSERS
 
 
 def _arg(default: Any, help: str, choices: tuple | None = None) -> Any:
@@ -129,6 +130,12 @@ class BaseServerArgs:
     constrained_json_disable_any_whitespace: bool = _arg(
         False, "JSON Schema outputs without free whitespace: compact JSON ({\"a\": 1, \"b\": "
         "2}) instead of any whitespace between tokens (SGLang's option)")
+    tool_call_parser: str = _arg(
+        "auto", "how tool calls look in the model's output, for `tools` on /v1/chat/completions: "
+        "smollm2 (<tool_call>[{\"name\": ..., \"arguments\": ...}]</tool_call>), hermes "
+        "(<tool_call>{...}</tool_call> per call, Qwen2.5 / Hermes); auto: hermes when the chat "
+        "template renders `tools` itself, else smollm2 with its tool prompt "
+        "(docs/structured_output.md)", TOOL_CALL_PARSERS)
     num_threads: int | None = _arg(None, "torch threads in the model-runner process (default: "
                                    "all cores)")
     heap_trim_interval: float = _arg(
