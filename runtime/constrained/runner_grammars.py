@@ -60,8 +60,15 @@ class RunnerGrammars:
         return self._backend.result().load(data)
 
     def matcher(self, loading: Future) -> Matcher:
-        """A new matcher of a grammar `load` returned (waiting for it if still loading)."""
-        m = self._backend.result().matcher(loading.result())
+        """A new matcher of a grammar `load` returned (waiting for it if still loading); a
+        grammar that failed to load raises, and is forgotten (the next request loads it anew)."""
+        try:
+            compiled = loading.result()
+        except Exception:
+            for key in [k for k, f in self._loaded.items() if f is loading]:
+                del self._loaded[key]
+            raise
+        m = self._backend.result().matcher(compiled)
         self.live.add(m)
         return m
 

@@ -242,3 +242,18 @@ def test_ngram_speculation_gives_plain_constrained_output(tiny, env):  # noqa: F
         h.sched.check_no_leak()
         assert len(h.worker.grammars.live) == 0
     assert runs[0] == runs[1]
+
+
+def test_a_grammar_that_cannot_load_ends_its_request_only(tiny, env):  # noqa: F811
+    from runtime.messages import GrammarPayload
+
+    h = harness(tiny, env)
+    p = SamplingParams(temperature=0.0, max_new_tokens=8, regex="[a-z]+")
+    h.sched.handle(GenerateReq(rid="bad", input_ids=[5, 6, 7], sampling_params=p.to_dict(),
+                               grammar=GrammarPayload(key="k", kind="regex", data=b"{")))
+    submit(h, env, "good", [5, 6, 7], *GRAMMARS[2])
+    h.run()
+    assert h.finish["bad"]["type"] == "abort" and "grammar" in h.finish["bad"]["message"]
+    assert h.finish["good"]["type"] == "stop"
+    assert not h.worker.states
+    h.sched.check_no_leak()
