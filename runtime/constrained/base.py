@@ -7,16 +7,18 @@ compiled, to the model runner, as msgpack bytes, never pickled), and makes per-r
 are bit masks, `[rows, ceil(vocab / 32)]` int32 (bit t of a row: token t allowed), the layout
 xgrammar and llguidance share.
 
-A `Matcher` is built for speculation to come: `fork` copies its state, `rollback` undoes
-accepted tokens, `forced_tokens` gives tokens the grammar leaves no choice about, so a tree of
-drafts can be masked along each node's own path.
+A `Matcher` also offers what masking a tree of drafts along each node's own path needs: `fork`
+copies its state, `rollback` undoes accepted tokens, `forced_tokens` gives the tokens the
+grammar leaves no choice about.
 """
 
 from __future__ import annotations
 
+import sys
 from abc import ABC, abstractmethod
 from typing import Any
 
+import numpy as np
 import torch
 
 from runtime.constrained.spec import GrammarSpec
@@ -83,9 +85,12 @@ class GrammarBackend(ABC):
     def allocate_masks(self, rows: int) -> torch.Tensor:
         """A bit mask buffer for `rows` rows of logits ([rows, ceil(vocab / 32)] int32)."""
 
-    @abstractmethod
-    def apply_masks(self, logits: torch.Tensor, masks: torch.Tensor) -> None:
-        """In place: logits[j, t] = -inf wherever masks[j] forbids token t."""
+    def forbidden(self, masks: torch.Tensor, vocab_size: int) -> np.ndarray:
+        """[rows, vocab_size] bool, True where `masks` forbids the token: the bits unpacked
+        (numpy's unpackbits over the int32 words' little-endian bytes)."""
+        assert sys.byteorder == "little", "bit masks are read as little-endian words"
+        words = masks.cpu().numpy().view(np.uint8)
+        return np.unpackbits(words, axis=-1, bitorder="little")[:, :vocab_size] == 0
 
     @property
     def compile_options(self) -> str:

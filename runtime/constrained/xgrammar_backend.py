@@ -122,7 +122,3 @@ class XGrammarBackend(GrammarBackend):
 
     def allocate_masks(self, rows: int) -> torch.Tensor:
         return self._xgr.allocate_token_bitmask(rows, self.vocab_size)
-
-    def apply_masks(self, logits: torch.Tensor, masks: torch.Tensor) -> None:
-        self._xgr.apply_token_bitmask_inplace(logits, masks.to(logits.device),
-                                              vocab_size=self.vocab_size)

@@ -48,9 +48,7 @@ def backend(tok):
 def allowed(backend, matcher) -> set[int]:
     masks = backend.allocate_masks(1)
     matcher.fill_mask(masks, 0)
-    logits = torch.zeros(1, TINY_VOCAB_SIZE)
-    backend.apply_masks(logits, masks)
-    return set(torch.nonzero(logits[0] == 0).flatten().tolist())
+    return set((~backend.forbidden(masks, TINY_VOCAB_SIZE)[0]).nonzero()[0].tolist())
 
 
 def walk(backend, matcher, text: str) -> list[int]:
