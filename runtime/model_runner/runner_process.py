@@ -253,28 +253,7 @@ class RunnerWorker:
         if any(states[i].constrained for i in rows):
             fwd = self._mask(fwd, [msg.reqs[i].rid for i in rows], [states[i] for i in rows],
                              rows if last is None else [last[i] for i in rows])
-        logits = fwd.logits if last is None else fwd.logits[last]  # [B, vocab]
-        out: list[list[int]] = [[] for _ in msg.reqs]
-        grammar = [""] * len(msg.reqs)
-        if rows:
-            sel = [states[i] for i in rows]
-            if all(s.params.takes_argmax for s in sel):
-                # what `sample` gives such rows, without its per-row parameter tensors or a
-                # copy of the selected logits (~0.3 ms of a 6 ms decode step at batch 1); the
-                # CPU engine found each row's argmax while the logits were in its cache
-                am = fwd.row_argmax() if last is None else fwd.row_argmax()[last]
-                tokens = (am if len(rows) == len(msg.reqs) else am[rows]).tolist()
-            else:
-                info = SamplingBatchInfo.from_params([s.params for s in sel], logits.shape[-1],
-                                                     logits.device)
-                tokens = sample(
-                    logits[rows], info, [s.prompt_ids for s in sel],
-                    [s.output_ids for s in sel],
-                    positions=[len(s.prompt_ids) + len(s.output_ids) for s in sel],
-                ).tolist()
-            for i, st, tok in zip(rows, sel, tokens):
-                grammar[i] = self._append(msg.reqs[i].rid, st, [tok])
-                out[i] = [tok]
+        out, grammar = self._sample(msg, states, fwd, rows, last)
         if wants_rows:
             drafter.draft_extend(self._prefill_rows(msg, states, slots), fwd)
         lps = None
@@ -286,6 +265,35 @@ class RunnerWorker:
             batch_id=msg.batch_id, next_token_ids=out, forward_s=time.perf_counter() - t0,
             logprobs=lps, grammar_states=grammar if any(grammar) else None,
         )
+
+    def _sample(self, msg: RunBatch, states: list[RunnerReqState], fwd: ModelOutput,
+                rows: list[int], last: list[int] | None) -> tuple[list[list[int]], list[str]]:
+        """The next token of each request in `rows` (its last row of `fwd.logits`: row b, or
+        last[b] when prompt rows were scored too), committed; and the requests' grammar
+        states (BatchResult.grammar_states)."""
+        out: list[list[int]] = [[] for _ in msg.reqs]
+        grammar = [""] * len(msg.reqs)
+        if not rows:
+            return out, grammar
+        sel = [states[i] for i in rows]
+        if all(s.params.takes_argmax for s in sel):
+            # what `sample` gives such rows, without its per-row parameter tensors or a copy of
+            # the selected logits (~0.3 ms of a 6 ms decode step at batch 1); the CPU engine
+            # found each row's argmax while the logits were in its cache
+            am = fwd.row_argmax() if last is None else fwd.row_argmax()[last]
+            tokens = (am if len(rows) == len(msg.reqs) else am[rows]).tolist()
+        else:
+            logits = fwd.logits if last is None else fwd.logits[last]  # [B, vocab]
+            info = SamplingBatchInfo.from_params([s.params for s in sel], logits.shape[-1],
+                                                 logits.device)
+            tokens = sample(
+                logits[rows], info, [s.prompt_ids for s in sel], [s.output_ids for s in sel],
+                positions=[len(s.prompt_ids) + len(s.output_ids) for s in sel],
+            ).tolist()
+        for i, st, tok in zip(rows, sel, tokens):
+            grammar[i] = self._append(msg.reqs[i].rid, st, [tok])
+            out[i] = [tok]
+        return out, grammar
 
     @staticmethod
     def _logprobs(msg: RunBatch, states: list[RunnerReqState], out: list[list[int]],
