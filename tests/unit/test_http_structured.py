@@ -6,11 +6,15 @@ whole and streamed, and the OpenAPI spec, /metrics and /server_info show the new
 from __future__ import annotations
 
 import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
 
+from runtime.constrained.compiler import GrammarCompiler
 from runtime.entrypoints.http_server import create_app
 from tests.helpers import fake_tm
 from tests.helpers.fake_tm import MODEL_NAME, REPLY_TEXT, make_fake_tm
@@ -216,3 +220,41 @@ def test_without_a_grammar_backend_grammars_are_refused(tmp_path):
         r = raw.post("/generate", json={"text": "hi", "sampling_params": {"regex": "a"}})
         assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.regex"
         assert raw.post("/generate", json={"text": "hi"}).status_code == 200
+
+
+class _HeldBackend:
+    """A backend whose compiles wait for `release` (the tokenizer process's threads hold them,
+    not its event loop)."""
+
+    def __init__(self, inner, release: threading.Event) -> None:
+        self.inner, self.release = inner, release
+        self.compile_options = "held"
+
+    def compile(self, spec):
+        assert self.release.wait(10)
+        return self.inner.compile(spec)
+
+    def dump(self, compiled):
+        return self.inner.dump(compiled)
+
+
+def test_a_request_waits_for_its_grammar_while_others_are_served(env):
+    _, raw, tm, sched = env
+    release, real = threading.Event(), tm.grammars
+    tm.grammars = GrammarCompiler(lambda: _HeldBackend(real.backend, release))
+    body = {"text": "hi", "sampling_params": {"regex": "[a-c]{2}", "max_new_tokens": 4}}
+    try:
+        with ThreadPoolExecutor(1) as pool, httpx.Client(base_url=str(raw.base_url),
+                                                         timeout=10) as other:
+            waiting = pool.submit(other.post, "/generate", json=body)
+            time.sleep(0.2)
+            plain = raw.post("/generate", json={"text": "hi", "sampling_params": {
+                "max_new_tokens": 4}})
+            assert plain.status_code == 200 and not waiting.done()
+            release.set()
+            assert waiting.result(10).status_code == 200
+        assert sched.requests[-1].grammar.kind == "regex"
+    finally:
+        release.set()
+        tm.grammars.shutdown()
+        tm.grammars = real
