@@ -29,13 +29,19 @@ setup(
         "httpx",
         # the CPU engine's C++ extension is compiled on first use (kernels/cpu) with ninja + g++
         "ninja",
+        # constrained decoding (runtime/constrained): its wheel needs torch, transformers and
+        # triton, which are installed already; pinned, since compiled grammars cross processes
+        # in its own serialization format
+        "xgrammar==0.2.8",
     ],
     extras_require={
         "gpu": ["flashinfer-python", "sgl-kernel"],
         "bench": ["matplotlib", "aiohttp"],
         # triton: its interpreter runs the CUDA kernels on the CPU in the test suite
         # pytest-xdist: `make test` runs the suite in two workers
-        "dev": ["pytest", "pytest-xdist", "ruff", "openai", "matplotlib", "triton==3.9.0"],
+        # jsonschema: the structured-output tests validate outputs against their schemas
+        "dev": ["pytest", "pytest-xdist", "ruff", "openai", "matplotlib", "triton==3.9.0",
+                "jsonschema"],
         # opt-in: benchmark/fuzz_openapi.py (no torch; the test suite does not need it)
         "fuzz": ["schemathesis==4.32.5"],
     },

@@ -115,11 +115,11 @@ class Engine:
 
     # ---- generation -------------------------------------------------------------------
     async def _collect(self, ids, params, lp: SglangLogprobs | None = None,
-                       priority: int | None = None) -> dict:
+                       priority: int | None = None, grammar=None) -> dict:
         last = None
         async for chunk in self.tm.generate(ids, params, stream=False,
                                             logprobs=None if lp is None else lp.options,
-                                            priority=priority):
+                                            priority=priority, grammar=grammar):
             last = chunk
         return chunk_to_dict(last, lp)
 
@@ -131,6 +131,8 @@ class Engine:
         priority: int | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """Generate for one prompt (dict) or several (list of dicts, run concurrently).
+        `sampling_params` may set one grammar the output must match (SGLang's `json_schema`,
+        `regex`, `ebnf`, `structural_tag`; docs/structured_output.md).
 
         With `stream=True` (one prompt), returns an iterator of cumulative chunks. The logprob
         arguments are SGLang's: meta_info then holds `output_token_logprobs` (and
@@ -147,10 +149,12 @@ class Engine:
             if not single:
                 raise ValueError("stream=True takes a single prompt")
             return self._stream_sync(ids[0], params[0], lps[0], priority)
+        # every grammar compiled (or refused: InvalidRequestError) before any prompt starts
+        grammars = self._run(self.tm.compile_grammars(params))
 
         async def run_all():
-            return await asyncio.gather(*(self._collect(i, p, lp, priority)
-                                          for i, p, lp in zip(ids, params, lps)))
+            return await asyncio.gather(*(self._collect(i, p, lp, priority, g)
+                                          for i, p, lp, g in zip(ids, params, lps, grammars)))
 
         outs = self._run(run_all())
         return outs[0] if single else outs

@@ -35,6 +35,16 @@ class Msg(msgspec.Struct, tag=True, array_like=False):
     pass
 
 
+class GrammarPayload(msgspec.Struct):
+    """A compiled grammar on its way from the tokenizer process (which compiled it) to the model
+    runner: the backend's own bytes (xgrammar: its JSON serialization), never pickled.
+    `key` names it in both processes' caches (runtime/constrained/)."""
+
+    key: str
+    kind: str  # the sampling parameter it came from: json_schema | regex | ebnf | structural_tag
+    data: bytes
+
+
 # ---- received by the scheduler (from the tokenizer process / Engine) -------------------------
 class GenerateReq(Msg):
     rid: str
@@ -45,6 +55,7 @@ class GenerateReq(Msg):
     # under --enable-priority-scheduling (validated by the front end); None: the client gave
     # none (the least urgent, as SGLang)
     priority: int | None = None
+    grammar: GrammarPayload | None = None  # the compiled grammar the output must match
 
 
 class AbortReq(Msg):
@@ -101,6 +112,7 @@ class ReqBatchEntry(Msg):
     # speculative decode steps: draft only what the drafter is sure of (the controller kept
     # this request from drafting; speculative/controller.py)
     confident_only: bool = False
+    grammar: GrammarPayload | None = None  # also sent once, with the parameters
 
 
 class RunBatch(Msg):
@@ -131,6 +143,9 @@ class BatchResult(Msg):
     # per request, for those that asked: logprobs of its new tokens (and of the prompt tokens
     # this step computed), runtime/sampling/logprobs.py
     logprobs: list[dict | None] | None = None
+    # per request when some follow a grammar: "" (still matching, or none), GRAMMAR_END (its
+    # grammar is complete: the request is done), GRAMMAR_REJECTED (a token it could not match)
+    grammar_states: list[str] | None = None
 
 
 class RunnerReady(Msg):
@@ -140,6 +155,9 @@ class RunnerReady(Msg):
 class RunnerError(Msg):
     message: str
 
+
+GRAMMAR_END = "end"
+GRAMMAR_REJECTED = "rejected"
 
 TO_SCHEDULER = GenerateReq | AbortReq | FlushCacheReq | GetInfoReq
 TO_TOKENIZER = TokenOut | InfoOut | ReadyOut

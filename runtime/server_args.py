@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kernels.cpu import ACTIVATION_DIGITS, DEFAULT_ACTIVATION_DIGITS
+from runtime.constrained import GRAMMAR_BACKENDS
+from runtime.tool_calls import TOOL_CALL_PARSERS
 
 
 def _arg(default: Any, help: str, choices: tuple | None = None) -> Any:
@@ -113,6 +115,22 @@ class BaseServerArgs:
         False, "streamed /generate chunks carry only what is new since the previous chunk "
         "(text, output_ids, output_token_logprobs, output_top_logprobs; SGLang's option) "
         "instead of everything so far")
+    grammar_backend: str = _arg(
+        "xgrammar", "grammar backend of constrained decoding (response_format json_schema / "
+        "json_object, json_schema / regex / ebnf / structural_tag sampling parameters, forced "
+        "tool calls); none refuses such requests with HTTP 400", GRAMMAR_BACKENDS)
+    grammar_compile_timeout: float = _arg(
+        10.0, "seconds a grammar may take to compile (in a thread of the HTTP process; the "
+        "request is a 400 beyond it, and so is the same grammar again)")
+    constrained_json_disable_any_whitespace: bool = _arg(
+        False, "JSON Schema outputs without free whitespace: compact JSON ({\"a\": 1, \"b\": "
+        "2}) instead of any whitespace between tokens (SGLang's option)")
+    tool_call_parser: str = _arg(
+        "auto", "how tool calls look in the model's output, for `tools` on /v1/chat/completions: "
+        "smollm2 (<tool_call>[{\"name\": ..., \"arguments\": ...}]</tool_call>), hermes "
+        "(<tool_call>{...}</tool_call> per call, Qwen2.5 / Hermes); auto: hermes when the chat "
+        "template renders `tools` itself, else smollm2 with its tool prompt "
+        "(docs/structured_output.md)", TOOL_CALL_PARSERS)
     num_threads: int | None = _arg(None, "torch threads in the model-runner process (default: "
                                    "all cores)")
     heap_trim_interval: float = _arg(
@@ -139,6 +157,8 @@ class BaseServerArgs:
                      "priority_scheduling_preemption_threshold"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError("--grammar-compile-timeout must be > 0")
         if not self.heap_trim_interval >= 0:
             raise ValueError("--heap-trim-interval must be >= 0 (0 turns it off)")
         model_dir = str(resolve_model_path(self.model_path))

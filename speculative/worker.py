@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from runtime.constrained.runner_grammars import mask_output
 from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.model_runner.req import RunnerReq
 from runtime.models.llama import ModelOutput
@@ -50,6 +51,22 @@ from speculative.verify import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+def _grammar_masked(reqs: list[RunnerReq], sizes: list[int],
+                    out: ModelOutput) -> ModelOutput:
+    """`out` (sizes[b] logits rows per request, in request order) with the row of each request
+    that follows a grammar masked by its matcher (runtime/constrained/runner_grammars.py), as
+    plain decoding masks it. Such a request drafts nothing (the scheduler gives it one node):
+    its one row is its root's, where its matcher stands."""
+    rows, matchers, off = [], [], 0
+    for r, n in zip(reqs, sizes):
+        if r.grammar is not None:
+            assert n == 1, f"{r.rid}: a request with a grammar drafted {n - 1} tokens"
+            rows.append(off)
+            matchers.append(r.grammar)
+        off += n
+    return mask_output(out, rows, matchers)
 
 
 def _interpreted(runner) -> bool:
@@ -167,6 +184,7 @@ class SpeculativeWorker:
             )
         batch.logit_top = logit_top(r.logprobs for r in reqs)
         out = self.drafter.target_forward(batch, trees, self.drafter.needs_final_hidden)
+        out = _grammar_masked(reqs, [t.num_nodes for t in trees], out)
         results = self._verify(reqs, trees, out.logits, out.argmax)  # logits [sum n, V]
         if self.drafter.wants_node_argmax and any(t.num_nodes > 1 for t in trees):
             am = out.row_argmax().tolist()
@@ -210,7 +228,7 @@ class SpeculativeWorker:
                                    [r.slots[: r.prefix_len + 1] for r in reqs],
                                    [r.prefix_len for r in reqs])
         batch.logit_top = logit_top(r.logprobs for r in reqs)
-        out = self.runner.forward(batch, False)
+        out = _grammar_masked(reqs, [1] * len(reqs), self.runner.forward(batch, False))
         if self.tree_ops is None and all(r.params.takes_argmax for r in reqs):
             tokens = [[t] for t in out.row_argmax().tolist()]
         else:

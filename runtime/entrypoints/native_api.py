@@ -29,12 +29,13 @@ from runtime.entrypoints.streaming import (
     until_disconnect,
 )
 from runtime.errors import InvalidRequestError
+from runtime.messages import GrammarPayload
 from runtime.sampling.logprobs import LogprobOptions
 from runtime.sampling.sampling_params import SamplingParams, integral
 
 
 class _Item:
-    __slots__ = ("cursor", "formatter", "input_ids", "logprobs", "params", "rid")
+    __slots__ = ("cursor", "formatter", "grammar", "input_ids", "logprobs", "params", "rid")
 
     def __init__(self, input_ids: list[int], params: SamplingParams, rid: str | None,
                  logprobs: LogprobOptions | None = None) -> None:
@@ -42,6 +43,7 @@ class _Item:
         self.logprobs = logprobs
         self.formatter: SglangLogprobs | None = None  # the response's, once it has one
         self.cursor = StreamCursor()  # (--incremental-streaming-output)
+        self.grammar: GrammarPayload | None = None  # its compiled grammar, if it has one
 
 
 def chunk_json(chunk: Any, index: int | None, item: _Item | None = None,
@@ -152,20 +154,33 @@ def _per_item(value: Any, field: str, batch: bool, count: int, kind: type,
     raise InvalidRequestError(field, f"must be {expected}" + (" or a list" if batch else ""))
 
 
+async def compile_grammars(tm: Any, items: list[_Item], batch: bool) -> None:
+    """Compile the items' grammars before any starts; an error names the item's field."""
+    for k, it in enumerate(items):
+        try:
+            it.grammar = await tm.compile_grammar(it.params)
+        except InvalidRequestError as exc:
+            where = f"item {k}: " if batch else ""
+            raise InvalidRequestError(f"sampling_params.{exc.field}", where + exc.message) \
+                from None
+
+
 async def generate(request: Request, tm: Any, incremental: bool = False) -> Response:
     body = parse_model(GenerateRequest, await read_json(request))
     priority = tm.check_priority(body.priority)
     batch, items = parse_generate(body, tm)
     tm.admit(len(items))
+    await compile_grammars(tm, items, batch)
     text_of = tm.token_texts if body.return_text_in_logprobs else None
     if body.stream:
         gens = await first_chunks(request, [
-            tm.generate(it.input_ids, it.params, True, it.rid, it.logprobs, priority)
+            tm.generate(it.input_ids, it.params, True, it.rid, it.logprobs, priority, it.grammar)
             for it in items])
         return SSEResponse(sse_events(_events(merge(gens), batch, items, text_of,
                                               incremental)))
     finals = await until_disconnect(request, gather_all([
-        last_chunk(tm.generate(it.input_ids, it.params, False, it.rid, it.logprobs, priority))
+        last_chunk(tm.generate(it.input_ids, it.params, False, it.rid, it.logprobs, priority,
+                               it.grammar))
         for it in items]))
     out = [chunk_json(chunk, None, it, text_of) for chunk, it in zip(finals, items)]
     return JSONResponse(out if batch else out[0])

@@ -17,15 +17,16 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from runtime.entrypoints.chat_messages import chat_messages
 from runtime.entrypoints.logprob_format import CompletionLogprobs, chat_content, merge_pieces
 from runtime.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    chat_messages,
     parse_model,
     prompt_batch,
     read_json,
 )
+from runtime.entrypoints.response_format import response_format_grammar
 from runtime.entrypoints.streaming import (
     SSEResponse,
     first_chunks,
@@ -35,9 +36,12 @@ from runtime.entrypoints.streaming import (
     sse_events,
     until_disconnect,
 )
+from runtime.entrypoints.tool_output import ToolDeltas, tool_message
 from runtime.errors import InvalidRequestError, ModelLoadError, ModelNotFoundError
+from runtime.messages import GrammarPayload
 from runtime.sampling.logprobs import LogprobOptions
 from runtime.sampling.sampling_params import SamplingParams
+from runtime.tool_calls.request import ToolRequest, parse_tool_request, render_messages
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -50,15 +54,22 @@ class _Choice:
     params: SamplingParams
     rid: str
     logprobs: LogprobOptions | None = None
+    grammar: GrammarPayload | None = None
 
 
 @dataclass(frozen=True)
 class _Shape:
     """What a response's choices carry besides text: `top` alternatives per token when
-    logprobs were asked for (None: no logprobs), and the prompt in front (completions' echo)."""
+    logprobs were asked for (None: no logprobs), the prompt in front (completions' echo), and
+    tool calls read out of the text when the request offered tools."""
 
     top: int | None = None
     echo: bool = False
+    tools: ToolRequest | None = None
+
+
+# the sampling parameters OpenAI's fields set, and the errors about them
+_GRAMMAR_FIELDS = {"json_schema": "response_format", "structural_tag": "tools"}
 
 
 @contextmanager
@@ -99,11 +110,14 @@ class OpenAIServing:
         prompts = prompt_batch(body.prompt, self.tm.tokenize)
         sampling = body.base_sampling()
         sampling["max_new_tokens"] = 16 if body.max_tokens is None else body.max_tokens
+        sampling.update(response_format_grammar(body.response_format))
         shape = _Shape(body.top_logprobs(), bool(body.echo))
-        choices = self._choices("cmpl", prompts, sampling, body.num_choices(),
-                                {"max_new_tokens": "max_tokens", "input_ids": "prompt"},
-                                max_tokens_given=body.max_tokens is not None, shape=shape)
-        return await self._serve(request, "text_completion", prompts, choices, body.stream,
+        job = self._choices("cmpl", prompts, sampling, body.num_choices(),
+                            {"max_new_tokens": "max_tokens", "input_ids": "prompt",
+                             **_GRAMMAR_FIELDS},
+                            max_tokens_given=body.max_tokens is not None, shape=shape)
+        await self._compile(job[1])
+        return await self._serve(request, "text_completion", prompts, job, body.stream,
                                  body.include_usage(), shape, priority)
 
     async def chat(self, request: Request) -> Response:
@@ -111,24 +125,54 @@ class OpenAIServing:
         self.check_model(body.model)
         body.check_supported()
         priority = self.tm.check_priority(body.priority)
-        messages = chat_messages(body.messages)
-        try:
-            ids = self.tm.chat_ids(messages, add_generation_prompt=True)
-        except ModelLoadError as exc:  # no chat template: the client should use /v1/completions
-            raise InvalidRequestError("messages", str(exc)) from None
+        tools = parse_tool_request(body.tools, body.tool_choice, body.parallel_tool_calls)
+        ids = self._chat_ids(chat_messages(body.messages), tools)
         limit = body.max_completion_tokens if body.max_completion_tokens is not None \
             else body.max_tokens
         sampling = body.base_sampling()
         # OpenAI's default is "until the context is full"; the scheduler caps it there anyway.
         sampling["max_new_tokens"] = limit if limit is not None \
             else max(1, self.tm.context_length - len(ids))
-        shape = _Shape(body.logprob_top())
-        choices = self._choices("chatcmpl", [ids], sampling, body.num_choices(),
-                                {"max_new_tokens": body.max_tokens_field(), "prompt": "messages",
-                                 "input_ids": "messages"}, max_tokens_given=limit is not None,
-                                shape=shape)
-        return await self._serve(request, "chat.completion", [ids], choices, body.stream,
+        sampling.update(self._chat_grammar(body.response_format, tools))
+        shape = _Shape(body.logprob_top(), tools=tools if tools.offered else None)
+        job = self._choices("chatcmpl", [ids], sampling, body.num_choices(),
+                            {"max_new_tokens": body.max_tokens_field(), "prompt": "messages",
+                             "input_ids": "messages", **_GRAMMAR_FIELDS},
+                            max_tokens_given=limit is not None, shape=shape)
+        await self._compile(job[1])
+        return await self._serve(request, "chat.completion", [ids], job, body.stream,
                                  body.include_usage(), shape, priority)
+
+    def _chat_ids(self, messages: list[dict], tools: ToolRequest) -> list[int]:
+        """The prompt: the messages (and the tools the request offers) through the chat
+        template, or the tool-call format's own rendering where the template ignores tools."""
+        msgs, template_tools = render_messages(messages, tools, self.tm.tool_format,
+                                               self.tm.template_renders_tools)
+        try:
+            return self.tm.chat_ids(msgs, add_generation_prompt=True, tools=template_tools)
+        except ModelLoadError as exc:  # no chat template: the client should use /v1/completions
+            raise InvalidRequestError("messages", str(exc)) from None
+
+    def _chat_grammar(self, response_format: Any, tools: ToolRequest) -> dict[str, str]:
+        """The grammar sampling parameter of a chat request: its response_format's, or the
+        forced tool call's (tool_choice "required" or a named function)."""
+        grammar = response_format_grammar(response_format)
+        if not tools.forced:
+            return grammar
+        if grammar:
+            raise InvalidRequestError("tool_choice", "a forced tool call and a JSON "
+                                      "response_format cannot both shape the output")
+        return {"structural_tag": tools.forcing_grammar(self.tm.tool_format)}
+
+    async def _compile(self, choices: list[_Choice]) -> None:
+        """Compile the choices' grammar before any starts (all choices share one), errors
+        under the OpenAI field that set it."""
+        if not choices or choices[0].params.grammar is None:
+            return
+        with _renamed(_GRAMMAR_FIELDS):
+            payloads = await self.tm.compile_grammars([c.params for c in choices])
+        for c, payload in zip(choices, payloads):
+            c.grammar = payload
 
     def check_model(self, model: str | None) -> None:
         """404 for a model this server does not serve (OpenAI and vLLM do the same), rather
@@ -166,14 +210,15 @@ class OpenAIServing:
         prompt_tokens = sum(len(ids) for ids in prompts)
         if stream:
             gens = await first_chunks(request, [
-                self.tm.generate(c.input_ids, c.params, True, c.rid, c.logprobs, priority)
+                self.tm.generate(c.input_ids, c.params, True, c.rid, c.logprobs, priority,
+                                 c.grammar)
                 for c in choices])
             events = self._stream(head, merge(gens), choices, prompt_tokens, include_usage,
                                   shape)
             return SSEResponse(sse_events(events))
         finals = await until_disconnect(request, gather_all([
             last_chunk(self.tm.generate(c.input_ids, c.params, False, c.rid, c.logprobs,
-                                        priority))
+                                        priority, c.grammar))
             for c in choices]))
         chat = kind == "chat.completion"
         out = []
@@ -181,11 +226,15 @@ class OpenAIServing:
             item: dict[str, Any] = {"index": c.index}
             view = _ChoiceView(self.tm, c, chat, shape)
             text, logprobs = view.piece(chunk)
-            if chat:
+            reason = finish_reason(chunk.finish_reason)
+            if chat and shape.tools is not None:
+                item["message"], called = tool_message(text, shape.tools, self.tm.tool_format)
+                reason = "tool_calls" if called else reason  # (vLLM's rule)
+            elif chat:
                 item["message"] = {"role": "assistant", "content": text}
             else:
                 item["text"] = text
-            item.update(logprobs=logprobs, finish_reason=finish_reason(chunk.finish_reason))
+            item.update(logprobs=logprobs, finish_reason=reason)
             out.append(item)
         completion_tokens = sum(_completion_tokens(chunk) for chunk in finals)
         return JSONResponse({**head, "choices": out,
@@ -207,17 +256,11 @@ class OpenAIServing:
                     delta = {"role": "assistant", "content": ""}
                     yield {**head, "choices": [_delta(i, delta, None)], **extra}
             async for i, chunk in chunks:
-                new, logprobs = views[i].piece(chunk)
-                if not new and not chunk.finished and not _names_tokens(logprobs):
+                choice = views[i].event(i, chunk)
+                if choice is None:
                     continue
-                reason = finish_reason(chunk.finish_reason) if chunk.finished else None
                 if chunk.finished:
                     completion_tokens += _completion_tokens(chunk)
-                if chat:
-                    choice = _delta(i, {"content": new} if new else {}, reason, logprobs)
-                else:
-                    choice = {"index": i, "text": new, "logprobs": logprobs,
-                              "finish_reason": reason}
                 yield {**head, "choices": [choice], **extra}
             if include_usage:
                 yield {**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)}
@@ -236,6 +279,27 @@ class _ChoiceView:
         self.started = False
         self.completion = None if shape.top is None or chat else CompletionLogprobs(
             tm.token_texts, shape.top)
+        self.tools = ToolDeltas(shape.tools, tm.tool_format) \
+            if chat and shape.tools is not None else None
+
+    def event(self, index: int, chunk: Any) -> dict | None:
+        """The stream event's choice for a new chunk (None: nothing to send yet). With tools
+        offered, text inside call blocks goes out as `tool_calls` deltas, once a call is
+        whole, and a choice that called a tool finishes with "tool_calls"."""
+        new, logprobs = self.piece(chunk)
+        reason = finish_reason(chunk.finish_reason) if chunk.finished else None
+        if not self.chat:
+            if not new and not chunk.finished and not _names_tokens(logprobs):
+                return None
+            return {"index": index, "text": new, "logprobs": logprobs, "finish_reason": reason}
+        fields = {"content": new} if new else {}
+        if self.tools is not None:
+            fields = self.tools.delta(chunk.text, chunk.finished)
+            if chunk.finished and self.tools.called:
+                reason = "tool_calls"
+        if not fields and not chunk.finished and not _names_tokens(logprobs):
+            return None
+        return _delta(index, fields, reason, logprobs)
 
     def piece(self, chunk: Any) -> tuple[str, dict | None]:
         text = chunk.text

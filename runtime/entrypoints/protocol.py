@@ -139,18 +139,55 @@ PromptText = Annotated[Any, WithJsonSchema(
     {"anyOf": [{**_STR, "minLength": 1}, {"type": "array", "items": _STR, "minItems": 1}]})]
 TokenIds = Annotated[Any, WithJsonSchema(
     {"anyOf": [{**_IDS, "minItems": 1}, {"type": "array", "items": _IDS, "minItems": 1}]})]
+# /generate's sampling parameters (runtime/sampling/sampling_params.py checks them); the
+# grammar ones are spelled out here, at most one per request (docs/structured_output.md)
+_SAMPLING = {"type": "object", "properties": {
+    "json_schema": {**_STR, "description": "a JSON Schema (as a JSON string) the output must "
+                    "match"},
+    "regex": {**_STR, "description": "a regular expression the whole output must match"},
+    "ebnf": {**_STR, "description": "an EBNF grammar (GBNF, root rule `root`) the output must "
+             "match"},
+    "structural_tag": {**_STR, "description": "an xgrammar structural tag (as a JSON string) "
+                       "the output must match"},
+}, "additionalProperties": True}
 SamplingDict = Annotated[Any, WithJsonSchema(
-    {"anyOf": [{"type": "object"}, {"type": "array", "items": {"type": "object"}},
-               {"type": "null"}]})]
+    {"anyOf": [_SAMPLING, {"type": "array", "items": _SAMPLING}, {"type": "null"}]})]
 Prompt = Annotated[Any, WithJsonSchema(
     {"anyOf": [_STR, {"type": "array", "items": _STR}, _IDS, {"type": "array", "items": _IDS}]})]
 TopLogprobs = Annotated[Any, WithJsonSchema(
     {"anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS},
                {"type": "null"}]})]
+_TOOL_CALL = {"type": "object", "required": ["type", "function"], "properties": {
+    "id": _STR, "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name", "arguments"],
+                 "properties": {"name": _STR, "arguments": _STR}}}}
 Messages = Annotated[Any, WithJsonSchema({"type": "array", "minItems": 1, "items": {
-    "type": "object", "required": ["role", "content"],
-    "properties": {"role": {"enum": ["system", "developer", "user", "assistant"]},
-                   "content": _STR, "name": _STR}}})]
+    "type": "object", "required": ["role"],
+    "properties": {"role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+                   "content": {"anyOf": [_STR, {"type": "array"}, {"type": "null"}]},
+                   "name": _STR, "tool_calls": {"type": "array", "items": _TOOL_CALL},
+                   "tool_call_id": _STR}}})]
+_JSON_SCHEMA_FORMAT = {"type": "object", "required": ["type", "json_schema"], "properties": {
+    "type": {"const": "json_schema"},
+    "json_schema": {"type": "object", "required": ["name", "schema"], "properties": {
+        "name": _STR, "description": _STR, "schema": {"type": "object"},
+        "strict": {"type": ["boolean", "null"]}}}}}
+ResponseFormat = Annotated[Any, WithJsonSchema({"anyOf": [
+    {"type": "object", "required": ["type"], "properties": {"type": {"const": "text"}}},
+    {"type": "object", "required": ["type"], "properties": {"type": {"const": "json_object"}}},
+    _JSON_SCHEMA_FORMAT, {"type": "null"}]})]
+Tools = Annotated[Any, WithJsonSchema({"anyOf": [{"type": "array", "items": {
+    "type": "object", "required": ["type", "function"], "properties": {
+        "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name"], "properties": {
+            "name": _STR, "description": _STR, "parameters": {"type": "object"},
+            "strict": {"type": ["boolean", "null"]}}}}}}, {"type": "null"}]})]
+ToolChoice = Annotated[Any, WithJsonSchema({"anyOf": [
+    {"enum": ["none", "auto", "required"]},
+    {"type": "object", "required": ["type", "function"], "properties": {
+        "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name"], "properties": {"name": _STR}}}},
+    {"type": "null"}]})]
 
 
 def _schema_requires(extra: dict[str, Any]) -> ConfigDict:
@@ -238,6 +275,7 @@ class CompletionRequest(_OpenAISampling):
     echo: bool | None = None
     best_of: Int | None = None
     suffix: str | None = None
+    response_format: ResponseFormat = None
 
     def check_supported(self) -> None:
         self.check_common()
@@ -268,12 +306,12 @@ class ChatCompletionRequest(_OpenAISampling):
     max_completion_tokens: Int | None = None
     logprobs: bool | None = None
     top_logprobs: Int | None = None
-    tools: Any = None
-    tool_choice: Any = None
+    tools: Tools = None
+    tool_choice: ToolChoice = None
     parallel_tool_calls: bool | None = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
+    response_format: ResponseFormat = None
     modalities: Any = None
     audio: Any = None
     prediction: Any = None  # a latency hint in OpenAI's API; never changes the output
@@ -290,15 +328,10 @@ class ChatCompletionRequest(_OpenAISampling):
         """400 for every parameter that would change the output and that we cannot honour."""
         self.check_common()
         self.logprob_top()
-        for name in ("tools", "functions", "function_call", "audio", "reasoning_effort",
+        for name in ("functions", "function_call", "audio", "reasoning_effort",
                      "verbosity", "web_search_options"):
             if getattr(self, name) not in (None, [], {}):
-                unsupported(name)
-        if self.tool_choice not in (None, "none", "auto"):
-            unsupported("tool_choice", "tools are not supported")
-        fmt = self.response_format
-        if fmt is not None and fmt != {"type": "text"}:
-            unsupported("response_format", 'only {"type": "text"} is supported')
+                unsupported(name, "use `tools`" if name.startswith("function") else "")
         if self.modalities not in (None, ["text"]):
             unsupported("modalities", 'only ["text"] is supported')
 
@@ -335,55 +368,6 @@ def int_ids(x: list) -> list[int]:
 
 def is_str_list(x: Any) -> bool:
     return isinstance(x, list) and all(isinstance(s, str) for s in x)
-
-
-_CHAT_ROLES = ("system", "developer", "user", "assistant")
-_MESSAGE_KEYS = ("role", "content", "name")  # `name` is accepted and not shown to the model
-
-
-def chat_messages(raw: Any) -> list[dict[str, str]]:
-    """OpenAI chat messages as `[{role, content: str}]` for the chat template.
-
-    Text parts of a content list are joined with newlines; images, audio, files and tool
-    messages are rejected (we cannot honour them). A "developer" message is a system message.
-    """
-    if not isinstance(raw, list) or not raw:
-        raise InvalidRequestError("messages", "must be a non-empty list of messages")
-    out = []
-    for i, msg in enumerate(raw):
-        where = f"messages.{i}"
-        if not isinstance(msg, dict):
-            raise InvalidRequestError(where, "each message must be an object")
-        for key, value in msg.items():
-            # Clients echo assistant messages back with null/empty extras (refusal, tool_calls).
-            if key not in _MESSAGE_KEYS and value not in (None, [], {}):
-                raise InvalidRequestError(f"{where}.{key}", "is not supported by this server")
-        role = msg.get("role")
-        if role not in _CHAT_ROLES:
-            raise InvalidRequestError(f"{where}.role", f"must be one of {_CHAT_ROLES}, got "
-                                      f"{role!r}")
-        content = _message_text(msg.get("content"), f"{where}.content")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
-    return out
-
-
-def _message_text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise InvalidRequestError(where, "must be a string or a list of content parts")
-    texts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-            raise InvalidRequestError(f"{where}.{j}", "each content part must be an object "
-                                      "with a 'type'")
-        if part["type"] != "text":
-            raise InvalidRequestError(f"{where}.{j}.type", f"content parts of type "
-                                      f"{part['type']!r} are not supported (text only)")
-        if not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
-            raise InvalidRequestError(f"{where}.{j}", "a text part is {type: 'text', text: str}")
-        texts.append(part["text"])
-    return "\n".join(texts)
 
 
 def prompt_batch(prompt: Any, tokenize, field: str = "prompt") -> list[list[int]]:

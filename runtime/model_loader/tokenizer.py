@@ -92,8 +92,10 @@ def apply_chat_template(
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
     chat_template: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Token ids of `messages` rendered with the model's chat template (or `chat_template`).
+    """Token ids of `messages` rendered with the model's chat template (or `chat_template`),
+    which gets `tools` (OpenAI's function tools) when given.
 
     Special tokens written by the template (e.g. `<|im_start|>`) become their single ids; no
     BOS/EOS is added beyond what the template writes.
@@ -106,6 +108,7 @@ def apply_chat_template(
         add_generation_prompt=add_generation_prompt,
         tokenize=True,
         return_dict=False,
+        tools=tools,
     )
     return [int(i) for i in ids]
 

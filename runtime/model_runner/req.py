@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from runtime.sampling.logprobs import LogprobOptions
 from runtime.sampling.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from runtime.constrained import Matcher
 
 
 @dataclass(eq=False)
@@ -27,12 +32,21 @@ class RunnerReq:
     # a fresh concatenation per request per step cost ~80 us of a ~6 ms step at c = 1 on
     # 500-token prompts. Drafters may keep a reference; it only ever grows.
     tokens: list[int] = field(init=False, repr=False)
+    # the grammar its output follows: loading (a future of the compiled grammar) until its
+    # first token is sampled, then its matcher, advanced on every committed token
+    grammar_loading: Future | None = None
+    grammar: Matcher | None = None
+    grammar_failed: bool = False
     # ---- this step (set by the runner before a speculative step) ----
     prefix_len: int = 0  # tokens with KV; tokens[-1] (the root) has none yet
     confident_only: bool = False  # draft only what the drafter is sure of
 
     def __post_init__(self) -> None:
         self.tokens = self.prompt_ids + self.output_ids
+
+    @property
+    def constrained(self) -> bool:
+        return self.grammar is not None or self.grammar_loading is not None
 
     @classmethod
     def drafting(cls, rid: str, tokens: list[int], budget: int,

@@ -18,9 +18,17 @@ import traceback
 import torch
 import zmq
 
+from runtime.constrained import create_backend
+from runtime.constrained.runner_grammars import (
+    RunnerGrammars,
+    advance,
+    finite_logprobs,
+    mask_output,
+)
 from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.ipc import Receiver, Sender, ipc_addr
 from runtime.messages import (
+    GRAMMAR_REJECTED,
     TO_RUNNER,
     BatchResult,
     RunBatch,
@@ -55,9 +63,11 @@ class RunnerWorker:
     through `draft_extend`, so its own KV covers every committed position from the first step.
     """
 
-    def __init__(self, runner: ModelRunner, spec: SpecWorker | None = None) -> None:
+    def __init__(self, runner: ModelRunner, spec: SpecWorker | None = None,
+                 grammars: RunnerGrammars | None = None) -> None:
         self.runner = runner
         self.spec = spec
+        self.grammars = grammars
         self.states: dict[str, RunnerReq] = {}
 
     def _state(self, entry) -> RunnerReq:
@@ -67,14 +77,15 @@ class RunnerWorker:
             # finished or aborted request's whose release has not reached us; it must not leak
             # its tokens, slots or draft state into the new one
             logger.warning("%s: a new request replaces a stale state of the same id", entry.rid)
-            self.states.pop(entry.rid)
-            if self.spec is not None:
-                self.spec.release(entry.rid)
+            self._release(entry.rid)
             st = None
         if st is None:
             assert entry.sampling_params is not None, f"{entry.rid}: first batch lacks params"
             st = RunnerReq(entry.rid, entry.sampling_params, list(entry.prompt_ids or []),
                            logprobs=entry.logprobs)
+            if entry.grammar is not None:
+                assert self.grammars is not None, f"{entry.rid}: a grammar, and no backend"
+                st.grammar_loading = self.grammars.load(entry.grammar)  # (in the background)
             self.states[entry.rid] = st
             if self.spec is not None and st.prompt_ids:
                 self.spec.observe(entry.rid, st.tokens, len(st.tokens))
@@ -95,21 +106,57 @@ class RunnerWorker:
         assert st.slots.numel() > entry.prefix_len, f"{entry.rid}: no slot for a new token"
         return st.slots
 
-    def _append(self, st: RunnerReq, tokens: list[int]) -> None:
+    def _release(self, rid: str) -> None:
+        self.states.pop(rid, None)  # (its grammar matcher with it)
+        if self.spec is not None:
+            self.spec.release(rid)
+
+    def _append(self, st: RunnerReq, tokens: list[int]) -> str:
+        """Commit sampled tokens; the request's grammar state after them (runtime/messages.py:
+        BatchResult.grammar_states)."""
         st.append(tokens)
         if self.spec is not None:
             self.spec.observe(st.rid, st.tokens, len(tokens))
+        if st.grammar_failed:
+            return GRAMMAR_REJECTED
+        return "" if st.grammar is None else advance(st.grammar, tokens)
+
+    def _matchers(self, rid: str, st: RunnerReq) -> None:
+        """The request's matcher, once its grammar has loaded (waiting for it if need be: it
+        loads while the step's forward runs). A grammar that cannot load ends the request."""
+        if st.grammar_loading is None:
+            return
+        loading, st.grammar_loading = st.grammar_loading, None
+        try:
+            st.grammar = self.grammars.matcher(loading)
+        except Exception:  # noqa: BLE001 - one request's grammar must not stop the server
+            logger.exception("%s: its grammar did not load", rid)
+            st.grammar_failed = True
+
+    def _mask(self, fwd: ModelOutput, rids: list[str], states: list[RunnerReq],
+              rows: list[int]) -> ModelOutput:
+        """`fwd` with the logits rows `rows` of constrained requests masked by their grammars."""
+        masked, matchers = [], []
+        for rid, st, row in zip(rids, states, rows):
+            self._matchers(rid, st)
+            if st.grammar is not None:
+                masked.append(row)
+                matchers.append(st.grammar)
+        return mask_output(fwd, masked, matchers)
 
     def _run_spec(self, msg: RunBatch, states: list[RunnerReq], t0: float) -> BatchResult:
         for e, st in zip(msg.reqs, states):
+            self._matchers(e.rid, st)
             st.prefix_len, st.confident_only = e.prefix_len, e.confident_only
         out, infos = self.spec.step(states, idle=msg.drafter_idle, traffic_off=msg.traffic_off)
-        for st, toks in zip(states, out):
-            self._append(st, toks)
+        grammar = [self._append(st, toks) for st, toks in zip(states, out)]
         lps = [info.pop("logprobs", None) for info in infos]
+        lps = [finite_logprobs(lp) if st.grammar is not None else lp
+               for lp, st in zip(lps, states)]
         return BatchResult(batch_id=msg.batch_id, next_token_ids=out, spec_info=infos,
                            forward_s=time.perf_counter() - t0,
-                           logprobs=lps if any(p is not None for p in lps) else None)
+                           logprobs=lps if any(p is not None for p in lps) else None,
+                           grammar_states=grammar if any(grammar) else None)
 
     @staticmethod
     def _prefill_rows(msg: RunBatch, states: list[RunnerReq],
@@ -130,9 +177,7 @@ class RunnerWorker:
     def run(self, msg: RunBatch) -> BatchResult:
         t0 = time.perf_counter()
         for rid in msg.released_rids:
-            self.states.pop(rid, None)
-            if self.spec is not None:
-                self.spec.release(rid)
+            self._release(rid)
         if msg.reset_drafter and self.spec is not None:
             self.spec.reset()
         if not msg.reqs:
@@ -158,37 +203,51 @@ class RunnerWorker:
             batch.logits_indices, last = _logits_rows(msg, input_rows)
         batch.logit_top = logit_top(st.logprobs for st in states)
         fwd = self.runner.forward(batch, spec is not None and spec.needs_final_hidden)
-        logits = fwd.logits if last is None else fwd.logits[last]  # [B, vocab]
         rows = [i for i, e in enumerate(msg.reqs) if e.needs_token]
-        out: list[list[int]] = [[] for _ in msg.reqs]
-        if rows:
-            sel = [states[i] for i in rows]
-            if all(s.params.takes_argmax for s in sel):
-                # what `sample` gives such rows, without its per-row parameter tensors or a
-                # copy of the selected logits (~0.3 ms of a 6 ms decode step at batch 1); the
-                # CPU engine found each row's argmax while the logits were in its cache
-                am = fwd.row_argmax() if last is None else fwd.row_argmax()[last]
-                tokens = (am if len(rows) == len(msg.reqs) else am[rows]).tolist()
-            else:
-                info = SamplingBatchInfo.from_params([s.params for s in sel], logits.shape[-1],
-                                                     logits.device)
-                tokens = sample(
-                    logits[rows], info, [s.prompt_ids for s in sel],
-                    [s.output_ids for s in sel],
-                    positions=[len(s.prompt_ids) + len(s.output_ids) for s in sel],
-                ).tolist()
-            for i, st, tok in zip(rows, sel, tokens):
-                self._append(st, [tok])
-                out[i] = [tok]
+        if any(states[i].constrained for i in rows):
+            fwd = self._mask(fwd, [msg.reqs[i].rid for i in rows], [states[i] for i in rows],
+                             rows if last is None else [last[i] for i in rows])
+        out, grammar = self._sample(msg, states, fwd, rows, last)
         if wants_rows:
             spec.draft_extend(self._prefill_rows(msg, states, slots), fwd)
         lps = None
         if batch.logit_top >= 0:
             lps = self._logprobs(msg, states, out, fwd, input_rows, last)
+            lps = [finite_logprobs(lp) if st.grammar is not None else lp
+                   for lp, st in zip(lps, states)]
         return BatchResult(
             batch_id=msg.batch_id, next_token_ids=out, forward_s=time.perf_counter() - t0,
-            logprobs=lps,
+            logprobs=lps, grammar_states=grammar if any(grammar) else None,
         )
+
+    def _sample(self, msg: RunBatch, states: list[RunnerReq], fwd: ModelOutput,
+                rows: list[int], last: list[int] | None) -> tuple[list[list[int]], list[str]]:
+        """The next token of each request in `rows` (its last row of `fwd.logits`: row b, or
+        last[b] when prompt rows were scored too), committed; and the requests' grammar
+        states (BatchResult.grammar_states)."""
+        out: list[list[int]] = [[] for _ in msg.reqs]
+        grammar = [""] * len(msg.reqs)
+        if not rows:
+            return out, grammar
+        sel = [states[i] for i in rows]
+        if all(s.params.takes_argmax for s in sel):
+            # what `sample` gives such rows, without its per-row parameter tensors or a copy of
+            # the selected logits (~0.3 ms of a 6 ms decode step at batch 1); the CPU engine
+            # found each row's argmax while the logits were in its cache
+            am = fwd.row_argmax() if last is None else fwd.row_argmax()[last]
+            tokens = (am if len(rows) == len(msg.reqs) else am[rows]).tolist()
+        else:
+            logits = fwd.logits if last is None else fwd.logits[last]  # [B, vocab]
+            info = SamplingBatchInfo.from_params([s.params for s in sel], logits.shape[-1],
+                                                 logits.device)
+            tokens = sample(
+                logits[rows], info, [s.prompt_ids for s in sel], [s.output_ids for s in sel],
+                positions=[len(s.prompt_ids) + len(s.output_ids) for s in sel],
+            ).tolist()
+        for i, st, tok in zip(rows, sel, tokens):
+            grammar[i] = self._append(st, [tok])
+            out[i] = [tok]
+        return out, grammar
 
     @staticmethod
     def _logprobs(msg: RunBatch, states: list[RunnerReq], out: list[list[int]],
@@ -276,11 +335,29 @@ def _create_spec(speculation: Speculation | None, runner: ModelRunner,
     return worker
 
 
+def _grammars(server_args, runner: ModelRunner) -> RunnerGrammars | None:
+    """The runner's grammar loader (None with --grammar-backend none). Its backend (the
+    tokenizer and xgrammar's view of its vocabulary, ~1.3 s of one core) is built on a thread
+    from here on: after the verify-cost curve was timed, while the first requests arrive."""
+    if server_args.grammar_backend == "none":
+        return None
+    mc = runner.model_config
+
+    def make():
+        from runtime.model_loader.tokenizer import load_tokenizer
+
+        return create_backend(server_args.grammar_backend, load_tokenizer(server_args.model_path),
+                              mc.vocab_size, list(mc.eos_token_ids),
+                              not server_args.constrained_json_disable_any_whitespace)
+
+    return RunnerGrammars(make)
+
+
 def single_torch_thread(runner) -> None:
     """On the CPU engine, torch's own ops (sampling, a draft head's attention and norms) run on
     one thread: the engine's pool owns the cores, and a second pool of torch workers waking
     beside it costs more than it saves on such small tensors (measured on an EAGLE-3 head
-    step over a 200-token prefix: 1.1-1.3 ms against 2.2-7.9 ms)."""
+    step over a 200-token prefix: 1.1-1.3 ms against 2.2-7.9 ms, docs/benchmarks.md)."""
     if runner.engine == "cpu" and torch.get_num_threads() > 1:
         logger.info("torch ops on 1 thread; the CPU engine's kernels on %d",
                     runner.kernel_threads)
@@ -313,7 +390,7 @@ def run_model_runner_process(server_args, ipc_dir: str, parent_pid: int,
     except Exception as exc:  # noqa: BLE001 - reported to the scheduler, then we exit
         send.send(RunnerError(message=f"model runner failed to start: {exc}"))
         raise
-    worker = RunnerWorker(runner, spec)
+    worker = RunnerWorker(runner, spec, _grammars(server_args, runner))
     trimmer = HeapTrimmer(server_args.heap_trim_interval)
     mc = runner.model_config
     send.send(RunnerReady(info={

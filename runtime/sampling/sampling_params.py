@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from runtime.constrained.spec import GRAMMAR_FIELDS, GrammarSpec, grammar_of
 from runtime.errors import InvalidRequestError
 
 MAX_STOP_STRINGS = 16
@@ -66,6 +67,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
+    # at most one grammar the output must match (SGLang's names; runtime/constrained/spec.py):
+    # a JSON Schema as a JSON string, a regex, an EBNF grammar, an xgrammar structural tag
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -91,6 +98,14 @@ class SamplingParams:
     def takes_argmax(self) -> bool:
         """Greedy without penalties: the next token is the target's own argmax."""
         return self.is_greedy and not self.has_penalties
+
+    @property
+    def grammar(self) -> GrammarSpec | None:
+        """The grammar the output must match (None: unconstrained); `validate` checks it."""
+        return grammar_of(self._grammar_fields())
+
+    def _grammar_fields(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in GRAMMAR_FIELDS}
 
     @property
     def has_penalties(self) -> bool:
@@ -132,6 +147,7 @@ class SamplingParams:
                 _fail("stop_token_ids", f"token id {token_id} is out of range {bound}")
         if self.seed is not None and not 0 <= self.seed < _MAX_SEED:
             _fail("seed", f"must be in [0, 2**64), got {self.seed}")
+        grammar_of(self._grammar_fields())  # a string within size, JSON that parses, one
 
     def _check_types(self) -> None:
         for name in _INT_FIELDS:

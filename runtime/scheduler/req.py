@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from runtime.messages import GrammarPayload
 from runtime.sampling.logprobs import LogprobOptions
 from runtime.sampling.sampling_params import SamplingParams
 
@@ -42,6 +43,10 @@ class Req:
     # prompt logprobs computed by prefill chunks that sampled nothing yet: sent with the next
     # tokens (runtime/sampling/logprobs.py payload)
     pending_logprobs: dict | None = None
+    # the compiled grammar its output must match, until the runner has it (its first entry);
+    # `constrained` stays: such a request does not draft
+    grammar: GrammarPayload | None = None
+    constrained: bool = False
 
     @property
     def fill_ids(self) -> list[int]:

@@ -31,6 +31,8 @@ from runtime.forward_batch import ForwardMode
 from runtime.mem_cache.allocator import OutOfSlotsError, TokenSlotAllocator
 from runtime.mem_cache.radix_cache import RadixCache
 from runtime.messages import (
+    GRAMMAR_END,
+    GRAMMAR_REJECTED,
     AbortReq,
     BatchResult,
     FlushCacheReq,
@@ -91,6 +93,19 @@ class SchedulerConfig:
         )
 
 
+def _grammar_finish(reason: dict | None, state: str, output_ids: list[int]) -> dict | None:
+    """The finish reason after a step, given the request's grammar state: a complete grammar
+    stops the request (its last token is the grammar's stop token, EOS, or with `ignore_eos`
+    the token that completed it; "stop" rather than "length" when that was the last token
+    allowed); a rejected token ends it as an abort."""
+    if state == GRAMMAR_END and (reason is None or reason["type"] == "length"):
+        return {"type": "stop", "matched": output_ids[-1], "keep": len(output_ids)}
+    if state == GRAMMAR_REJECTED and reason is None:
+        return {"type": "abort", "message": "the output could not continue its grammar",
+                "keep": len(output_ids)}
+    return reason
+
+
 class Scheduler:
     def __init__(
         self,
@@ -131,7 +146,8 @@ class Scheduler:
         if isinstance(msg, GenerateReq):
             req = Req(msg.rid, list(msg.input_ids), msg.sampling_params,
                       msg.stream, logprobs=msg.logprobs,
-                      priority=msg.priority if self.cfg.enable_priority_scheduling else None)
+                      priority=msg.priority if self.cfg.enable_priority_scheduling else None,
+                      grammar=msg.grammar, constrained=msg.grammar is not None)
             if len(req.prompt_ids) >= self.stop.context_length or not req.prompt_ids:
                 self._finish_now(req, {"type": "abort", "message": "prompt length invalid"})
                 return
@@ -215,6 +231,7 @@ class Scheduler:
             entries = self._decode_batch(speculate=True)
             mode = ForwardMode.DECODE
         if not entries:
+            self._send_releases()
             return False
         self.batch_id += 1
         plan = self._plan if mode == ForwardMode.DECODE else None
@@ -232,6 +249,16 @@ class Scheduler:
                               result.forward_s)
         self._apply(entries, result)
         return True
+
+    def _send_releases(self) -> None:
+        """With nothing to run, tell the runner which requests it can forget now (their
+        sampling state, drafter state and grammar matchers), not at the next batch."""
+        if not self.released:
+            return
+        self.batch_id += 1
+        self.run_batch(RunBatch(batch_id=self.batch_id, mode=ForwardMode.DECODE.value, reqs=[],
+                                released_rids=self.released))
+        self.released = []
 
     def _alloc(self, n: int) -> torch.Tensor | None:
         if self.allocator.num_free < n:
@@ -253,6 +280,9 @@ class Scheduler:
             entry.sampling_params = req.params
             entry.prompt_ids = req.prompt_ids
             entry.logprobs = req.logprobs
+            # the runner keeps it (and its matcher) until the request is released, retractions
+            # included
+            entry.grammar, req.grammar = req.grammar, None
             req.runner_knows = True
         return req, entry, new_slots
 
@@ -395,7 +425,10 @@ class Scheduler:
                 if r.spec is None:
                     r.spec = self.spec.new_request()
             self._plan = self.spec.plan([r.spec for r in decoding])
-            sizes, confident = self._plan.sizes, self._plan.confident
+            # a request that follows a grammar does not draft (its mask is its root's only)
+            sizes = [1 if r.constrained else n for r, n in zip(decoding, self._plan.sizes)]
+            confident = [sure and not r.constrained
+                         for r, sure in zip(decoding, self._plan.confident)]
         for req, n, sure in zip(decoding, sizes, confident):
             # never draft past the context length: the tree's positions must exist
             room = self.stop.context_length - req.kv_len
@@ -538,8 +571,9 @@ class Scheduler:
         out_reqs = []
         spec_info = result.spec_info or [None] * len(entries)
         lps = result.logprobs or [None] * len(entries)
-        for (req, entry, new_slots), tokens, spec, lp in zip(entries, result.next_token_ids,
-                                                             spec_info, lps):
+        grammar = result.grammar_states or [""] * len(entries)
+        for (req, entry, new_slots), tokens, spec, lp, gs in zip(
+                entries, result.next_token_ids, spec_info, lps, grammar):
             # a prefill chunk keeps all its slots; a (speculative) decode step keeps one per
             # token gained (root + accepted drafts) and frees the rest of its tree's slots
             num_new = new_slots.numel()
@@ -559,7 +593,7 @@ class Scheduler:
             if not tokens:
                 continue
             req.output_ids.extend(tokens)
-            reason = self.stop.check(req, len(tokens))
+            reason = _grammar_finish(self.stop.check(req, len(tokens)), gs, req.output_ids)
             n_new = len(tokens)
             if reason is not None:
                 keep = reason.pop("keep")

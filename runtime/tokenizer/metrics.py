@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
 class ServingMetrics:
@@ -17,10 +18,8 @@ class ServingMetrics:
         def counter(name, doc):
             return Counter(name, doc, labels, registry=r).labels(model_name)
 
-        def hist(name, doc):
-            return Histogram(name, doc, labels, buckets=LATENCY_BUCKETS, registry=r).labels(
-                model_name
-            )
+        def hist(name, doc, buckets=LATENCY_BUCKETS):
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
 
         def gauge(name, doc):
             return Gauge(name, doc, labels, registry=r).labels(model_name)
@@ -38,9 +37,17 @@ class ServingMetrics:
         self.running = gauge("specserve_num_running_reqs", "requests decoding")
         self.queued = gauge("specserve_num_queue_reqs", "requests waiting")
         self.kv_usage = gauge("specserve_token_usage", "fraction of KV slots in use")
+        self.grammar_compile_s = hist("specserve_grammar_compile_seconds",
+                                      "time to compile a grammar (cache misses)", COMPILE_BUCKETS)
 
         self._info: dict = {}
         self.registry.register(_SpecCollector(self, model_name))
+        self._model_name = model_name
+
+    def watch_grammars(self, compiler) -> None:
+        """Expose a GrammarCompiler's cache counters (read at scrape time)."""
+        if compiler is not None:
+            self.registry.register(_GrammarCollector(compiler, self._model_name))
 
     def update_from_server_info(self, info: dict) -> None:
         self._info = info
@@ -79,3 +86,26 @@ class _SpecCollector:
         for pos, count in enumerate(info.get("spec_decode_num_accepted_tokens_per_pos", [])):
             fam.add_metric([self.model_name, str(pos)], count)
         yield fam
+
+
+class _GrammarCollector:
+    """The grammar compiler's cache counters, read at scrape time."""
+
+    def __init__(self, compiler, model_name: str) -> None:
+        self.compiler = compiler
+        self.model_name = model_name
+
+    def collect(self):
+        stats = self.compiler.stats
+        for name, key, doc in (
+            ("specserve_grammar_cache_hits", "cache_hits",
+             "grammar requests served from the compiled-grammar cache"),
+            ("specserve_grammar_cache_misses", "cache_misses", "grammar requests compiled"),
+            ("specserve_grammar_compile_errors", "compile_errors",
+             "grammars that did not compile (HTTP 400)"),
+            ("specserve_grammar_compile_timeouts", "compile_timeouts",
+             "grammars that did not compile within --grammar-compile-timeout (HTTP 400)"),
+        ):
+            fam = CounterMetricFamily(name, doc, labels=["model_name"])
+            fam.add_metric([self.model_name], stats[key])
+            yield fam

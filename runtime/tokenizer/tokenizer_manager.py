@@ -19,6 +19,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from runtime.constrained import GrammarSpec, create_backend
+from runtime.constrained.compiler import GrammarCompiler
 from runtime.entrypoints.logprob_format import TokenTexts
 from runtime.errors import InvalidRequestError, QueueFullError, SpecserveError
 from runtime.ipc import ipc_addr
@@ -28,6 +30,7 @@ from runtime.messages import (
     FlushCacheReq,
     GenerateReq,
     GetInfoReq,
+    GrammarPayload,
     InfoOut,
     TokenOut,
 )
@@ -37,6 +40,7 @@ from runtime.sampling.logprobs import LogprobOptions
 from runtime.sampling.sampling_params import SamplingParams
 from runtime.tokenizer.detokenizer import IncrementalText
 from runtime.tokenizer.metrics import ServingMetrics
+from runtime.tool_calls.formats import ToolFormat, tool_format
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +94,10 @@ class TokenizerManager:
         self.vocab_size = int(ready_info["vocab_size"])
         self.ready_info = ready_info
         self.metrics = ServingMetrics(self.model_name)
+        self.grammars = self._grammar_compiler()
+        self.metrics.watch_grammars(self.grammars)
+        self.tool_format: ToolFormat = tool_format(server_args.tool_call_parser,
+                                                   self.template_renders_tools)
         self.healthy = True
         self.dead_reason: str | None = None
         self._ipc_dir = ipc_dir
@@ -111,7 +119,25 @@ class TokenizerManager:
         self._recv.bind(ipc_addr(self._ipc_dir, "tokenizer_in"))
         self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
 
+    def _grammar_compiler(self) -> GrammarCompiler | None:
+        """The grammar compiler (None with --grammar-backend none); its backend is built in a
+        worker thread from now on, so the first request with a grammar rarely waits for it."""
+        args = self.server_args
+        if args.grammar_backend == "none":
+            return None
+        eos = self.ready_info.get("eos_token_ids") or [self.tokenizer.eos_token_id]
+
+        def make():
+            return create_backend(args.grammar_backend, self.tokenizer, self.vocab_size,
+                                  [int(t) for t in eos if t is not None],
+                                  not args.constrained_json_disable_any_whitespace)
+
+        return GrammarCompiler(make, args.grammar_compile_timeout,
+                               self.metrics.grammar_compile_s.observe)
+
     async def stop(self) -> None:
+        if self.grammars is not None:
+            self.grammars.shutdown()
         if self._recv_task is not None:
             self._recv_task.cancel()
         for sock in (getattr(self, "_send", None), getattr(self, "_recv", None)):
@@ -181,10 +207,17 @@ class TokenizerManager:
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    @property
+    def template_renders_tools(self) -> bool:
+        """Whether the chat template shows the model `tools` itself (it reads the variable)."""
+        template = self.chat_template or getattr(self.tokenizer, "chat_template", None) or ""
+        return isinstance(template, str) and "tools" in template
+
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True,
+                 tools: list[dict] | None = None) -> list[int]:
         try:
             return apply_chat_template(
-                self.tokenizer, messages, add_generation_prompt, self.chat_template
+                self.tokenizer, messages, add_generation_prompt, self.chat_template, tools
             )
         except SpecserveError:
             raise
@@ -261,21 +294,46 @@ class TokenizerManager:
             self.metrics.rejected.inc(count)
             raise QueueFullError("The request queue is full.")
 
+    # ---- grammars ----------------------------------------------------------------------
+    async def compile_grammar(self, params: SamplingParams) -> GrammarPayload | None:
+        """The compiled grammar `params` asks for (None: unconstrained), compiled in a thread
+        or taken from the cache; a grammar that does not compile is an InvalidRequestError
+        naming its sampling parameter (runtime/constrained/compiler.py)."""
+        spec = params.grammar
+        return None if spec is None else await self._compile(spec)
+
+    async def _compile(self, spec: GrammarSpec) -> GrammarPayload:
+        if self.grammars is None:
+            raise InvalidRequestError(spec.kind, "this server runs without a grammar backend "
+                                      "(--grammar-backend none)")
+        return await self.grammars.compile(spec)
+
+    async def compile_grammars(self, params: list[SamplingParams]
+                               ) -> list[GrammarPayload | None]:
+        """`compile_grammar` for each, before any request starts: a bad grammar in a batch
+        refuses the batch. Distinct grammars compile concurrently, each once."""
+        distinct = list(dict.fromkeys(p.grammar for p in params if p.grammar is not None))
+        done = dict(zip(distinct, await asyncio.gather(*(self._compile(g) for g in distinct))))
+        return [done.get(p.grammar) for p in params]
+
     # ---- requests ----------------------------------------------------------------------
     async def generate(
         self, input_ids: list[int], params: SamplingParams, stream: bool = False,
         rid: str | None = None, logprobs: LogprobOptions | None = None,
-        priority: int | None = None,
+        priority: int | None = None, grammar: GrammarPayload | None = None,
     ) -> AsyncIterator[GenerateChunk]:
         """Yield chunks (each new step when `stream`, else only the final one); with
         `logprobs`, each chunk carries the logprobs so far. `priority` as `check_priority`
-        returned it.
+        returned it; `grammar` as `compile_grammar` returned it for `params` (compiled here
+        when not given).
 
         If the consumer stops early (client disconnect → cancellation), the request is aborted
         on the scheduler and its KV freed.
         """
         if not self.healthy:
             raise BackendDeadError(self.dead_reason or "server is shutting down")
+        if grammar is None:
+            grammar = await self.compile_grammar(params)
         rid = rid or uuid.uuid4().hex
         if rid in self._states:
             raise InvalidRequestError("rid", f"request id {rid!r} is already running")
@@ -288,7 +346,7 @@ class TokenizerManager:
         self._send.send(self._enc.encode(GenerateReq(
             rid=rid, input_ids=list(input_ids), sampling_params=params,
             stream=stream, logprobs=logprobs,
-            priority=priority,
+            priority=priority, grammar=grammar,
         )))
         try:
             while True:
@@ -341,6 +399,9 @@ class TokenizerManager:
     async def server_info(self) -> dict:
         req_id = uuid.uuid4().hex
         info = await self._ask(GetInfoReq(req_id=req_id), req_id)
+        if self.grammars is not None:
+            info["grammar"] = {"backend": self.server_args.grammar_backend,
+                               **self.grammars.info()}
         self.metrics.update_from_server_info(info)
         return info
 
