@@ -200,9 +200,13 @@ class SpecConfig:
         return {"algorithm": self.algorithm, **self._values}
 
     def __reduce__(self):
-        # (a spawned process gets it pickled at its start: rebuilt through the constructor,
-        # which checks the names against that process's registry)
-        return _spec_config, (self.algorithm, dict(self._values))
+        # a spawned process gets it pickled at its start, rebuilt through the constructor
+        # against that process's registry: only the values set away from their defaults travel
+        # (an algorithm registered here after start-up, a test's, is unknown there)
+        known = all_options()
+        given = {n: v for n, v in self._values.items()
+                 if n == "num_draft_tokens" or v != known[n][0].default}
+        return _spec_config, (self.algorithm, given)
 
     def __repr__(self) -> str:
         return f"SpecConfig({self.algorithm!r}, {self._values})"

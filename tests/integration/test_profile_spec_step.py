@@ -39,7 +39,7 @@ def test_logprobs_flag_serves_every_configuration_again_asking_for_them(monkeypa
     calls = []
 
     def fake_serve(label, server_args, prompts, threads, concurrency=1, warmup=2,
-                   logprobs=None):
+                   logprobs=None, penalty=1.0):
         calls.append((label, logprobs))
         return {"label": label, "wall_s": 1.0, "tokens": 1, "steps": 1, "forward_s": 0.5,
                 "outside_forward_ms_per_step": 1.0, "ttft_median_ms": 1.0, "forwards": {}}

@@ -230,7 +230,7 @@ def test_bad_grammars_are_400s_and_aborts_free_kv(server):
 def test_speculation_gives_plain_constrained_output(algo, prompts, reference):
     """Ten schema prompts, eight at a time, beside two unconstrained copy-heavy requests that
     draft: every constrained output is the plain reference, token for token."""
-    from runtime import Engine
+    from launch import Engine
     from tests.helpers.engine_runs import run_concurrent
 
     copy = "Repeat exactly: the quick brown fox jumps over the lazy dog. " * 3
