@@ -216,13 +216,15 @@ struct PackedLinear {
   PackedLinear() = default;
   PackedLinear(int fmt_, int K_, int N_, torch::Tensor data_, c10::optional<torch::Tensor> bias_)
       : fmt(fmt_), K(K_), N(N_), data(std::move(data_)) {
-    TORCH_CHECK(fmt >= F32 && fmt <= Q4_1, "unknown weight format ", fmt);
+    TORCH_CHECK(fmt >= F32 && fmt <= Q6_K, "unknown weight format ", fmt);
     TORCH_CHECK(data.dtype() == torch::kUInt8 && data.is_contiguous() && data.device().is_cpu(),
                 "packed weights must be a contiguous CPU uint8 tensor");
-    TORCH_CHECK(!is_block_format(fmt) || K % QK == 0, "block formats need K % 32 == 0, got ", K);
+    TORCH_CHECK(!is_block_format(fmt) || K % block_weights(fmt) == 0, "this block format needs K"
+                " % ", block_weights(fmt), " == 0, got ", K);
     tiles = (N + NR - 1) / NR;
-    const int64_t per_tile = is_block_format(fmt) ? (int64_t)(K / QK) * tile_block_bytes(fmt)
-                                                  : (int64_t)K * NR * float_elem_bytes(fmt);
+    const int64_t per_tile = is_block_format(fmt)
+                                 ? (int64_t)(K / block_weights(fmt)) * tile_block_bytes(fmt)
+                                 : (int64_t)K * NR * float_elem_bytes(fmt);
     TORCH_CHECK(data.numel() == per_tile * tiles, "packed size ", data.numel(), " != ",
                 per_tile * tiles, " for N=", N, " K=", K, " fmt=", fmt);
     if (bias_.has_value() && bias_->defined()) {
@@ -234,27 +236,13 @@ struct PackedLinear {
   const float* bias_ptr() const { return bias.defined() ? bias.data_ptr<float>() : nullptr; }
 
   // Row r of the (dequantized) weight matrix into out[K]: the embedding lookup of a tied or
-  // packed embedding. Same float steps as gguf's dequantize (d * q, d * q + m, d * (q - 8)).
+  // packed embedding. Same float steps as gguf's dequantize (dequantize_tile_row).
   void row(int64_t r, float* out) const {
     const int tile = (int)(r / NR), j = (int)(r % NR);
     if (is_block_format(fmt)) {
-      const int nb = K / QK, tbb = tile_block_bytes(fmt);
+      const int bw = block_weights(fmt), nb = K / bw, tbb = tile_block_bytes(fmt);
       for (int b = 0; b < nb; ++b) {
-        const uint8_t* tb = ptr() + block_offset(tile, b, nb, tiles, tbb);
-        const uint8_t* sc = tb + (fmt == Q8_0 ? 512 : 256);
-        const float d = half_to_float(load_u16(sc + 2 * j));
-        for (int k = 0; k < QK; ++k) {
-          float v;
-          if (fmt == Q8_0) {
-            v = d * (float)(int8_t)tb[64 * (k / 4) + 4 * j + k % 4];
-          } else {
-            const uint8_t byte = tb[64 * ((k % 16) / 4) + 4 * j + k % 4];
-            const int q = k < 16 ? byte & 0x0f : byte >> 4;
-            if (fmt == Q4_0) v = d * (float)(q - 8);
-            else v = d * (float)q + half_to_float(load_u16(sc + 32 + 2 * j));
-          }
-          out[b * QK + k] = v;
-        }
+        dequantize_tile_row(fmt, ptr() + block_offset(tile, b, nb, tiles, tbb), j, out + b * bw);
       }
       return;
     }
@@ -273,13 +261,16 @@ struct PackedLinear {
 struct ActBuffers {
   std::vector<int8_t> q, pairs;
   std::vector<float> scale, fsum;
-  std::vector<int32_t> sums;
+  std::vector<int32_t> sums, hsums;
   void reserve(int64_t rows, int K, int levels) {
     const int64_t nb = K / QK;
     if ((int64_t)q.size() < rows * levels * K) q.resize(rows * levels * K);
     if (levels == 3 && (int64_t)pairs.size() < rows * 4 * K) pairs.resize(rows * 4 * K);
     if ((int64_t)scale.size() < rows * nb) scale.resize(rows * nb), fsum.resize(rows * nb);
-    if ((int64_t)sums.size() < rows * levels * nb) sums.resize(rows * levels * nb);
+    if ((int64_t)sums.size() < rows * levels * nb) {
+      sums.resize(rows * levels * nb);
+      hsums.resize(rows * levels * nb);
+    }
   }
   ActQ view(int K, int levels) const {
     ActQ a;
@@ -293,6 +284,20 @@ struct ActBuffers {
     return a;
   }
 };
+
+// ActQ::hsums of rows [r0, r1) from the digits quantize() wrote: Q6_K's scales and offsets go
+// by 16 weights, so its kernels subtract 32 x the digit sum of each half of a block.
+inline void half_digit_sums(const int8_t* q, int K, int levels, int r0, int r1, int32_t* hs) {
+  const int nb = K / QK;
+  for (int64_t row = (int64_t)r0 * levels; row < (int64_t)r1 * levels; ++row) {
+    for (int b = 0; b < nb; ++b) {
+      const int8_t* d = q + row * K + b * QK;
+      int32_t s = 0;
+      for (int i = 0; i < QK / 2; ++i) s += d[i];
+      hs[row * nb + b] = s;
+    }
+  }
+}
 
 // One matmul step inside a parallel region: quantize rows [own rows] (block formats), barrier,
 // Thread tid's tiles [t0, t1) of `tiles`, split in whole pairs: a thread's tiles start even, so
@@ -315,7 +320,7 @@ struct MatmulStep {
     GemmArgs a;
     a.fmt = w.fmt;
     a.K = w.K;
-    a.N = epilogue == EPI_SILU_MUL ? w.N / 2 : w.N;
+    a.N = gated_epilogue(epilogue) ? w.N / 2 : w.N;
     a.M = M;
     a.tiles = w.tiles;
     a.w = w.ptr();
@@ -337,10 +342,14 @@ struct MatmulStep {
                       act->sums.data(), act->fsum.data());
         a.act.pairs = nullptr;
       }
+      if (w.fmt == Q6_K) {
+        half_digit_sums(act->q.data(), w.K, levels, r0, r1, act->hsums.data());
+        a.act.hsums = act->hsums.data();
+      }
       pool->barrier(tid);
     }
     int t0, t1;
-    if (epilogue == EPI_SILU_MUL) {
+    if (gated_epilogue(epilogue)) {
       split_range(w.tiles / 2, tid, n, &t0, &t1);
     } else {
       pair_split(w.tiles, tid, n, &t0, &t1);
@@ -470,7 +479,11 @@ struct RowStats {
 
 struct Layer {
   PackedLinear qkv, o, gate_up, down;
-  torch::Tensor in_norm, post_norm, q_norm, k_norm;  // q/k norms: Qwen3 only
+  torch::Tensor in_norm, post_norm, q_norm, k_norm;  // q/k norms: Qwen3, Gemma 3
+  // Gemma 3: the attention and MLP outputs are normed before their residual adds, and
+  // sliding-window layers (window > 0) see only their last `window` positions, with local RoPE
+  torch::Tensor attn_out_norm, mlp_out_norm;
+  int window = 0;
 };
 
 class CpuModel {
@@ -517,6 +530,28 @@ class CpuModel {
     if (q_norm.has_value()) l.q_norm = f32(*q_norm);
     if (k_norm.has_value()) l.k_norm = f32(*k_norm);
     layers_.push_back(std::move(l));
+  }
+  // Gemma 3's block (Layer's fields above) for layer `li`, once it is added.
+  void set_layer_gemma(int64_t li, torch::Tensor attn_out_norm, torch::Tensor mlp_out_norm,
+                       int64_t window) {
+    TORCH_CHECK(li >= 0 && li < (int64_t)layers_.size(), "no layer ", li);
+    TORCH_CHECK(window >= 0, "window must be >= 0");
+    layers_[li].attn_out_norm = f32(attn_out_norm);
+    layers_[li].mlp_out_norm = f32(mlp_out_norm);
+    layers_[li].window = (int)window;
+  }
+  // Model-wide differences from Llama: embeddings times embed_scale, attention scores times
+  // attn_scale (else 1 / sqrt(head_dim)), a GELU-tanh MLP instead of SiLU; the RoPE tables of
+  // sliding-window layers (set_rope's serve the others).
+  void configure(double embed_scale, double attn_scale, bool gelu) {
+    embed_scale_ = (float)embed_scale;
+    attn_scale_ = (float)attn_scale;
+    gelu_ = gelu;
+  }
+  void set_rope_local(torch::Tensor cos, torch::Tensor sin) {
+    TORCH_CHECK(cos.size(1) == D_ / 2 && sin.sizes() == cos.sizes(), "rope tables [pos, D/2]");
+    cos_local_ = f32(cos);
+    sin_local_ = f32(sin);
   }
   void set_head(PackedLinear embed, PackedLinear lm_head, torch::Tensor final_norm) {
     TORCH_CHECK(embed.K == H_ && embed.N == V_ && lm_head.K == H_ && lm_head.N == V_, "vocab");
@@ -576,7 +611,9 @@ class CpuModel {
     const int64_t* ip = ids.data_ptr<int64_t>();
     for (int64_t t = 0; t < ids.numel(); ++t) {
       TORCH_CHECK(ip[t] >= 0 && ip[t] < V_, "token id out of range: ", ip[t]);
-      embed_.row(ip[t], out.data_ptr<float>() + t * H_);
+      float* row = out.data_ptr<float>() + t * H_;
+      embed_.row(ip[t], row);
+      if (embed_scale_ != 1.f) for (int i = 0; i < H_; ++i) row[i] *= embed_scale_;
     }
     return out;
   }
@@ -597,7 +634,9 @@ class CpuModel {
   const IsaKernels* isa_;
   std::vector<Layer> layers_;
   PackedLinear embed_, lm_head_;
-  torch::Tensor final_norm_, cos_, sin_;
+  torch::Tensor final_norm_, cos_, sin_, cos_local_, sin_local_;
+  float embed_scale_ = 1.f, attn_scale_ = 0.f;  // attn_scale_ 0: 1 / sqrt(head_dim)
+  bool gelu_ = false;
   std::vector<torch::Tensor> k_, v_;
   bool kv_half_ = false;
   // scratch, grown on demand
@@ -688,7 +727,15 @@ std::vector<torch::Tensor> CpuModel::forward(
   for (int t = 0; t < T; ++t) {
     TORCH_CHECK(tr[t] >= 0 && tr[t] < B && tl[t] >= 0 && tl[t] < el[tr[t]], "forward: tokens");
   }
+  int min_window = 0;  // a tree's rows must all lie inside every sliding window (kernels.h)
+  for (const Layer& l : layers_) {
+    if (l.window > 0) min_window = min_window ? std::min(min_window, l.window) : l.window;
+  }
   if (masks.numel()) {
+    for (int b = 0; b < B && min_window; ++b) {
+      TORCH_CHECK(el[b] <= min_window, "forward: a tree of ", el[b], " nodes is wider than "
+                  "the sliding window (", min_window, ")");
+    }
     const int64_t* mi = mask_indptr.data_ptr<int64_t>();
     TORCH_CHECK(mask_indptr.numel() == B + 1 && mi[B] == masks.numel(), "forward: masks");
     for (int b = 0; b < B; ++b) {
@@ -728,7 +775,7 @@ std::vector<torch::Tensor> CpuModel::forward(
   aa.num_heads = Hq_;
   aa.num_kv_heads = KVH_;
   aa.head_dim = D_;
-  aa.scale = 1.f / std::sqrt((float)D_);
+  aa.scale = attn_scale_ > 0.f ? attn_scale_ : 1.f / std::sqrt((float)D_);
   aa.q = qkv_.data();
   aa.ldq = Nqkv;
   aa.out = attn_.data();
@@ -756,6 +803,21 @@ std::vector<torch::Tensor> CpuModel::forward(
   const float* sinp = sin_.data_ptr<float>();
   const int half = D_ / 2;
 
+  // x += in W^T, or (Gemma) x += rmsnorm(in W^T) (the product stored in xn first); then a
+  // barrier
+  auto residual_step = [&](const PackedLinear& w, const torch::Tensor& out_norm, const float* in,
+                           int64_t ldin, int tid, int n, int r0, int r1) {
+    if (!out_norm.defined()) {
+      mm(w, T, in, ldin, x, H_, EPI_ADD, tid, n);
+      tp.barrier(tid);
+      return;
+    }
+    mm(w, T, in, ldin, xn, H_, EPI_STORE, tid, n);
+    tp.barrier(tid);
+    isa_->rmsnorm(xn, H_, out_norm.data_ptr<float>(), eps_, H_, xn, H_, r0, r1);
+    for (int64_t i = (int64_t)r0 * H_; i < (int64_t)r1 * H_; ++i) x[i] += xn[i];
+    tp.barrier(tid);
+  };
   const bool prof = profile_;
   auto body = [&](int tid, int n) {
     auto last = std::chrono::steady_clock::now();
@@ -771,7 +833,11 @@ std::vector<torch::Tensor> CpuModel::forward(
       std::memcpy(x + (int64_t)r0 * H_, hin.data_ptr<float>() + (int64_t)r0 * H_,
                   sizeof(float) * (r1 - r0) * H_);
     } else {
-      for (int t = r0; t < r1; ++t) embed_.row(ids[t], x + (int64_t)t * H_);
+      for (int t = r0; t < r1; ++t) {
+        float* xt = x + (int64_t)t * H_;
+        embed_.row(ids[t], xt);
+        if (embed_scale_ != 1.f) for (int i = 0; i < H_; ++i) xt[i] *= embed_scale_;
+      }
     }
     tp.barrier(tid);
     mark(0);
@@ -795,8 +861,9 @@ std::vector<torch::Tensor> CpuModel::forward(
       for (int it = i0; it < i1; ++it) {
         const int t = it / (Hq_ + KVH_), hh = it % (Hq_ + KVH_);
         float* row = qkv + (int64_t)t * Nqkv;
-        const float* c = cosp + pos[t] * half;
-        const float* s = sinp + pos[t] * half;
+        const bool local = L.window > 0 && cos_local_.defined();
+        const float* c = (local ? cos_local_.data_ptr<float>() : cosp) + pos[t] * half;
+        const float* s = (local ? sin_local_.data_ptr<float>() : sinp) + pos[t] * half;
         if (hh < Hq_) {
           float* qh = row + hh * D_;
           if (L.q_norm.defined()) isa_->rmsnorm(qh, D_, L.q_norm.data_ptr<float>(), eps_, D_, qh,
@@ -826,22 +893,22 @@ std::vector<torch::Tensor> CpuModel::forward(
       la.v_cache = vc;
       la.k_half = kh16;
       la.v_half = vh16;
+      la.window = L.window;
+      la.positions = pos;
       i0 = item_bounds[tid];
       i1 = item_bounds[tid + 1];
       if (i1 > i0) isa_->attention(la, i0, i1, scratch[tid]);
       tp.barrier(tid);
       mark(4);
-      mm(L.o, T, attn_.data(), Nq, x, H_, EPI_ADD, tid, n);
-      tp.barrier(tid);
+      residual_step(L.o, L.attn_out_norm, attn_.data(), Nq, tid, n, r0, r1);
       mark(5);
       isa_->rmsnorm(x, H_, L.post_norm.data_ptr<float>(), eps_, H_, xn, H_, r0, r1);
       tp.barrier(tid);
       mark(6);
-      mm(L.gate_up, T, xn, H_, h, I_, EPI_SILU_MUL, tid, n);
+      mm(L.gate_up, T, xn, H_, h, I_, gelu_ ? EPI_GELU_MUL : EPI_SILU_MUL, tid, n);
       tp.barrier(tid);
       mark(7);
-      mm(L.down, T, h, I_, x, H_, EPI_ADD, tid, n);
-      tp.barrier(tid);
+      residual_step(L.down, L.mlp_out_norm, h, I_, tid, n, r0, r1);
       mark(8);
     }
     if (float* c = cap_at[layer_end]) {  // the hidden state after the last layer run
@@ -903,7 +970,7 @@ torch::Tensor linear_op(const PackedLinear& w, torch::Tensor x, int levels, int 
   x = x.contiguous().to(torch::kFloat32);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == w.K, "x must be [M, K]");
   const int M = (int)x.size(0);
-  const int ncols = epilogue == EPI_SILU_MUL ? w.N / 2 : w.N;
+  const int ncols = gated_epilogue(epilogue) ? w.N / 2 : w.N;
   torch::Tensor y = y_in.has_value() ? *y_in : torch::zeros({M, ncols}, torch::kFloat32);
   TORCH_CHECK(y.is_contiguous() && y.dtype() == torch::kFloat32 && y.size(0) == M &&
               y.size(1) == ncols, "y must be a contiguous float32 [M, N]");
@@ -1119,6 +1186,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int, int, int, int, int, int, double, int, int, const std::string&>())
       .def("add_layer", &CpuModel::add_layer)
       .def("set_head", &CpuModel::set_head)
+      .def("set_layer_gemma", &CpuModel::set_layer_gemma)
+      .def("configure", &CpuModel::configure)
+      .def("set_rope_local", &CpuModel::set_rope_local)
       .def("set_rope", &CpuModel::set_rope)
       .def("set_kv", &CpuModel::set_kv)
       .def("forward", &CpuModel::forward, py::arg("input_ids"), py::arg("positions"),

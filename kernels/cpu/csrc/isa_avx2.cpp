@@ -68,6 +68,15 @@ inline __m256 silu256(__m256 g) {
   return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e));
 }
 
+// gelu_tanh (kernels.h: g / (1 + exp(g (c1 + c3 g^2)))), or silu: a gated epilogue's activation
+inline __m256 gate_act256(int epi, __m256 g) {
+  if (epi != EPI_GELU_MUL) return silu256(g);
+  const __m256 u = _mm256_mul_ps(g, _mm256_add_ps(_mm256_set1_ps(kGeluC1),
+                                                  _mm256_mul_ps(_mm256_set1_ps(kGeluC3),
+                                                                _mm256_mul_ps(g, g))));
+  return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), exp256(u)));
+}
+
 // ---- block formats: half-tile `half` (rows 8 * half .. + 7) ----------------------------------
 
 // Blocks ahead that the first pass over a tile prefetches (see TilePrefetch).
@@ -337,6 +346,160 @@ inline void half_block(const GemmArgs& a, int tile, int half, int m0, int m_firs
   }
 }
 
+// A row-block's digit sums combined like the digits (Horner over the L levels).
+template <int L>
+inline int32_t horner_sums(const int32_t* sums, int nb) {
+  int32_t v = 0;
+  for (int l = 0; l < L; ++l) v = v * 128 + sums[l * nb];
+  return v;
+}
+
+// ---- 5- and 6-bit and K-quant formats (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), half `half` ----------
+//
+// isa_avx512.cpp's scheme on 8 rows: q unpacked to bytes, vpmaddubsw pair sums in int16 (q <= 63
+// and a digit <= 127 make a pair at most 16002), widened by vpmaddwd before the int16 lanes could
+// overflow: every 8 groups for 4-bit weights (<= 30480), 4 for 5-bit (<= 31496), 2 for 6-bit
+// (<= 32004). The same exact integers and float steps as the scalar kernel, so its bits.
+
+template <int FMT>
+constexpr int wide_groups() { return FMT == Q4_K ? 8 : FMT == Q6_K ? 2 : 4; }
+
+inline __m256i or_masked8(__m256i w, __m256i x, __m256i m) {
+  return _mm256_or_si256(w, _mm256_and_si256(x, m));
+}
+
+// Group g (weights 4 g .. 4 g + 3) of 8 rows as unsigned bytes (layouts: kernels.h).
+template <int FMT>
+inline void sub_weights8(const uint8_t* sb, int half, __m256i (&w)[8]) {
+  const __m256i lo4 = _mm256_set1_epi8(0x0f);
+  for (int c = 0; c < 4; ++c) {
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(sb + 64 * c + 32 * half));
+    w[c] = _mm256_and_si256(v, lo4);
+    w[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+  }
+  if constexpr (FMT == Q5_0 || FMT == Q5_1 || FMT == Q5_K) {
+    const __m256i h = _mm256_loadu_si256((const __m256i*)(sb + 256 + 32 * half));
+    const __m256i m = _mm256_set1_epi8(0x10);
+    w[0] = or_masked8(w[0], _mm256_slli_epi16(h, 4), m);
+    w[1] = or_masked8(w[1], _mm256_slli_epi16(h, 3), m);
+    w[2] = or_masked8(w[2], _mm256_slli_epi16(h, 2), m);
+    w[3] = or_masked8(w[3], _mm256_slli_epi16(h, 1), m);
+    w[4] = or_masked8(w[4], h, m);
+    w[5] = or_masked8(w[5], _mm256_srli_epi16(h, 1), m);
+    w[6] = or_masked8(w[6], _mm256_srli_epi16(h, 2), m);
+    w[7] = or_masked8(w[7], _mm256_srli_epi16(h, 3), m);
+  }
+  if constexpr (FMT == Q6_K) {
+    const __m256i m = _mm256_set1_epi8(0x30);
+    for (int p = 0; p < 2; ++p) {
+      const __m256i h = _mm256_loadu_si256((const __m256i*)(sb + 256 + 64 * p + 32 * half));
+      w[4 * p] = or_masked8(w[4 * p], _mm256_slli_epi16(h, 4), m);
+      w[4 * p + 1] = or_masked8(w[4 * p + 1], _mm256_slli_epi16(h, 2), m);
+      w[4 * p + 2] = or_masked8(w[4 * p + 2], h, m);
+      w[4 * p + 3] = or_masked8(w[4 * p + 3], _mm256_srli_epi16(h, 2), m);
+    }
+  }
+}
+
+inline __m256 u8x8_to_ps(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+inline __m256 i8x8_to_ps(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+inline __m256 half8_to_ps(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+}
+
+// A sub-block's scales for rows 8 half .. 8 half + 7 (isa_avx512.cpp's sub_scales).
+template <int FMT>
+inline void sub_scales8(const uint8_t* tb, int s, int half, __m256 (&D)[2], __m256* mn) {
+  if constexpr (FMT == Q5_0 || FMT == Q5_1) {
+    D[0] = half8_to_ps(tb + 320 + 16 * half);
+    if (FMT == Q5_1) *mn = half8_to_ps(tb + 352 + 16 * half);
+  } else {
+    const uint8_t* sc = kquant_scales(FMT, tb) + 8 * half;
+    const uint8_t* dp = kquant_d(FMT, tb) + 16 * half;
+    const __m256 d = half8_to_ps(dp);
+    if (FMT == Q6_K) {
+      D[0] = _mm256_mul_ps(d, i8x8_to_ps(sc + 16 * (2 * s)));
+      D[1] = _mm256_mul_ps(d, i8x8_to_ps(sc + 16 * (2 * s + 1)));
+    } else {
+      D[0] = _mm256_mul_ps(d, u8x8_to_ps(sc + 16 * s));
+      *mn = _mm256_mul_ps(half8_to_ps(dp + 32), u8x8_to_ps(sc + 128 + 16 * s));
+    }
+  }
+}
+
+// MR rows x 8 columns (half `half` of the tile), every sub-block.
+template <int FMT, int L, int MR>
+inline void half_sub(const GemmArgs& a, int tile, int half, int m0, int m_first,
+                     __m256 acc[MR]) {
+  constexpr int TBB = tile_block_bytes(FMT), PER = block_weights(FMT) / QK;
+  constexpr int SBB = sub_block_bytes(FMT), GS = wide_groups<FMT>();
+  constexpr int P = FMT == Q6_K ? 2 : 1;  // integer sums per sub-block: Q6_K's halves
+  constexpr int32_t OFF = FMT == Q5_0 ? 16 : FMT == Q6_K ? 32 : 0;
+  const int nb = a.K / QK, K = a.K, nbw = a.K / block_weights(FMT);
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  const bool pair_lead = tile % 2 == 0 && tile < a.tiles - a.tiles % 2;
+  const bool first = m0 == m_first && half == 0 && (pair_lead || tile >= a.tiles - a.tiles % 2);
+  const uint8_t* base = a.w + block_offset(tile, 0, nbw, a.tiles, TBB);
+  const int64_t step = tile < a.tiles - a.tiles % 2 ? 2 * TBB : TBB;
+  for (int b = 0; b < nb; ++b) {
+    if (first) {  // this sub-block's share of the stream, kPrefetchBlocks sub-blocks ahead
+      const int at = b + kPrefetchBlocks;
+      const char* p = (const char*)base + (at / PER) * step + (at % PER) * (step / PER);
+      for (int off = 0; off < step / PER + 64; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+    }
+    const uint8_t* tb = base + (b / PER) * step;
+    __m256i w[8];
+    sub_weights8<FMT>(tb + (b % PER) * SBB, half, w);
+    __m256 D[2], mn = _mm256_setzero_ps();
+    D[1] = D[0] = _mm256_setzero_ps();
+    sub_scales8<FMT>(tb, b % PER, half, D, &mn);
+    for (int r = 0; r < MR; ++r) {
+      const int64_t m = m0 + r;
+      const int8_t* ab = a.act.q + m * L * K + b * QK;
+      __m256i hi[P];
+      for (int p = 0; p < P; ++p) hi[p] = _mm256_setzero_si256();
+      for (int l = 0; l < L; ++l) {
+        const int8_t* al = ab + (int64_t)l * K;
+        __m256i s32[P];
+        for (int p = 0; p < P; ++p) s32[p] = _mm256_setzero_si256();
+        for (int g0 = 0; g0 < 8; g0 += GS) {
+          __m256i s16 = _mm256_maddubs_epi16(w[g0], _mm256_set1_epi32(load_i32(al + 4 * g0)));
+          for (int g = g0 + 1; g < g0 + GS; ++g) {
+            s16 = _mm256_add_epi16(
+                s16, _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(load_i32(al + 4 * g))));
+          }
+          const int p = P == 2 ? g0 / 4 : 0;
+          s32[p] = _mm256_add_epi32(s32[p], _mm256_madd_epi16(s16, ones));
+        }
+        for (int p = 0; p < P; ++p) hi[p] = _mm256_add_epi32(_mm256_slli_epi32(hi[p], 7), s32[p]);
+      }
+      int32_t off[2] = {0, 0};
+      if (OFF) {
+        const int64_t all = (int64_t)OFF * horner_sums<L>(a.act.sums + m * L * nb + b, nb);
+        if (P == 2) {
+          off[0] = OFF * horner_sums<L>(a.act.hsums + m * L * nb + b, nb);
+          off[1] = (int32_t)(all - off[0]);
+        } else {
+          off[0] = (int32_t)all;
+        }
+      }
+      const __m256 sc = _mm256_set1_ps(a.act.scale[m * nb + b]);
+      for (int p = 0; p < P; ++p) {
+        const __m256 f = _mm256_cvtepi32_ps(_mm256_sub_epi32(hi[p], _mm256_set1_epi32(off[p])));
+        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(D[p], sc), f, acc[r]);
+      }
+      const __m256 fs = _mm256_set1_ps(a.act.fsum[m * nb + b]);
+      if (FMT == Q5_1) acc[r] = _mm256_fmadd_ps(mn, fs, acc[r]);
+      if (FMT == Q4_K || FMT == Q5_K) acc[r] = _mm256_fnmadd_ps(mn, fs, acc[r]);
+    }
+  }
+}
+
 // Three-digit Q4, one row: both halves of tile `tile` (q4_row_sums3), bias included.
 template <int FMT>
 inline void q4_row_tile(const GemmArgs& a, int tile, int m, bool first, __m256 acc[2]) {
@@ -582,6 +745,8 @@ inline void half_acc(const GemmArgs& a, const Q8Act* q8, int tile, int half, int
     half_q8<L, MR>(a, *q8, tile, half, m0, acc);
   } else if constexpr (FMT == Q4_0 || FMT == Q4_1) {
     half_block<FMT, L, MR>(a, tile, half, m0, m_first, acc);
+  } else if constexpr (FMT >= Q5_0) {
+    half_sub<FMT, L, MR>(a, tile, half, m0, m_first, acc);
   } else {
     half_float<FMT, MR>(a, tile, half, m0, acc);
   }
@@ -608,7 +773,7 @@ inline void tile_rows(const GemmArgs& a, const Q8Act* q8, int t, int m0, int m_f
   constexpr bool q8_row = FMT == Q8_0 && L > 1 && MR == 1;
   if constexpr (q4_row || q8_row) {  // one row: both halves in one pass
     __m256 acc[2], up[2];
-    const bool silu = a.epilogue == EPI_SILU_MUL;
+    const bool silu = gated_epilogue(a.epilogue);
     if constexpr (q4_row) {
       q4_row_tile<FMT>(a, silu ? 2 * t : t, m0, m0 == m_first, acc);
       if (silu) q4_row_tile<FMT>(a, 2 * t + 1, m0, m0 == m_first, up);
@@ -621,7 +786,9 @@ inline void tile_rows(const GemmArgs& a, const Q8Act* q8, int t, int m0, int m_f
       const int valid = a.N - col;
       if (valid <= 0) return;
       float* y = a.y + (int64_t)m0 * a.ldy + col;
-      if (silu) store8(y, valid, _mm256_mul_ps(silu256(acc[half]), up[half]), false);
+      if (silu) {
+        store8(y, valid, _mm256_mul_ps(gate_act256(a.epilogue, acc[half]), up[half]), false);
+      }
       else store8(y, valid, acc[half], a.epilogue == EPI_ADD);
     }
     return;
@@ -631,12 +798,13 @@ inline void tile_rows(const GemmArgs& a, const Q8Act* q8, int t, int m0, int m_f
     const int valid = a.N - col;
     if (valid <= 0) return;
     __m256 acc[MR];
-    if (a.epilogue == EPI_SILU_MUL) {
+    if (gated_epilogue(a.epilogue)) {
       __m256 up[MR];
       half_acc<FMT, L, MR>(a, q8, 2 * t, half, m0, m_first, acc);
       half_acc<FMT, L, MR>(a, q8, 2 * t + 1, half, m0, m_first, up);
       for (int r = 0; r < MR; ++r) {
-        store8(a.y + (int64_t)(m0 + r) * a.ldy + col, valid, _mm256_mul_ps(silu256(acc[r]), up[r]),
+        store8(a.y + (int64_t)(m0 + r) * a.ldy + col, valid,
+               _mm256_mul_ps(gate_act256(a.epilogue, acc[r]), up[r]),
                false);
       }
       continue;
@@ -707,6 +875,11 @@ void gemm(const GemmArgs& a, int t0, int t1) {
     case Q8_0: gemm_levels<Q8_0>(a, t0, t1); break;
     case Q4_0: gemm_levels<Q4_0>(a, t0, t1); break;
     case Q4_1: gemm_levels<Q4_1>(a, t0, t1); break;
+    case Q5_0: gemm_levels<Q5_0>(a, t0, t1); break;
+    case Q5_1: gemm_levels<Q5_1>(a, t0, t1); break;
+    case Q4_K: gemm_levels<Q4_K>(a, t0, t1); break;
+    case Q5_K: gemm_levels<Q5_K>(a, t0, t1); break;
+    case Q6_K: gemm_levels<Q6_K>(a, t0, t1); break;
     case F32: gemm_fmt<F32, 1>(a, t0, t1); break;
     case BF16: gemm_fmt<BF16, 1>(a, t0, t1); break;
     default: gemm_fmt<F16, 1>(a, t0, t1); break;
@@ -903,6 +1076,7 @@ void attention_kv(const AttnArgs& a, int i0, int i1, AttnScratch& s) {
     case 128: return attention_d<16, KV>(a, i0, i1, s);
     case 32: return attention_d<4, KV>(a, i0, i1, s);
     case 96: return attention_d<12, KV>(a, i0, i1, s);
+    case 256: return attention_d<32, KV>(a, i0, i1, s);  // Gemma 3
     default: return generic_kernels()->attention(a, i0, i1, s);
   }
 }

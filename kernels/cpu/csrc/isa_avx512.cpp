@@ -53,6 +53,15 @@ inline __m512 silu512(__m512 g) {
   return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
 }
 
+// gelu_tanh (kernels.h: g / (1 + exp(g (c1 + c3 g^2)))), or silu: a gated epilogue's activation
+inline __m512 gate_act512(int epi, __m512 g) {
+  if (epi != EPI_GELU_MUL) return silu512(g);
+  const __m512 u = _mm512_mul_ps(g, _mm512_add_ps(_mm512_set1_ps(kGeluC1),
+                                                  _mm512_mul_ps(_mm512_set1_ps(kGeluC3),
+                                                                _mm512_mul_ps(g, g))));
+  return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(u)));
+}
+
 // ---- block formats ----------------------------------------------------------------------------
 //
 // Digits are combined exactly in int32 (Horner over the digits' dots: s = (s << 7) + next digit's
@@ -183,6 +192,170 @@ inline void block_tiles(const GemmArgs& a, const int* tiles, int m0, __m512 (&ac
   }
 }
 
+// ---- 5- and 6-bit and K-quant formats (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) -------------------------
+//
+// The same scheme per 32-weight sub-block: the weights' unsigned integers q unpacked to bytes
+// (nibbles, then bit 4 or bits 4-5 from their planes, kernels.h), one vpdpbusd chain per digit
+// and tile (Q6_K: per 16-weight half too), Horner, the format's offset subtracted with the
+// activations' digit sums, one conversion, then isa_generic.cpp's float steps in its order.
+
+template <int FMT>
+constexpr bool has_bit4() { return FMT == Q5_0 || FMT == Q5_1 || FMT == Q5_K; }
+
+// w | (x & m), one instruction
+inline __m512i or_masked(__m512i w, __m512i x, __m512i m) {
+  return _mm512_ternarylogic_epi32(w, x, m, 0xF8);
+}
+
+// A sub-block's weights for 16 rows: group g (weights 4 g .. 4 g + 3) as unsigned bytes.
+template <int FMT>
+inline void sub_weights(const uint8_t* sb, __m512i (&w)[8]) {
+  const __m512i lo4 = _mm512_set1_epi8(0x0f);
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v = _mm512_loadu_si512(sb + 64 * c);
+    w[c] = _mm512_and_si512(v, lo4);
+    w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+  }
+  if constexpr (has_bit4<FMT>()) {  // bit g of the plane's bytes is group g's bit 4
+    const __m512i h = _mm512_loadu_si512(sb + 256), m = _mm512_set1_epi8(0x10);
+    w[0] = or_masked(w[0], _mm512_slli_epi16(h, 4), m);
+    w[1] = or_masked(w[1], _mm512_slli_epi16(h, 3), m);
+    w[2] = or_masked(w[2], _mm512_slli_epi16(h, 2), m);
+    w[3] = or_masked(w[3], _mm512_slli_epi16(h, 1), m);
+    w[4] = or_masked(w[4], h, m);
+    w[5] = or_masked(w[5], _mm512_srli_epi16(h, 1), m);
+    w[6] = or_masked(w[6], _mm512_srli_epi16(h, 2), m);
+    w[7] = or_masked(w[7], _mm512_srli_epi16(h, 3), m);
+  }
+  if constexpr (FMT == Q6_K) {  // plane p, bits 2 s .. 2 s + 1: group 4 p + s's bits 4-5
+    const __m512i m = _mm512_set1_epi8(0x30);
+    for (int p = 0; p < 2; ++p) {
+      const __m512i h = _mm512_loadu_si512(sb + 256 + 64 * p);
+      w[4 * p] = or_masked(w[4 * p], _mm512_slli_epi16(h, 4), m);
+      w[4 * p + 1] = or_masked(w[4 * p + 1], _mm512_slli_epi16(h, 2), m);
+      w[4 * p + 2] = or_masked(w[4 * p + 2], h, m);
+      w[4 * p + 3] = or_masked(w[4 * p + 3], _mm512_srli_epi16(h, 2), m);
+    }
+  }
+}
+
+inline __m512 u8_to_ps(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+inline __m512 i8_to_ps(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+
+// A sub-block's scales for 16 rows: D[0] (Q6_K: D[0], D[1] per half) and the min term mn
+// (Q5_1: m, added; K-quants: M = dmin mn, subtracted). tb: the tile-block, s: the sub-block.
+template <int FMT>
+inline void sub_scales(const uint8_t* tb, int s, __m512 (&D)[2], __m512* mn) {
+  if constexpr (FMT == Q5_0 || FMT == Q5_1) {
+    D[0] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tb + 320)));
+    if (FMT == Q5_1) *mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tb + 352)));
+  } else {
+    const uint8_t* sc = kquant_scales(FMT, tb);
+    const uint8_t* dp = kquant_d(FMT, tb);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)dp));
+    if (FMT == Q6_K) {
+      D[0] = _mm512_mul_ps(d, i8_to_ps(sc + 16 * (2 * s)));
+      D[1] = _mm512_mul_ps(d, i8_to_ps(sc + 16 * (2 * s + 1)));
+    } else {
+      D[0] = _mm512_mul_ps(d, u8_to_ps(sc + 16 * s));
+      const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dp + 32)));
+      *mn = _mm512_mul_ps(dmin, u8_to_ps(sc + 128 + 16 * s));
+    }
+  }
+}
+
+// Prefetch for sub-block b of a pass over a tile (or tile pair: stride `step`, one stream),
+// kPrefetchBlocks sub-blocks ahead: a K-quant tile-block holds 8 of them, so the slice of its
+// bytes that sub-block's share of the stream covers.
+template <int FMT>
+inline void sub_prefetch(const uint8_t* base, int64_t step, int b) {
+  constexpr int per = block_weights(FMT) / QK;
+  const int at = b + kPrefetchBlocks;
+  const char* p = (const char*)base + (at / per) * step + (at % per) * (step / per);
+  for (int off = 0; off < step / per + 64; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+}
+
+// Tiles t[0..NT-1], rows m0..m0+MR-1, every sub-block: acc[t][r] (block_tiles' shape).
+template <int FMT, int L, int MR, int NT>
+inline void sub_tiles(const GemmArgs& a, const int* tiles, int m0, __m512 (&acc)[NT][MR]) {
+  constexpr int TBB = tile_block_bytes(FMT);
+  constexpr int PER = block_weights(FMT) / QK, SBB = sub_block_bytes(FMT);
+  constexpr int P = FMT == Q6_K ? 2 : 1;  // integer sums per sub-block: Q6_K's halves
+  constexpr int32_t OFF = FMT == Q5_0 ? 16 : FMT == Q6_K ? 32 : 0;
+  const int nb = a.K / QK, K = a.K, nbw = a.K / block_weights(FMT);
+  for (int t = 0; t < NT; ++t)
+    for (int r = 0; r < MR; ++r) acc[t][r] = _mm512_setzero_ps();
+  const uint8_t* base[NT];
+  int64_t step[NT];
+  for (int t = 0; t < NT; ++t) {
+    base[t] = a.w + block_offset(tiles[t], 0, nbw, a.tiles, TBB);
+    step[t] = tiles[t] < a.tiles - a.tiles % 2 ? 2 * TBB : TBB;
+  }
+  const bool paired = NT == 2 && tiles[0] % 2 == 0 && tiles[1] == tiles[0] + 1 &&
+                      step[0] == 2 * TBB;
+  for (int b = 0; b < nb; ++b) {
+    if (m0 == 0) {
+      for (int t = 0; t < (paired ? 1 : NT); ++t) sub_prefetch<FMT>(base[t], step[t], b);
+    }
+    __m512i w[NT][8];
+    __m512 D[NT][2], mn[NT];
+    for (int t = 0; t < NT; ++t) {
+      mn[t] = D[t][1] = _mm512_setzero_ps();
+      const uint8_t* tb = base[t] + (b / PER) * step[t];
+      sub_weights<FMT>(tb + (b % PER) * SBB, w[t]);
+      sub_scales<FMT>(tb, b % PER, D[t], &mn[t]);
+    }
+    for (int r = 0; r < MR; ++r) {
+      const int64_t m = m0 + r;
+      const int8_t* ab = a.act.q + m * L * K + b * QK;
+      __m512i dig[L][NT][P];
+      const int8_t* al[L];
+      for (int l = 0; l < L; ++l) {
+        al[l] = ab + (int64_t)l * K;
+        for (int t = 0; t < NT; ++t)
+          for (int p = 0; p < P; ++p) dig[l][t][p] = _mm512_setzero_si512();
+      }
+      for (int g = 0; g < 8; ++g) {
+        const int p = P == 2 ? g / 4 : 0;
+        for (int l = 0; l < L; ++l) {
+          const __m512i x = _mm512_set1_epi32(load_i32(al[l] + 4 * g));
+          for (int t = 0; t < NT; ++t) {
+            dig[l][t][p] = _mm512_dpbusd_epi32(dig[l][t][p], w[t][g], x);
+          }
+        }
+      }
+      // the offset's share: OFF x the digit sums (Q6_K: of each half)
+      int32_t off[2] = {0, 0};
+      if (OFF) {
+        const int32_t* sums = a.act.sums + m * L * nb + b;
+        const int64_t all = (int64_t)OFF * horner_sums<L>(sums, nb, 0);  // < 2^31, just
+        if (P == 2) {
+          off[0] = OFF * horner_sums<L>(a.act.hsums + m * L * nb + b, nb, 0);
+          off[1] = (int32_t)(all - off[0]);
+        } else {
+          off[0] = (int32_t)all;
+        }
+      }
+      const __m512 sc = _mm512_set1_ps(a.act.scale[m * nb + b]);
+      const __m512 fs = _mm512_set1_ps(a.act.fsum[m * nb + b]);
+      for (int t = 0; t < NT; ++t) {
+        for (int p = 0; p < P; ++p) {
+          __m512i h = dig[0][t][p];
+          for (int l = 1; l < L; ++l) h = _mm512_add_epi32(_mm512_slli_epi32(h, 7), dig[l][t][p]);
+          const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(h, _mm512_set1_epi32(off[p])));
+          acc[t][r] = _mm512_fmadd_ps(_mm512_mul_ps(D[t][p], sc), f, acc[t][r]);
+        }
+        if (FMT == Q5_1) acc[t][r] = _mm512_fmadd_ps(mn[t], fs, acc[t][r]);
+        if (FMT == Q4_K || FMT == Q5_K) acc[t][r] = _mm512_fnmadd_ps(mn[t], fs, acc[t][r]);
+      }
+    }
+  }
+}
+
 // ---- float formats (weights [K][16] per tile) -------------------------------------------------
 
 template <int FMT>
@@ -227,7 +400,12 @@ inline void add_bias(const GemmArgs& a, int tile, __m512 acc[MR]) {
 template <int FMT, int L, int MR>
 inline void pair_acc(const GemmArgs& a, int ta, int tb, int m0, __m512 acc_a[MR],
                      __m512 acc_b[MR]) {
-  if constexpr (FMT == Q8_0 || FMT == Q4_0 || FMT == Q4_1) {
+  if constexpr (FMT >= Q5_0) {
+    const int tiles[2] = {ta, tb};
+    __m512 acc[2][MR];
+    sub_tiles<FMT, L, MR, 2>(a, tiles, m0, acc);
+    for (int r = 0; r < MR; ++r) acc_a[r] = acc[0][r], acc_b[r] = acc[1][r];
+  } else if constexpr (FMT == Q8_0 || FMT == Q4_0 || FMT == Q4_1) {
     const int tiles[2] = {ta, tb};
     __m512 acc[2][MR];
     block_tiles<FMT, L, MR, 2>(a, tiles, m0, acc);
@@ -242,7 +420,12 @@ inline void pair_acc(const GemmArgs& a, int ta, int tb, int m0, __m512 acc_a[MR]
 
 template <int FMT, int L, int MR>
 inline void single_acc(const GemmArgs& a, int t, int m0, __m512 acc[MR]) {
-  if constexpr (FMT == Q8_0 || FMT == Q4_0 || FMT == Q4_1) {
+  if constexpr (FMT >= Q5_0) {
+    const int tiles[1] = {t};
+    __m512 one[1][MR];
+    sub_tiles<FMT, L, MR, 1>(a, tiles, m0, one);
+    for (int r = 0; r < MR; ++r) acc[r] = one[0][r];
+  } else if constexpr (FMT == Q8_0 || FMT == Q4_0 || FMT == Q4_1) {
     const int tiles[1] = {t};
     __m512 one[1][MR];
     block_tiles<FMT, L, MR, 1>(a, tiles, m0, one);
@@ -338,17 +521,18 @@ inline void store_rows(const GemmArgs& a, int col, int m0, __m512 acc[MR]) {
 }
 
 // Tiles [t0, t1) for rows m0..m0+MR-1: in pairs, the last one alone if the count is odd.
-// EPI_SILU_MUL: unit t is the (gate, up) pair of packed tiles 2t, 2t+1.
+// Gated epilogues (EPI_SILU_MUL, EPI_GELU_MUL): unit t is the (gate, up) pair of packed tiles
+// 2t, 2t+1.
 template <int FMT, int L, int MR>
 inline void tiles_rows(const GemmArgs& a, int t0, int t1, int m0) {
   __m512 x[MR], y[MR];
-  if (a.epilogue == EPI_SILU_MUL) {
+  if (gated_epilogue(a.epilogue)) {
     for (int t = t0; t < t1; ++t) {
       pair_acc<FMT, L, MR>(a, 2 * t, 2 * t + 1, m0, x, y);
       const __mmask16 mask = col_mask(a, t * NR);
       for (int r = 0; r < MR; ++r) {
         float* out = a.y + (int64_t)(m0 + r) * a.ldy + t * NR;
-        _mm512_mask_storeu_ps(out, mask, _mm512_mul_ps(silu512(x[r]), y[r]));
+        _mm512_mask_storeu_ps(out, mask, _mm512_mul_ps(gate_act512(a.epilogue, x[r]), y[r]));
       }
     }
     return;
@@ -407,6 +591,11 @@ void gemm(const GemmArgs& a, int t0, int t1) {
     case Q8_0: gemm_levels<Q8_0>(a, t0, t1); break;
     case Q4_0: gemm_levels<Q4_0>(a, t0, t1); break;
     case Q4_1: gemm_levels<Q4_1>(a, t0, t1); break;
+    case Q5_0: gemm_levels<Q5_0>(a, t0, t1); break;
+    case Q5_1: gemm_levels<Q5_1>(a, t0, t1); break;
+    case Q4_K: gemm_levels<Q4_K>(a, t0, t1); break;
+    case Q5_K: gemm_levels<Q5_K>(a, t0, t1); break;
+    case Q6_K: gemm_levels<Q6_K>(a, t0, t1); break;
     case F32: gemm_fmt<F32, 1>(a, t0, t1); break;
     case BF16: gemm_fmt<BF16, 1>(a, t0, t1); break;
     default: gemm_fmt<F16, 1>(a, t0, t1); break;
@@ -1116,7 +1305,7 @@ inline bool amx_rows_fixed(const GemmArgs& a, AmxStage& st, const uint8_t* const
   return false;
 }
 
-// One unit: tiles[0..NT-1] (a pair, a lone last tile, or a (gate, up) pair for EPI_SILU_MUL
+// One unit: tiles[0..NT-1] (a pair, a lone last tile, or a (gate, up) pair for a gated epilogue
 // with column index `col`), every row, one row group of RPC rows at a time (PAIR: paired digits,
 // 8 rows per A tile; else 16 / L rows).
 template <int FMT, int L, bool PAIR>
@@ -1150,7 +1339,8 @@ void amx_unit(const GemmArgs& a, const int* tiles, int NT, int silu_col, AmxStag
       const __mmask16 mask = col_mask(a, silu_col);
       for (int r = 0; r < mr; ++r) {
         float* out = a.y + (int64_t)(m0 + r) * a.ldy + silu_col;
-        _mm512_mask_storeu_ps(out, mask, _mm512_mul_ps(silu512(_mm512_load_ps(acc[0][r])),
+        _mm512_mask_storeu_ps(out, mask, _mm512_mul_ps(gate_act512(a.epilogue,
+                                                                   _mm512_load_ps(acc[0][r])),
                                                        _mm512_load_ps(acc[1][r])));
       }
       continue;
@@ -1173,7 +1363,7 @@ void amx_fmt(const GemmArgs& a, int t0, int t1) {
   thread_local AmxStage st;
   st.reserve(a.K / QK);
   int configured = -1;  // the tile shapes loaded (ldtilecfg is dear: once per shape, not per unit)
-  if (a.epilogue == EPI_SILU_MUL) {
+  if (gated_epilogue(a.epilogue)) {
     for (int t = t0; t < t1; ++t) {
       const int tiles[2] = {2 * t, 2 * t + 1};
       amx_unit<FMT, L, PAIR>(a, tiles, 2, t * NR, st, configured);
@@ -1248,7 +1438,7 @@ void gemm_amx(const GemmArgs& a, int t0, int t1) {
     case Q8_0: amx_levels<Q8_0>(a, t0, t1); break;
     case Q4_0: amx_levels<Q4_0>(a, t0, t1); break;
     case Q4_1: amx_levels<Q4_1>(a, t0, t1); break;
-    default: gemm(a, t0, t1); break;  // float formats: the AVX-512 kernels
+    default: gemm(a, t0, t1); break;  // float and other block formats: the AVX-512 kernels
   }
 }
 

@@ -10,6 +10,8 @@ namespace specserve {
 namespace {
 
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }
+inline float gelu(float g) { return g / (1.f + std::exp(g * (kGeluC1 + kGeluC3 * g * g))); }
+inline float gate_act(int epi, float g) { return epi == EPI_GELU_MUL ? gelu(g) : silu(g); }
 
 // Weight (row j, column k) of a block-format tile-block, as the integer the format stores
 // (Q4: 0..15, Q8_0: -127..127).
@@ -59,6 +61,56 @@ void gemm_block(const GemmArgs& a, int tile, float acc[NR], int m) {
   }
 }
 
+// The exact integer sum over weights [k0, k1) of (q - off) x X, X the activation's digits as one
+// integer (Horner: a_0 128^(L-1) + ... + a_(L-1)).
+inline int64_t sub_block_dot(const GemmArgs& a, int fmt, const uint8_t* sb, int j, int m, int b,
+                             int k0, int k1, int off) {
+  const int L = a.act.levels;
+  int64_t dot = 0;
+  for (int k = k0; k < k1; ++k) {
+    int64_t x = 0;
+    for (int l = 0; l < L; ++l) x = x * 128 + a.act.q[((int64_t)m * L + l) * a.K + b * QK + k];
+    dot += (int64_t)(sub_block_weight(fmt, sb, j, k) - off) * x;
+  }
+  return dot;
+}
+
+// Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: per 32-weight sub-block b, per output row, the exact integer
+// dot rounded once to float (f), then acc = fma(D s, f, acc) with D the sub-block's scale and s
+// the activation block's, and for formats with a min acc = fma(m, fsum, acc) (Q5_1) or
+// fma(-M, fsum, acc) (Q4_K, Q5_K); Q6_K does the first step per 16-weight half, each with its
+// own scale. The SIMD tables compute the same integers and run these float steps in this order,
+// so every table gives these bits.
+void gemm_sub_blocks(const GemmArgs& a, int tile, float acc[NR], int m) {
+  const int fmt = a.fmt, nb = a.K / QK, bw = block_weights(fmt), tbb = tile_block_bytes(fmt);
+  for (int j = 0; j < NR; ++j) acc[j] = 0.f;
+  for (int b = 0; b < nb; ++b) {
+    const uint8_t* tb = a.w + block_offset(tile, b * QK / bw, a.K / bw, a.tiles, tbb);
+    const int s = b % (bw / QK);  // the sub-block within a K-quant tile-block
+    const uint8_t* sb = tb + s * sub_block_bytes(fmt);
+    const float sc = a.act.scale[(int64_t)m * nb + b], fs = a.act.fsum[(int64_t)m * nb + b];
+    for (int j = 0; j < NR; ++j) {
+      float D[2], M = 0.f;
+      if (is_kquant(fmt)) {
+        kquant_scale(fmt, tb, s, j, D, &M);
+      } else {
+        D[0] = half_to_float(load_u16(sb + sub_block_bytes(fmt) + 2 * j));
+        if (fmt == Q5_1) M = -half_to_float(load_u16(sb + sub_block_bytes(fmt) + 32 + 2 * j));
+      }
+      if (fmt == Q6_K) {
+        for (int h = 0; h < 2; ++h) {
+          const float f = (float)sub_block_dot(a, fmt, sb, j, m, b, 16 * h, 16 * h + 16, 32);
+          acc[j] = std::fma(D[h] * sc, f, acc[j]);
+        }
+        continue;
+      }
+      const float f = (float)sub_block_dot(a, fmt, sb, j, m, b, 0, QK, fmt == Q5_0 ? 16 : 0);
+      acc[j] = std::fma(D[0] * sc, f, acc[j]);
+      if (fmt != Q5_0) acc[j] = std::fma(-M, fs, acc[j]);
+    }
+  }
+}
+
 void gemm_float(const GemmArgs& a, int tile, float acc[NR], int m) {
   const int eb = float_elem_bytes(a.fmt);
   const uint8_t* tw = a.w + (int64_t)tile * a.K * NR * eb;
@@ -78,7 +130,8 @@ void gemm_float(const GemmArgs& a, int tile, float acc[NR], int m) {
 }
 
 void tile_acc(const GemmArgs& a, int tile, int m, float acc[NR]) {
-  if (is_block_format(a.fmt)) gemm_block(a, tile, acc, m);
+  if (a.fmt >= Q5_0) gemm_sub_blocks(a, tile, acc, m);
+  else if (is_block_format(a.fmt)) gemm_block(a, tile, acc, m);
   else gemm_float(a, tile, acc, m);
   if (a.bias) for (int j = 0; j < NR; ++j) acc[j] += a.bias[tile * NR + j];
 }
@@ -88,10 +141,10 @@ void gemm(const GemmArgs& a, int t0, int t1) {
   for (int t = t0; t < t1; ++t) {
     for (int m = 0; m < a.M; ++m) {
       float* y = a.y + (int64_t)m * a.ldy;
-      if (a.epilogue == EPI_SILU_MUL) {
+      if (gated_epilogue(a.epilogue)) {
         tile_acc(a, 2 * t, m, acc);
         tile_acc(a, 2 * t + 1, m, up);
-        for (int j = 0; j < NR && t * NR + j < a.N; ++j) y[t * NR + j] = silu(acc[j]) * up[j];
+        for (int j = 0; j < NR && t * NR + j < a.N; ++j) y[t * NR + j] = gate_act(a.epilogue, acc[j]) * up[j];
         continue;
       }
       tile_acc(a, t, m, acc);

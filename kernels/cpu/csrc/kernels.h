@@ -7,6 +7,7 @@
 // sequence of float operations whatever M is, whichever rows share the call and however the work
 // is split over threads (work is split over N, heads or rows, never over a reduction).
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -41,27 +42,91 @@ inline float pow2(int n) {
   return f;
 }
 
-// Weight formats of a packed linear (values shared with kernels/cpu/formats.py).
-enum WeightFormat : int32_t { F32 = 0, BF16 = 1, F16 = 2, Q8_0 = 3, Q4_0 = 4, Q4_1 = 5 };
+// Weight formats of a packed linear (values shared with kernels/cpu/packing.py).
+enum WeightFormat : int32_t {
+  F32 = 0, BF16 = 1, F16 = 2, Q8_0 = 3, Q4_0 = 4, Q4_1 = 5,
+  Q5_0 = 6, Q5_1 = 7, Q4_K = 8, Q5_K = 9, Q6_K = 10,
+};
 
-constexpr int NR = 16;  // output rows per tile
-constexpr int QK = 32;  // weights per quantization block
+constexpr int NR = 16;   // output rows per tile
+constexpr int QK = 32;   // weights per quantization block (activation blocks too)
+constexpr int QKK = 256;  // weights per K-quant super-block
 
-// Bytes of one tile-block (16 rows x 32 weights) of a block format, 0 for float formats.
-inline int tile_block_bytes(int fmt) {
+constexpr bool is_block_format(int fmt) { return fmt >= Q8_0 && fmt <= Q6_K; }
+constexpr bool is_kquant(int fmt) { return fmt == Q4_K || fmt == Q5_K || fmt == Q6_K; }
+// Weights per addressed block along K: a K-quant tile-block is a whole super-block (its scales
+// are stored once per super-block), the other block formats' one 32-weight block.
+constexpr int block_weights(int fmt) { return is_kquant(fmt) ? QKK : QK; }
+
+// ---- tile-block layouts (kernels/cpu/packing.py writes them) ----------------------------------
+//
+// A 32-weight sub-block of 16 rows keeps its quantized integers q (unsigned as GGUF stores them,
+// but Q8_0's int8) in these parts, each laid out so byte 4 j + t of a 64-byte group is row j:
+//   nibbles (Q4_*, Q5_*, Q4_K, Q5_K, Q6_K): 4 x 64 bytes; group c holds weights 4 c + t in its
+//     low nibbles and 16 + 4 c + t in its high ones (so weights 4 g + t are group g % 4's
+//     nibble g / 4);
+//   bit 4 (Q5_*): 64 bytes, bit g of byte 4 j + t = bit 4 of q(row j, weight 4 g + t);
+//   bits 4-5 (Q6_K): 2 x 64 bytes, plane p's bits 2 s, 2 s + 1 of byte 4 j + t = bits 4-5 of
+//     q(row j, weight 4 (4 p + s) + t): plane 0 is weights 0-15, plane 1 weights 16-31.
+// A block format's tile-block is then (fp16 per row, unless said otherwise):
+//   Q8_0 [512 int8][16 d]             Q4_0 [256 nib][16 d]          Q4_1 [256 nib][16 d][16 m]
+//   Q5_0 [256 nib][64 bit 4][16 d]    Q5_1 [256 nib][64 bit 4][16 d][16 m]
+//   Q4_K 8 x [256 nib], Q5_K 8 x [256 nib][64 bit 4], Q6_K 8 x [256 nib][128 bits 4-5]
+//     (one per sub-block), then Q4_K / Q5_K: [8 x 16 scales u8][8 x 16 mins u8][16 d][16 dmin],
+//     Q6_K: [16 x 16 scales int8, one per 16 weights][16 d].
+// A weight is w = d (q - 16) (Q5_0), d q + m (Q5_1), d sc q - dmin mn (Q4_K, Q5_K: the
+// sub-block's 6-bit scale and min), d sc (q - 32) (Q6_K: the 16-weight half's int8 scale), as
+// gguf's dequantize computes them (d sc and dmin mn are exact in float32).
+
+// Bytes of one 32-weight sub-block's integers.
+constexpr int sub_block_bytes(int fmt) {
+  switch (fmt) {
+    case Q8_0: return 512;
+    case Q5_0: case Q5_1: case Q5_K: return 256 + 64;
+    case Q6_K: return 256 + 128;
+    default: return 256;
+  }
+}
+
+// Bytes of one tile-block (16 rows x block_weights), 0 for float formats.
+constexpr int tile_block_bytes(int fmt) {
   switch (fmt) {
     case Q8_0: return 512 + 32;       // int8 weights, 16 fp16 scales
     case Q4_0: return 256 + 32;       // nibbles, 16 fp16 scales
     case Q4_1: return 256 + 32 + 32;  // nibbles, 16 fp16 scales, 16 fp16 mins
+    case Q5_0: return 320 + 32;
+    case Q5_1: return 320 + 64;
+    case Q4_K: return 8 * 256 + 256 + 64;
+    case Q5_K: return 8 * 320 + 256 + 64;
+    case Q6_K: return 8 * 384 + 256 + 32;
     default: return 0;
   }
 }
-inline bool is_block_format(int fmt) { return fmt == Q8_0 || fmt == Q4_0 || fmt == Q4_1; }
+
+// q(row j, weight k) of a sub-block whose integers start at sb (not Q8_0).
+inline int sub_block_weight(int fmt, const uint8_t* sb, int j, int k) {
+  const uint8_t byte = sb[64 * ((k % 16) / 4) + 4 * j + k % 4];
+  int q = k < 16 ? byte & 0x0f : byte >> 4;
+  const int at = 256 + 4 * j + k % 4;
+  if (fmt == Q5_0 || fmt == Q5_1 || fmt == Q5_K) q |= ((sb[at] >> (k / 4)) & 1) << 4;
+  if (fmt == Q6_K) q |= ((sb[at + 64 * (k / 16)] >> (2 * ((k / 4) % 4))) & 3) << 4;
+  return q;
+}
+
+// Where the scales of a K-quant tile-block start (after its 8 sub-blocks' integers).
+inline const uint8_t* kquant_scales(int fmt, const uint8_t* tb) {
+  return tb + 8 * sub_block_bytes(fmt);
+}
+// Its 16 fp16 super-block scales d (then, Q4_K / Q5_K, 16 dmin).
+inline const uint8_t* kquant_d(int fmt, const uint8_t* tb) {
+  return kquant_scales(fmt, tb) + 256;
+}
 
 // Block formats store tiles in pairs with their blocks interleaved: pair p = tiles 2p, 2p+1 is
 // [block 0 of 2p][block 0 of 2p+1][block 1 of 2p]..., so a kernel multiplying a pair reads one
 // sequential stream (measured 1.36x the bandwidth of two streams at one row); an odd last tile
-// follows alone. Byte offset of (tile, block b) in a matrix of `tiles` tiles and nb blocks:
+// follows alone. Byte offset of (tile, block b) in a matrix of `tiles` tiles and nb blocks
+// (blocks of block_weights(fmt) weights, tbb = tile_block_bytes(fmt) bytes):
 inline int64_t block_offset(int tile, int b, int nb, int tiles, int tbb) {
   const int pairs = tiles / 2;
   if (tile < 2 * pairs) return (((int64_t)(tile / 2) * nb + b) * 2 + (tile & 1)) * tbb;
@@ -80,6 +145,9 @@ struct ActQ {
   const float* scale = nullptr;   // [M][K/32]: d / 128^(levels-1)
   const int32_t* sums = nullptr;  // [M][levels][K/32]: sum of each level's digits per block
   const float* fsum = nullptr;    // [M][K/32]: sum of the block's quantized values (Q4_1 mins)
+  // [M][levels][K/32]: sum of each level's digits over the block's first 16 (Q6_K, whose
+  // scales and offsets go by 16 weights; set by the engine for Q6_K only, else null)
+  const int32_t* hsums = nullptr;
   // Three-level Q4 calls on AMX only (`amx_pairs_apply`): the same digits as two "paired" tile
   // rows per activation row, [M][2][K / 32][64] (`quantize_pairs` in IsaKernels), else null.
   const int8_t* pairs = nullptr;
@@ -108,7 +176,13 @@ enum Epilogue : int32_t {
   EPI_STORE = 0,     // y = x W^T (+ bias)
   EPI_ADD = 1,       // y += x W^T (+ bias): the residual add, fused
   EPI_SILU_MUL = 2,  // tiles come in (gate, up) pairs: y = silu(gate) * up, N counts pairs' rows
+  EPI_GELU_MUL = 3,  // the same with gelu_tanh(gate) (Gemma)
 };
+inline bool gated_epilogue(int epi) { return epi == EPI_SILU_MUL || epi == EPI_GELU_MUL; }
+
+// gelu_tanh(g) = g / 2 (1 + tanh(u)), u = sqrt(2 / pi) (g + 0.044715 g^3), computed as
+// g / (1 + exp(-2 u)) (the same function) so each table reuses its silu's exp.
+constexpr float kGeluC1 = -2.f * 0.7978845608028654f, kGeluC3 = kGeluC1 * 0.044715f;
 
 struct GemmArgs {
   int fmt = F32;
@@ -152,6 +226,11 @@ struct AttnArgs {
   // A query's result does not depend on which item it is in (attention_items()).
   const int32_t* items = nullptr;
   int max_keys = 0;  // the longest key list of any row
+  // A sliding-window layer (window > 0): query row t sees only keys less than `window`
+  // positions before its own, positions[t] (a prefix key's position is its index; a new
+  // token's, prefix_len + its index; a tree's rows are all inside the window, the engine checks)
+  int window = 0;
+  const int64_t* positions = nullptr;
 };
 
 // Rows per attention item when several rows of a request share their keys (prefill, verify).
@@ -160,17 +239,23 @@ constexpr int kAttnRows = 4;
 // The KV slots query row t attends, in position order: its request's prefix, then its ancestors
 // in the tree (custom mask) or its causal predecessors and itself. A decode step at the same
 // position sees exactly the same list. Returns the count.
+// The first key position row t sees: 0, or in a window the oldest one inside it.
+inline int64_t first_visible(const AttnArgs& a, int t) {
+  return a.window > 0 ? std::max<int64_t>(0, a.positions[t] - a.window + 1) : 0;
+}
+
 inline int visible_keys(const AttnArgs& a, int t, int64_t* slots) {
   const int req = a.tok_req[t], local = a.tok_local[t];
   const int64_t* kv = a.kv_indices + a.kv_indptr[req];
   const int P = a.prefix_len[req], n = a.extend_len[req];
+  const int64_t lo = first_visible(a, t);
   int L = 0;
-  for (int j = 0; j < P; ++j) slots[L++] = kv[j];
+  for (int j = (int)std::min<int64_t>(lo, P); j < P; ++j) slots[L++] = kv[j];
   if (a.masks) {
     const uint8_t* row = a.masks + a.mask_indptr[req] + (int64_t)local * n;
     for (int j = 0; j < n; ++j) if (row[j]) slots[L++] = kv[P + j];
   } else {
-    for (int j = 0; j <= local; ++j) slots[L++] = kv[P + j];
+    for (int j = (int)std::max<int64_t>(0, lo - P); j <= local; ++j) slots[L++] = kv[P + j];
   }
   return L;
 }
@@ -178,13 +263,14 @@ inline int visible_keys(const AttnArgs& a, int t, int64_t* slots) {
 // How many keys visible_keys() lists for query row t, without listing them.
 inline int visible_key_count(const AttnArgs& a, int t) {
   const int req = a.tok_req[t], local = a.tok_local[t];
-  const int n = a.extend_len[req];
-  int L = a.prefix_len[req];
+  const int n = a.extend_len[req], P = a.prefix_len[req];
+  const int64_t lo = first_visible(a, t);
+  int L = P - (int)std::min<int64_t>(lo, P);
   if (a.masks) {
     const uint8_t* row = a.masks + a.mask_indptr[req] + (int64_t)local * n;
     for (int j = 0; j < n; ++j) L += row[j] != 0;
   } else {
-    L += local + 1;
+    L += local + 1 - (int)std::max<int64_t>(0, lo - P);
   }
   return L;
 }
@@ -357,6 +443,52 @@ inline uint16_t load_u16(const uint8_t* p) {
   uint16_t v;
   std::memcpy(&v, p, 2);
   return v;
+}
+
+// Sub-block s (0-7) of a K-quant tile-block, row j: its scale D = d sc and (Q4_K / Q5_K) min
+// M = dmin mn, exact in float32; Q6_K has two scales per sub-block, D[0] for weights 0-15.
+inline void kquant_scale(int fmt, const uint8_t* tb, int s, int j, float D[2], float* M) {
+  const uint8_t* sc = kquant_scales(fmt, tb);
+  const float d = half_to_float(load_u16(kquant_d(fmt, tb) + 2 * j));
+  if (fmt == Q6_K) {
+    D[0] = d * (float)(int8_t)sc[16 * (2 * s) + j];
+    D[1] = d * (float)(int8_t)sc[16 * (2 * s + 1) + j];
+    *M = 0.f;
+    return;
+  }
+  D[0] = D[1] = d * (float)sc[16 * s + j];
+  *M = half_to_float(load_u16(kquant_d(fmt, tb) + 32 + 2 * j)) * (float)sc[128 + 16 * s + j];
+}
+
+// Row j of a tile-block as floats (block_weights(fmt) of them): the embedding lookup, with the
+// float steps of gguf's dequantize (d q, d (q - 8), d q + m, D q - M, D (q - 32)).
+inline void dequantize_tile_row(int fmt, const uint8_t* tb, int j, float* out) {
+  if (fmt == Q8_0) {
+    const float d = half_to_float(load_u16(tb + 512 + 2 * j));
+    for (int k = 0; k < QK; ++k) out[k] = d * (float)(int8_t)tb[64 * (k / 4) + 4 * j + k % 4];
+    return;
+  }
+  if (!is_kquant(fmt)) {
+    const uint8_t* sc = tb + sub_block_bytes(fmt);
+    const float d = half_to_float(load_u16(sc + 2 * j));
+    const float m = fmt == Q4_1 || fmt == Q5_1 ? half_to_float(load_u16(sc + 32 + 2 * j)) : 0.f;
+    for (int k = 0; k < QK; ++k) {
+      const int q = sub_block_weight(fmt, tb, j, k);
+      if (fmt == Q4_0) out[k] = d * (float)(q - 8);
+      else if (fmt == Q5_0) out[k] = d * (float)(q - 16);
+      else out[k] = d * (float)q + m;
+    }
+    return;
+  }
+  for (int s = 0; s < 8; ++s) {
+    const uint8_t* sb = tb + s * sub_block_bytes(fmt);
+    float D[2], M;
+    kquant_scale(fmt, tb, s, j, D, &M);
+    for (int k = 0; k < QK; ++k) {
+      const int q = sub_block_weight(fmt, sb, j, k);
+      out[QK * s + k] = fmt == Q6_K ? D[k / 16] * (float)(q - 32) : D[0] * (float)q - M;
+    }
+  }
 }
 
 const IsaKernels* avx512_kernels();  // null when not compiled in
