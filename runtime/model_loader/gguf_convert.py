@@ -1,4 +1,4 @@
-"""Convert a Llama-architecture GGUF file into a Hugging Face style model directory.
+"""Convert a Llama- or Gemma 3-architecture GGUF file into a Hugging Face style model directory.
 
 Output: config.json, generation_config.json, model.safetensors (dequantized, fp32 by default),
 gguf_blocks.safetensors (the quantized tensors' own blocks, for the CPU engine, see
@@ -25,14 +25,15 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from runtime.errors import ModelLoadError
+from runtime.model_loader import gguf_gemma3
 from runtime.model_loader.tokenizer import build_gguf_tokenizer
 
 # Written last into a converted directory; its presence proves the conversion completed.
 COMPLETE_MARKER = ".specserve-converted.json"
-CONVERTER_VERSION = 2  # 2: gguf_blocks.safetensors
+CONVERTER_VERSION = 3  # 2: gguf_blocks.safetensors; 3: 5-bit and K-quant blocks, Gemma 3
 # Block formats whose raw GGUF blocks are kept beside the dequantized weights: the CPU engine
 # multiplies them as they are (`--weight-format auto`), so it runs the file's own weights.
-KEPT_BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+KEPT_BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 BLOCKS_FILE = "gguf_blocks.safetensors"
 
 # llama.cpp tensor name (after "blk.{i}.") -> Hugging Face name (after "model.layers.{i}.")
@@ -81,12 +82,14 @@ def read_metadata(reader: GGUFReader) -> dict[str, Any]:
 
 
 def gguf_config(meta: dict[str, Any], tied: bool) -> dict[str, Any]:
-    """config.json for the llama.* metadata of a GGUF file."""
+    """config.json for the llama.* (or gemma3.*) metadata of a GGUF file."""
     arch = meta.get("general.architecture")
+    if arch == gguf_gemma3.ARCH:
+        return gguf_gemma3.config(meta, tied)
     if arch != "llama":
         raise ModelLoadError(
-            f"GGUF architecture {arch!r} is not supported; only 'llama' GGUF files convert "
-            f"(other families: use their Hugging Face directory)"
+            f"GGUF architecture {arch!r} is not supported; only 'llama' and 'gemma3' GGUF files "
+            f"convert (other families: use their Hugging Face directory)"
         )
 
     def key(name: str, default: Any = None) -> Any:
@@ -178,14 +181,15 @@ def _convert_into(src: Path, tmp: Path, dtype: torch.dtype, progress: bool) -> N
             f"does not record; load this model from its Hugging Face directory instead"
         )
 
-    tok = build_gguf_tokenizer(meta)
+    arch = meta.get("general.architecture")
+    gemma = arch == gguf_gemma3.ARCH
     state: dict[str, torch.Tensor] = {}
     blocks: dict[str, torch.Tensor] = {}  # raw blocks [out_features, bytes per row], uint8
     block_types: dict[str, str] = {}
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     for tensor in tqdm(reader.tensors, desc=f"converting {src.name}", unit="tensor",
                        disable=not progress):
-        hf_name = _hf_name(tensor.name)
+        hf_name = _hf_name(tensor.name, arch)
         # gguf lists dims innermost first; numpy/torch want them outermost first.
         shape = tuple(int(d) for d in reversed(tensor.shape))
         array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
@@ -193,7 +197,11 @@ def _convert_into(src: Path, tmp: Path, dtype: torch.dtype, progress: bool) -> N
         raw = None
         if tensor.tensor_type.name in KEPT_BLOCK_TYPES:
             raw = torch.from_numpy(tensor.data.reshape(shape[0], -1).copy())  # rows of blocks
-        if hf_name.endswith("q_proj.weight"):
+        if gemma and gguf_gemma3.is_norm(hf_name):
+            weight = weight - 1.0  # HF's convention: the model multiplies by (1 + w)
+        elif gemma:
+            pass  # llama.cpp keeps Gemma's q / k rows in HF's order
+        elif hf_name.endswith("q_proj.weight"):
             weight = unpermute_qk(weight, heads)
             raw = None if raw is None else unpermute_qk(raw, heads)  # the same row order
         elif hf_name.endswith("k_proj.weight"):
@@ -203,21 +211,17 @@ def _convert_into(src: Path, tmp: Path, dtype: torch.dtype, progress: bool) -> N
         if raw is not None:
             blocks[hf_name] = raw.contiguous()
             block_types[hf_name] = tensor.tensor_type.name
-    _check_complete(state, config, src)
+    _check_complete(state, config, src, arch)
 
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    config["bos_token_id"] = tok.bos_token_id
-    eos_ids = tok.eos_token_ids
+    bos, eos_ids, pad = _save_tokenizer(src, meta, tmp, config["max_position_embeddings"])
+    config["bos_token_id"] = bos
     config["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
-    generation = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_ids,
-                  "pad_token_id": tok.pad_token_id}
+    generation = {"bos_token_id": bos, "eos_token_id": eos_ids, "pad_token_id": pad}
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     if blocks:
         save_file(blocks, str(tmp / BLOCKS_FILE),
                   metadata={"format": "gguf-blocks", "types": json.dumps(block_types)})
-    tok.tokenizer.save(str(tmp / "tokenizer.json"))
-    tok.tokenizer_config["model_max_length"] = config["max_position_embeddings"]
-    _write_json(tmp / "tokenizer_config.json", tok.tokenizer_config)
     _write_json(tmp / "config.json", config)
     _write_json(tmp / "generation_config.json", generation)
     stat = src.stat()
@@ -225,19 +229,37 @@ def _convert_into(src: Path, tmp: Path, dtype: torch.dtype, progress: bool) -> N
                                         "mtime": stat.st_mtime, "version": CONVERTER_VERSION})
 
 
-def _hf_name(gguf_name: str) -> str:
+def _save_tokenizer(src: Path, meta: dict[str, Any], out: Path,
+                    max_length: int) -> tuple[int | None, list[int], int | None]:
+    """tokenizer.json and tokenizer_config.json into `out`; (bos, eos ids, pad)."""
+    if meta.get("tokenizer.ggml.model") == "llama":  # SentencePiece (Gemma): transformers'
+        return gguf_gemma3.save_tokenizer(src, out, max_length)
+    tok = build_gguf_tokenizer(meta)
+    tok.tokenizer.save(str(out / "tokenizer.json"))
+    tok.tokenizer_config["model_max_length"] = max_length
+    _write_json(out / "tokenizer_config.json", tok.tokenizer_config)
+    return tok.bos_token_id, tok.eos_token_ids, tok.pad_token_id
+
+
+def _layer_tensors(arch: str) -> dict[str, str]:
+    return gguf_gemma3.LAYER_TENSORS if arch == gguf_gemma3.ARCH else _LAYER_TENSORS
+
+
+def _hf_name(gguf_name: str, arch: str = "llama") -> str:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     match = _LAYER_NAME.match(gguf_name)
-    if match and match.group(2) in _LAYER_TENSORS:
-        return f"model.layers.{match.group(1)}.{_LAYER_TENSORS[match.group(2)]}"
-    raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no Llama equivalent")
+    table = _layer_tensors(arch)
+    if match and match.group(2) in table:
+        return f"model.layers.{match.group(1)}.{table[match.group(2)]}"
+    raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no {arch} equivalent")
 
 
-def _check_complete(state: dict[str, torch.Tensor], config: dict[str, Any], src: Path) -> None:
+def _check_complete(state: dict[str, torch.Tensor], config: dict[str, Any], src: Path,
+                    arch: str) -> None:
     expected = {"model.embed_tokens.weight", "model.norm.weight"}
     expected |= {f"model.layers.{i}.{name}" for i in range(config["num_hidden_layers"])
-                 for name in _LAYER_TENSORS.values()}
+                 for name in _layer_tensors(arch).values()}
     missing = sorted(expected - state.keys())
     if missing:
         raise ModelLoadError(f"{src}: missing tensors {missing[:5]} ({len(missing)} in all)")

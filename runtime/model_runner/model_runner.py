@@ -19,6 +19,7 @@ from runtime.layers.attention import create_attention_backend
 from runtime.mem_cache.kv_pool import KVPool
 from runtime.model_loader.config import ModelConfig
 from runtime.model_loader.hf_dir import iter_safetensors_weights
+from runtime.models.gemma3 import Gemma3ForCausalLM
 from runtime.models.llama import LlamaForCausalLM, ModelOutput
 
 logger = logging.getLogger(__name__)
@@ -146,7 +147,8 @@ class ModelRunner:
                       f"({self.model.packed.nbytes / 2**20:.0f} MiB), activation digits "
                       f"{cfg.activation_digits}, KV {str(self.kv_dtype).removeprefix('torch.')}")
         else:
-            model = LlamaForCausalLM(mc, self.device, self.dtype)
+            model_class = Gemma3ForCausalLM if mc.is_gemma3 else LlamaForCausalLM
+            model = model_class(mc, self.device, self.dtype)
             model.to(device=self.device, dtype=self.dtype)
             model.load_weights(iter_safetensors_weights(cfg.model_dir))
             model.eval()
@@ -156,7 +158,7 @@ class ModelRunner:
             backend = cfg.attention_backend
             detail = f"torch reference engine, {packed} linears prepacked"
         self.attn_backend = create_attention_backend(
-            backend, self.kv_pool, mc.num_attention_heads, mc.head_dim**-0.5
+            backend, self.kv_pool, mc.num_attention_heads, mc.attention_scale
         )
         logger.info(
             "model %s (%s, %d layers) on %s/%s, %d KV slots, %s, %.1fs to load",

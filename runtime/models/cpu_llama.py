@@ -1,4 +1,5 @@
-"""The Llama-family decoder on the CPU engine: the whole stack in one extension call.
+"""The Llama-family and Gemma 3 decoders on the CPU engine: the whole stack in one extension
+call.
 
 Same interface as `LlamaForCausalLM` (`forward(batch, backend, return_final_hidden)`, `embed`,
 `compute_logits`, `norm`, `embed_tokens`, `lm_head.weight`), so the model runner, the drafters
@@ -83,9 +84,23 @@ class CpuLlamaForCausalLM:
         self._lm_head = self._embed if tied else packed.lm_head.to_ext(ext)
         self.core.set_head(self._embed, self._lm_head, packed.final_norm)
         self.core.set_rope(rotary.cos, rotary.sin)
+        if cfg.is_gemma3:
+            self._configure_gemma3(cfg, packed, rotary)
         self.core.set_kv(kv_pool.k, kv_pool.v)
         self.norm = _FinalNorm(self.core, packed.final_norm)
         self.lm_head = _DenseLMHead(self)
+
+    def _configure_gemma3(self, cfg: ModelConfig, packed: PackedModel,
+                          rotary: RotaryEmbedding) -> None:
+        """Gemma 3's differences (ModelConfig): sandwich norms and sliding windows per layer,
+        the embedding and attention scales, GELU-tanh, the local layers' RoPE base."""
+        for i, norm in enumerate(packed.norms):
+            self.core.set_layer_gemma(i, norm["attn_out_norm"], norm["mlp_out_norm"],
+                                      cfg.layer_window(i) or 0)
+        self.core.configure(cfg.embed_scale, cfg.attention_scale, True)
+        local = RotaryEmbedding(cfg.head_dim, rotary.cos.shape[0], cfg.rope_local_theta, None,
+                                torch.device("cpu"), torch.float32)
+        self.core.set_rope_local(local.cos, local.sin)
 
     @property
     def isa(self) -> str:

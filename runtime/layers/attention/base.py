@@ -36,3 +36,15 @@ class AttentionBackend(ABC):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
     ) -> torch.Tensor:
         """q [T, num_heads, head_dim], k/v [T, num_kv_heads, head_dim] → [T, heads, head_dim]."""
+
+    def forward_window(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+        batch: ForwardBatch, window: int,
+    ) -> torch.Tensor:
+        """`forward` with each query also limited to the keys less than `window` positions
+        before its own (a sliding-window layer). Models call it only when some request's
+        sequence is longer than the window (else it is `forward`)."""
+        raise NotImplementedError(
+            f"the {type(self).__name__} attention backend has no sliding-window attention; "
+            f"use torch_native, or the CPU engine (--weight-format auto), or a context of at "
+            f"most {window} tokens")

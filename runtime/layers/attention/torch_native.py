@@ -7,7 +7,7 @@ forward. The mask is what differs between modes, so tree verification is as exac
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,25 @@ class TorchNativeMetadata:
     # One request whose KV slots are one ascending run [start, start + length): the layers read
     # that run of the pool as a view instead of gathering it (the tensors SDPA sees are equal).
     kv_run: tuple[int, int] | None = None
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> mask
+
+
+def window_mask(batch: ForwardBatch, max_q: int, max_kv: int, window: int) -> torch.Tensor:
+    """`build_attention_mask` limited to keys whose position is within `window - 1` of the
+    query's: a KV column's position is its index in the prefix, or its new token's position."""
+    mask = build_attention_mask(batch, max_q, max_kv)
+    q_pos = torch.zeros((batch.batch_size, max_q), dtype=torch.int64)
+    k_pos = torch.zeros((batch.batch_size, max_kv), dtype=torch.int64)
+    tok = 0
+    positions = batch.positions.cpu()
+    for b, (prefix_len, extend_len) in enumerate(zip(batch.prefix_lens, batch.extend_lens)):
+        new = positions[tok : tok + extend_len]
+        q_pos[b, :extend_len] = new
+        k_pos[b, :prefix_len] = torch.arange(prefix_len)
+        k_pos[b, prefix_len : prefix_len + extend_len] = new
+        tok += extend_len
+    near = (q_pos[:, None, :, None] - k_pos[:, None, None, :]) < window
+    return mask & near
 
 
 def build_attention_mask(batch: ForwardBatch, max_q: int, max_kv: int) -> torch.Tensor:
@@ -104,9 +123,23 @@ class TorchNativeBackend(AttentionBackend):
         batch.attn_metadata = TorchNativeMetadata(kv_gather, mask, q_pad_index, bsz, max_q,
                                                   causal, kv_run)
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
+    def forward_window(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+        batch: ForwardBatch, window: int,
     ) -> torch.Tensor:
+        meta: TorchNativeMetadata = batch.attn_metadata
+        mask = meta.window_masks.get(window)
+        if mask is None:  # planned once per forward, shared by the window's layers
+            max_kv = max(batch.seq_lens)
+            mask = window_mask(batch, meta.max_q, max_kv, window).to(self.kv_pool.device)
+            meta.window_masks[window] = mask
+        return self.forward(q, k, v, layer_id, batch, mask)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`mask` replaces the planned one (forward_window's)."""
         meta: TorchNativeMetadata = batch.attn_metadata
         self.kv_pool.write(layer_id, batch.out_cache_loc, k, v)
         bsz, max_q = meta.batch_size, meta.max_q
@@ -130,8 +163,10 @@ class TorchNativeBackend(AttentionBackend):
             qp[meta.q_pad_index] = q
             qp = qp.view(bsz, max_q, self.num_heads, self.head_dim)
         qp = qp.transpose(1, 2).to(keys.dtype)  # [B, num_heads, max_q, head_dim]
+        causal = meta.causal and mask is None
+        mask = meta.mask if mask is None else mask
         out = F.scaled_dot_product_attention(
-            qp, keys, values, attn_mask=meta.mask, is_causal=meta.causal, scale=self.scale,
+            qp, keys, values, attn_mask=mask, is_causal=causal, scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )  # [B, num_heads, max_q, head_dim]
         out = out.transpose(1, 2).reshape(bsz * max_q, self.num_heads, self.head_dim)
