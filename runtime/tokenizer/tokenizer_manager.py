@@ -13,7 +13,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import msgspec
 import zmq
@@ -38,6 +37,7 @@ from runtime.model_loader.tokenizer import apply_chat_template, load_tokenizer
 from runtime.sampling import logprobs as lp_payload
 from runtime.sampling.logprobs import LogprobOptions
 from runtime.sampling.sampling_params import SamplingParams
+from runtime.tokenizer.chat_templates import NAMED, read_template
 from runtime.tokenizer.detokenizer import IncrementalText
 from runtime.tokenizer.metrics import ServingMetrics
 from runtime.tool_calls.formats import ToolFormat, tool_format
@@ -89,7 +89,7 @@ class TokenizerManager:
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(
             server_args.model_path)
         self.token_texts = TokenTexts(self.tokenizer)  # each id's text, for logprob responses
-        self.chat_template = _read_template(server_args.chat_template)
+        self.chat_template = read_template(server_args.chat_template)
         self.context_length = int(ready_info["context_length"])
         self.vocab_size = int(ready_info["vocab_size"])
         self.ready_info = ready_info
@@ -205,7 +205,9 @@ class TokenizerManager:
 
     # ---- prompts -----------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        """A completion prompt's ids, with the tokens the tokenizer adds to a text (e.g. the
+        <bos> Gemma starts every text with, as llama.cpp and SGLang add it)."""
+        return self.tokenizer.encode(text, add_special_tokens=True)
 
     @property
     def template_renders_tools(self) -> bool:
@@ -215,6 +217,11 @@ class TokenizerManager:
 
     def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True,
                  tools: list[dict] | None = None) -> list[int]:
+        if not self.chat_template and not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError(
+                "messages", "this model has no chat template: use /v1/completions or "
+                "/generate, or start the server with --chat-template (a file, a template, or "
+                f"one of {', '.join(NAMED)})")
         try:
             return apply_chat_template(
                 self.tokenizer, messages, add_generation_prompt, self.chat_template, tools
@@ -415,8 +422,4 @@ def _refusal(st: _ReqState) -> str | None:
     return r.get("message") or "The request queue is full."
 
 
-def _read_template(value: str | None) -> str | None:
-    if value is None:
-        return None
-    path = Path(value)
-    return path.read_text() if path.is_file() else value
+

@@ -9,6 +9,7 @@ writes one). Everything is seeded and built in code: no downloads.
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 
 import gguf
@@ -31,7 +32,13 @@ _CORPUS = [
     "Hello, world! 1234567890 café naïve 日本語",
     "for i in range(10):\n    print(i * i)\n",
 ]
-_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+# Gemma 3's shape in small: one KV head, head_dim != hidden / heads, an attention scale of its
+# own, and a sliding window shorter than the test prompts over every layer but the last
+_GEMMA3 = dict(num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=24, sliding_window=8,
+               layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=True,
+               rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                "full_attention": {"rope_type": "default", "rope_theta": 1e6}})
 
 
 def make_tiny_tokenizer() -> Tokenizer:
@@ -52,8 +59,15 @@ def make_tiny_tokenizer() -> Tokenizer:
 
 
 def tiny_config(arch: str, **overrides: object):
-    """A transformers config for a 2-layer model of family `arch` (GQA: 4 heads, 2 KV heads)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    """A transformers config for a 2-layer model of family `arch` (GQA: 4 heads, 2 KV heads;
+    Gemma 3: one KV head, a sliding window of 8 on layer 0)."""
+    from transformers import (
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     if arch not in _ARCHS:
         raise ValueError(f"arch must be one of {_ARCHS}, got {arch!r}")
@@ -64,9 +78,11 @@ def tiny_config(arch: str, **overrides: object):
     )
     if arch == "qwen3":
         common["head_dim"] = 32  # explicit and != hidden_size / heads, as in real Qwen3
+    if arch == "gemma3":
+        common.update(_GEMMA3)
     common.update(overrides)
     config_class = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
-                    "qwen3": Qwen3Config}[arch]
+                    "qwen3": Qwen3Config, "gemma3": Gemma3TextConfig}[arch]
     return config_class(**common)
 
 
@@ -120,17 +136,48 @@ def _llama_cpp_unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, head_dim // 2, 2, -1).transpose(1, 2).reshape(weight.shape)
 
 
+def _fp16_bytes(rng: np.random.Generator, n: int, lo: float, hi: float) -> np.ndarray:
+    return rng.uniform(lo, hi, n).astype(np.float16).view(np.uint8).reshape(n, 2)
+
+
+def random_kquant_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Raw GGUF rows [n, bytes] of a random Q4_K / Q5_K / Q6_K matrix (gguf has no K-quant
+    quantizer): random integers and 6-bit / int8 sub-scales (any bytes are valid ones), super-
+    block scales of a trained model's size, so weights come out ~1e-2."""
+    rng = np.random.default_rng(seed)
+    nsb = n * (k // 256)
+    if kind == "Q6_K":
+        parts = [rng.integers(0, 256, (nsb, 208), dtype=np.uint8),
+                 _fp16_bytes(rng, nsb, 1e-5, 1e-4)]
+    else:
+        rest = 12 + 128 + (32 if kind == "Q5_K" else 0)
+        lo = 1e-4 if kind == "Q5_K" else 2e-4
+        parts = [_fp16_bytes(rng, nsb, lo, 10 * lo), _fp16_bytes(rng, nsb, 1e-4, 1e-3),
+                 rng.integers(0, 256, (nsb, rest), dtype=np.uint8)]
+    return np.concatenate(parts, axis=1).reshape(n, -1)
+
+
+def gguf_blocks(array: np.ndarray, kind: str, seed: int = 0) -> np.ndarray:
+    """`array` [n, k] as GGUF's raw rows of block type `kind`: gguf's own quantizer, or for
+    K-quants (which it cannot make) random blocks of the same shape."""
+    if kind in ("Q4_K", "Q5_K", "Q6_K"):
+        return random_kquant_blocks(kind, *array.shape, seed=seed)
+    return gguf.quants.quantize(array, gguf.GGMLQuantizationType[kind])
+
+
 def write_tiny_gguf(path: str | Path, seed: int = 0, tie_word_embeddings: bool = False,
-                    num_layers: int = 2, linear_type: str = "F32",
-                    embed_type: str = "F32") -> dict[str, torch.Tensor]:
+                    num_layers: int = 2, linear_type: str | dict[str, str] = "F32",
+                    embed_type: str = "F32", hidden: int = 64,
+                    inter: int = 128) -> dict[str, torch.Tensor]:
     """Write a random tiny Llama GGUF (byte-level BPE tokenizer, ChatML template). Linear weights
-    are stored as `linear_type`, the embedding (and untied output) as `embed_type`: F32, or a
-    block format (Q8_0, Q4_0, Q4_1) quantized by gguf's own quantizer, as llama.cpp files are.
+    are stored as `linear_type` (one type, or one per projection: {"q_proj": "Q5_0", ...}), the
+    embedding (and untied output) as `embed_type`: F32, or a block format quantized by gguf's
+    own quantizer, as llama.cpp files are (K-quants: random blocks; they need K % 256 == 0).
 
     Returns the HF-layout weights it encodes (before llama.cpp's q/k permutation), by HF name;
     for quantized tensors, their dequantized values (what a loader must reproduce).
     """
-    hidden, inter, heads, kv_heads = 64, 128, 4, 2
+    heads, kv_heads = 4, 2
     head_dim = hidden // heads
     gen = torch.Generator().manual_seed(seed)
 
@@ -169,9 +216,11 @@ def write_tiny_gguf(path: str | Path, seed: int = 0, tie_word_embeddings: bool =
     for name, tensor in hf.items():
         array = _llama_cpp_layout(name, tensor, heads, kv_heads)
         kind = embed_type if "embed" in name or name == "lm_head.weight" else linear_type
+        if isinstance(kind, dict):
+            kind = kind.get(name.split(".")[-2], "F32")
         if array.ndim == 2 and kind != "F32":
             qtype = gguf.GGMLQuantizationType[kind]
-            raw = gguf.quants.quantize(array, qtype)
+            raw = gguf_blocks(array, kind, seed=seed + zlib.crc32(name.encode()))
             writer.add_tensor(_gguf_name(name), raw, raw_shape=raw.shape, raw_dtype=qtype)
             deq = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(array.shape).copy())
             if name.endswith("q_proj.weight"):  # back to HF row order

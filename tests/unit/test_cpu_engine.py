@@ -282,3 +282,23 @@ def test_a_forwards_logit_stats_are_its_logits_and_the_same_for_every_kind_of_fo
         dec = r.forward(b).logit_stats
         assert torch.equal(dec.lse[0], st.lse[i]), f"decode step {i}"
         assert torch.equal(dec.top_ids[0], st.top_ids[i, :2])
+
+
+# a K-quant file's mix, as llama.cpp's Q4_K_M makes it for Gemma 3 (K = 256-multiples only)
+KQUANT_MIX = {"q_proj": "Q5_0", "k_proj": "Q5_0", "v_proj": "Q8_0", "o_proj": "Q4_K",
+              "gate_proj": "Q5_0", "up_proj": "Q5_0", "down_proj": "Q6_K"}
+
+
+def test_k_quant_and_5_bit_blocks_are_kept_and_give_the_torch_engines_logits(tmp_path):
+    """`--weight-format auto` runs a K-quant file's own blocks: Q4_K and Q6_K, Q5_0 (gate / up),
+    and q / k / v of Q5_0 and Q8_0 fused exactly as Q8_0; the logits are the torch engine's on
+    the dequantized weights, and a token's are the same in every kind of forward."""
+    path = tmp_path / "kq.gguf"
+    write_tiny_gguf(path, seed=8, linear_type=KQUANT_MIX, embed_type="Q8_0",
+                    tie_word_embeddings=True, hidden=256, inter=512)
+    d = str(convert_gguf(path, tmp_path / "kq", progress=False))
+    fast, ref = runner(d), runner(d, "torch")
+    assert fast.model.packed.formats == {"q8_0": 2 + 1, "q4_k": 2, "q5_0": 2, "q6_k": 2}
+    a, b = prefill_logits(fast, PROMPT).logits, prefill_logits(ref, PROMPT).logits
+    assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+    every_kind_of_forward(fast)

@@ -14,6 +14,7 @@ import torch
 from kernels import cpu
 from kernels.cpu.packing import Fmt, finish, gguf_rows, interleave_tiles, pack_blocks, quantize
 from kernels.cpu.packing import tile_major as tile_major_of
+from tests.helpers.tiny_models import gguf_blocks
 from tests.unit.test_cpu_kernels import (
     DIGIT_TOL,
     EPI_ADD,
@@ -30,28 +31,11 @@ pytestmark = pytest.mark.skipif(not OK, reason=f"CPU extension unavailable: {WHY
 FORMATS = (Fmt.Q5_0, Fmt.Q5_1, Fmt.Q4_K, Fmt.Q5_K, Fmt.Q6_K)
 
 
-def _fp16(rng: np.random.Generator, shape, lo: float, hi: float) -> np.ndarray:
-    return rng.uniform(lo, hi, shape).astype(np.float16).view(np.uint8).reshape(*shape, 2)
-
-
 def gguf_raw(fmt: Fmt, n: int, k: int, seed: int = 0) -> np.ndarray:
     """Raw GGUF rows [n, bytes] of a random matrix: Q5_0 / Q5_1 quantized by the gguf package,
-    K-quants as random blocks (any bytes are valid integers and 6-bit / int8 scales) with
-    scales of a trained model's size."""
-    rng = np.random.default_rng(seed)
-    if not fmt.is_kquant:
-        w = (rng.standard_normal((n, k)) * 0.1).astype(np.float32)
-        return gguf.quants.quantize(w, gguf.GGMLQuantizationType[fmt.name])
-    nsb = n * (k // 256)
-    parts = {
-        Fmt.Q4_K: lambda: [_fp16(rng, (nsb,), 2e-4, 2e-3), _fp16(rng, (nsb,), 1e-4, 1e-3),
-                           rng.integers(0, 256, (nsb, 12 + 128), dtype=np.uint8)],
-        Fmt.Q5_K: lambda: [_fp16(rng, (nsb,), 1e-4, 1e-3), _fp16(rng, (nsb,), 1e-4, 1e-3),
-                           rng.integers(0, 256, (nsb, 12 + 32 + 128), dtype=np.uint8)],
-        Fmt.Q6_K: lambda: [rng.integers(0, 256, (nsb, 128 + 64 + 16), dtype=np.uint8),
-                           _fp16(rng, (nsb,), 1e-5, 1e-4)],
-    }[fmt]()
-    return np.concatenate(parts, axis=1).reshape(n, -1)
+    K-quants random blocks (tests/helpers/tiny_models.py)."""
+    w = (np.random.default_rng(seed).standard_normal((n, k)) * 0.1).astype(np.float32)
+    return gguf_blocks(w, fmt.name, seed)
 
 
 def dequantized(fmt: Fmt, raw: np.ndarray, k: int) -> np.ndarray:
