@@ -144,7 +144,9 @@ void gemm(const GemmArgs& a, int t0, int t1) {
       if (gated_epilogue(a.epilogue)) {
         tile_acc(a, 2 * t, m, acc);
         tile_acc(a, 2 * t + 1, m, up);
-        for (int j = 0; j < NR && t * NR + j < a.N; ++j) y[t * NR + j] = gate_act(a.epilogue, acc[j]) * up[j];
+        for (int j = 0; j < NR && t * NR + j < a.N; ++j) {
+          y[t * NR + j] = gate_act(a.epilogue, acc[j]) * up[j];
+        }
         continue;
       }
       tile_acc(a, t, m, acc);
