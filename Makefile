@@ -8,7 +8,7 @@ STAMP := $(VENV)/.specserve-installed
 SERVE_ARGS ?=
 # pytest-xdist workers for `make test`, one test file per worker at a time (0: one process).
 # Two on two cores: half the suite is single-threaded Python, and the engine tests leave cores
-# idle between their bursts; 16 -> 12 minutes on 2 cores (docs/benchmarks.md, "Test suite time").
+# idle between their bursts (docs/benchmarks.md, "Test suite time").
 TEST_WORKERS ?= 2
 # The C++ CPU extension (CPU engine kernels, NGRAM / SUFFIX n-gram trie) must build, or `model`
 # stops with the compiler's error. SPECSERVE_ALLOW_NO_CPU_EXT=1 goes on without it: the torch
@@ -16,7 +16,7 @@ TEST_WORKERS ?= 2
 SPECSERVE_ALLOW_NO_CPU_EXT ?=
 export SPECSERVE_ALLOW_NO_CPU_EXT
 
-.PHONY: install model serve test test-fast lint clean gpu-check
+.PHONY: install model serve test test-all test-fast lint clean gpu-check
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,7 +37,12 @@ model: install
 serve: model
 	$(PY) -m launch_server $(SERVE_ARGS)
 
+# every claim, proven once per algorithm (the complete sweeps and grids: `make test-all`)
 test: model
+	$(PY) -m pytest -q -ra --durations=15 -m "not full" -n $(TEST_WORKERS) --dist loadfile
+
+# everything, the complete sweeps and sampling grids included: run it before a release
+test-all: model
 	$(PY) -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: install
