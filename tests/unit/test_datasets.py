@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from corpora import rewrite_prompts, schema_prompts
+from corpora import extraction_prompts, rewrite_prompts, schema_prompts
 from corpora.datasets import (
     DatasetError,
     load_sharegpt,
@@ -205,6 +205,26 @@ def test_schema_prompts_cycle_tasks_quote_the_message_and_split_disjointly(tmp_p
                                            split="train")}
     assert held and train and not held & train
     assert all(split_of(i.removeprefix("schema-")) == "heldout" for i in held)
+
+
+def test_extraction_prompts_carry_their_schema_and_split_disjointly(tmp_path: Path) -> None:
+    path = rewrite_corpus(tmp_path)
+    tok = WordTokenizer()
+    reqs = sample_requests("extraction", 12, tok, seed=2, dataset_path=path, max_new_tokens=64)
+    assert len(reqs) == 12 and len({r.id for r in reqs}) == 12
+    names = [t.name for t in extraction_prompts.TASKS]
+    assert [r.kind for r in reqs[:6]] == [f"extraction:{n}" for n in names * 2]
+    for r in reqs:
+        task = next(t for t in extraction_prompts.TASKS if r.kind == f"extraction:{t.name}")
+        assert r.extra["json_schema"] == task.schema
+        text = r.messages[0]["content"]
+        assert text.startswith(task.instruction) and json.dumps(task.schema) in text
+        assert 1 <= r.max_new_tokens <= 64
+    held = {r.id for r in sample_requests("extraction", 1000, tok, 0, dataset_path=path,
+                                          split="heldout")}
+    train = {r.id for r in sample_requests("extraction", 1000, tok, 0, dataset_path=path,
+                                           split="train")}
+    assert held and train and not held & train
 
 
 def test_sharegpt_sampling_prunes_lengths_and_caps_output(tmp_path: Path) -> None:
