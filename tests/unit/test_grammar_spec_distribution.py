@@ -21,8 +21,6 @@ import torch
 from runtime.constrained.base import GrammarBackend, Matcher
 from runtime.messages import GenerateReq, GrammarPayload
 from runtime.model_runner.runner_process import RunnerWorker
-from runtime.sampling.penalties import apply_penalties
-from runtime.sampling.sampler import SamplingBatchInfo, process_logits
 from runtime.sampling.sampling_params import SamplingParams
 from runtime.verify_cost import VerifyCost
 from speculative.base import SpecConfig
@@ -35,6 +33,7 @@ from tests.unit.test_spec_sampling_distribution import (  # noqa: F401
     IIDDrafter,
     SkewedTreeDrafter,
     pair_fits,
+    pair_joints,
     tiny_vocab,
 )
 
@@ -116,42 +115,11 @@ class ToyGrammars:
         return self.backend.matcher(loading.result())
 
 
-def masked_joints(runner, tokens: int = TOKENS) -> list[torch.Tensor]:
-    """Exact p(t_k, t_k+1) [V, V] of plain constrained sampling: the logits masked by the
-    grammar's state, then penalties, then temperature / top-k / top-p (the runtime's order)."""
-    from runtime.forward_batch import ForwardBatch, ForwardMode
-
-    prefixes = {(): torch.tensor(1.0, dtype=torch.float64)}
-    joints = []
-    for k in range(tokens):
-        keys = [c for c, pr in prefixes.items() if pr > 0]
-        full = [PROMPT + list(c) for c in keys]
-        slots = [torch.arange(1, len(f) + 1) + 16 * i for i, f in enumerate(full)]
-        logits = runner.forward(ForwardBatch.build(ForwardMode.EXTEND, full, slots,
-                                                   [0] * len(full))).logits.clone()
-        for i, c in enumerate(keys):
-            ok = torch.zeros(VOCAB, dtype=torch.bool)
-            ok[allowed(c[-1] if c else None)] = True
-            logits[i, ~ok] = float("-inf")
-        info = SamplingBatchInfo.from_params([SamplingParams(**PARAMS)] * len(keys), VOCAB)
-        logits = apply_penalties(logits, info, [PROMPT] * len(keys), [list(c) for c in keys])
-        dists = process_logits(logits, info).double()
-        nxt, pair = {}, torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
-        for c, d in zip(keys, dists):
-            for t in torch.nonzero(d).flatten().tolist():
-                pr = prefixes[c] * d[t]
-                nxt[c + (t,)] = pr
-                if k >= 1:
-                    pair[c[-1], t] += pr
-        if k >= 1:
-            joints.append(pair)
-        prefixes = nxt
-    return joints
-
-
 @pytest.fixture(scope="module")
 def joints(tiny_vocab):  # noqa: F811
-    return masked_joints(tiny_vocab[1])
+    """Exact pair joints of plain constrained sampling: the logits masked by the grammar's
+    state, then penalties, then temperature / top-k / top-p (the runtime's order)."""
+    return pair_joints(tiny_vocab[1], tokens=TOKENS, allowed=allowed)
 
 
 def run_samples(tiny_vocab, drafter_cls, seeded: bool, budget: int = 5):  # noqa: F811
