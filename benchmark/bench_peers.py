@@ -10,10 +10,13 @@ source the `llama-cpp-python` sdist vendors, ~10 min; opt-in, never part of `mak
    an empty context, batch 1) and ours in-process (the same N decode steps after a one-token
    prompt, `--engines` as in bench_one_batch): decode-only tokens/s.
 2. End to end, through each one's HTTP server and the OpenAI chat API, greedy, one request at a
-   time, each answer to its own stop token (or `--max-new-tokens`): ours plain and with each
-   `--ours` speculative config; llama-server plain and with each draftless `--spec-type`
-   (`--llamacpp-spec`). Servers run one at a time, alone on the cores, on the same prompts in
-   the same order; output tokens/s = completion tokens / wall time of the requests.
+   time, each answer to its own stop token (or `--max-new-tokens`): ours plain (one token per
+   step, constrained requests too) and with each `--ours` speculative config (JUMP_FORWARD:
+   only the tokens grammars force); llama-server plain and with each draftless `--spec-type`
+   (`--llamacpp-spec`). `--dataset extraction` sends each request's JSON Schema as
+   `response_format` to both: llama-server's own grammar path against ours. Servers run one
+   at a time, alone on the cores, on the same prompts in the same order; output tokens/s =
+   completion tokens / wall time of the requests.
 Prints a table last (with each row's ratio to llama.cpp's plain and best speculative server)
 and writes JSON (`--output`).
 
@@ -179,12 +182,12 @@ def main(argv: list[str] | None = None) -> dict:
         servers: list[tuple[str, list[str]]] = [
             ("ours", [sys.executable, "-m", "launch_server", "--model-path", str(gguf),
                       "--num-threads", str(args.threads), "--log-level", "warning",
-                      "--port", str(args.port)])]
+                      "--port", str(args.port), "--disable-grammar-jump-forward"])]
         for cfg in args.ours:
             algo, _, rest = cfg.partition(":")
             extra = [x for kv in rest.split(",") if kv for x in
                      (f"--{kv.split('=')[0]}", kv.split("=", 1)[1])]
-            servers.append((f"ours {cfg}", servers[0][1] + ["--speculative-algorithm", algo]
+            servers.append((f"ours {cfg}", servers[0][1][:-1] + ["--speculative-algorithm", algo]
                             + extra))
         llama = [str(bin_dir / "llama-server"), "-m", str(gguf), "-t", str(args.threads),
                  "-c", "8192", "-np", "1", "--port", str(args.port), "--host", "127.0.0.1"]

@@ -86,6 +86,8 @@ def build_call(req: BenchRequest, cfg: BenchConfig, tokenizer: Tokenizer, model:
             prompt = {"input_ids": req.input_ids}
         params = {"max_new_tokens": req.max_new_tokens, "temperature": cfg.temperature,
                   "ignore_eos": cfg.ignore_eos}
+        if "json_schema" in req.extra:  # a constrained request (the extraction dataset)
+            params["json_schema"] = json.dumps(req.extra["json_schema"])
         extra = {} if cfg.logprobs is None else {"return_logprob": True,
                                                  "top_logprobs_num": cfg.logprobs}
         return _Call(req, "/generate", {**prompt, "sampling_params": params, "stream": True,
@@ -96,6 +98,9 @@ def build_call(req: BenchRequest, cfg: BenchConfig, tokenizer: Tokenizer, model:
     }
     if cfg.ignore_eos:
         body["ignore_eos"] = True  # a vLLM / SGLang extension of the OpenAI API
+    if "json_schema" in req.extra:  # OpenAI's structured output, as llama-server takes it too
+        body["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "extraction", "schema": req.extra["json_schema"], "strict": True}}
     if cfg.endpoint == "chat":
         messages = req.messages or [
             {"role": "user", "content": req.prompt or tokenizer.decode(req.input_ids or [])}

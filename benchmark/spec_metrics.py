@@ -33,14 +33,16 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class SpecRunConfig:
     label: str
-    server_args: dict[str, Any]  # ServerArgs overrides; empty for the baseline
+    server_args: dict[str, Any]  # ServerArgs overrides
 
     @property
     def is_baseline(self) -> bool:
-        return not self.server_args
+        return self.label == BASELINE_LABEL
 
 
-BASELINE = SpecRunConfig(BASELINE_LABEL, {})
+# plain decoding, constrained requests included: one token per step, not even the tokens a
+# grammar forces drafted (that is the JUMP_FORWARD config)
+BASELINE = SpecRunConfig(BASELINE_LABEL, {"disable_grammar_jump_forward": True})
 
 
 def _parse_bool(text: str) -> bool:

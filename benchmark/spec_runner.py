@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -98,6 +99,8 @@ def sampling_params(req: BenchRequest, temperature: float, seed: int | None,
     `filters` (top_p, top_k, ...) apply to sampled requests only, those named "all:<name>"
     (penalties) to every request."""
     params: dict[str, Any] = {"max_new_tokens": req.max_new_tokens, "temperature": temperature}
+    if "json_schema" in req.extra:  # a constrained request (the extraction dataset)
+        params["json_schema"] = json.dumps(req.extra["json_schema"])
     filters = filters or {}
     params.update({k[4:]: v for k, v in filters.items() if k.startswith("all:")})
     if temperature > 0:

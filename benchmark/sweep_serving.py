@@ -60,12 +60,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @contextlib.contextmanager
-def server(args: list[str], log_path: Path, timeout_s: float = 300) -> Iterator[str]:
-    """A `launch_server` child on a free port; SIGTERM (then SIGKILL) on exit, whatever happens."""
+def server(args: list[str], log_path: Path, timeout_s: float = 300,
+           checkout: Path = ROOT) -> Iterator[str]:
+    """A `launch_server` child on a free port, run from `checkout` (this repository, or another
+    checkout of it: its code serves); SIGTERM (then SIGKILL) on exit, whatever happens."""
     port = free_port()
     cmd = [sys.executable, "-m", "launch_server", "--port", str(port), *args]
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, cwd=checkout, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc, timeout_s, log=log_path)
@@ -80,6 +82,13 @@ def parse_config(text: str) -> tuple[str, list[str]]:
     if not label:
         raise argparse.ArgumentTypeError(f"--config wants LABEL=ARGS, got {text!r}")
     return label, shlex.split(args)
+
+
+def parse_checkout(text: str) -> tuple[str, Path]:
+    label, _, path = text.partition("=")
+    if not label or not (Path(path) / "launch_server.py").is_file():
+        raise argparse.ArgumentTypeError(f"--checkout wants LABEL=DIR of a checkout, got {text!r}")
+    return label, Path(path).resolve()
 
 
 def _level_requests(args: argparse.Namespace, tokenizer, c: int) -> list:
@@ -111,7 +120,8 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     for label, server_args in args.config:
         results[label] = {"server_args": server_args, "levels": {}}
         log = Path(args.output).with_suffix(f".{label}.log")
-        with server([*server_args, *shlex.split(args.common_args)], log) as url:
+        with server([*server_args, *shlex.split(args.common_args)], log,
+                    checkout=dict(args.checkout).get(label, ROOT)) as url:
             for c in args.concurrency:
                 reqs = _level_requests(args, tokenizer, c)
                 n = len(reqs)
@@ -148,7 +158,8 @@ def run_interleaved(args: argparse.Namespace) -> dict[str, Any]:
         for label, server_args in tqdm(args.config, desc="starting servers", unit="server"):
             log = Path(args.output).with_suffix(f".{label}.log")
             urls[label] = stack.enter_context(
-                server([*server_args, *shlex.split(args.common_args)], log))
+                server([*server_args, *shlex.split(args.common_args)], log,
+                       checkout=dict(args.checkout).get(label, ROOT)))
         bar = tqdm(total=len(args.concurrency) * args.rounds * len(labels), desc="sweep",
                    unit="run")
         for li, c in enumerate(args.concurrency):
@@ -261,6 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=parse_config, action="append", required=True,
                    help="LABEL=SERVER ARGS (repeat; the first is the baseline of the ratios)")
     p.add_argument("--common-args", default="", help="server args for every configuration")
+    p.add_argument("--checkout", type=parse_checkout, action="append", default=[],
+                   metavar="LABEL=DIR", help="that configuration's server runs the code of "
+                   "another checkout of this repository (e.g. a git worktree of an older "
+                   "commit): two versions compared in one sweep")
     p.add_argument("--logprobs", type=parse_logprobs, action="append", default=[],
                    metavar="LABEL=N", help="that configuration's requests ask for logprobs "
                    "with N alternatives per token (the cost of logprobs: two configurations "
@@ -302,12 +317,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 0:
         p.error("--rounds must be >= 0")
     args.logprobs = dict(args.logprobs)
-    unknown = set(args.logprobs) - {label for label, _ in args.config}
+    args.checkout = dict(args.checkout)
+    unknown = (set(args.logprobs) | set(args.checkout)) - {label for label, _ in args.config}
     if unknown:
-        p.error(f"--logprobs names no --config: {sorted(unknown)}")
+        p.error(f"--logprobs / --checkout name no --config: {sorted(unknown)}")
     os.makedirs(Path(args.output).parent, exist_ok=True)
     results = run_interleaved(args) if args.rounds else run_sweep(args)
-    path = write_json(args.output, {"config": {**vars(args), "config": args.config},
+    path = write_json(args.output, {"config": {**vars(args), "config": args.config,
+                                               "checkout": {k: str(v) for k, v in
+                                                            args.checkout.items()}},
                                     "machine": machine_info(), "results": results})
     png = plot(results, Path(args.output).with_suffix(".png"))
     print(f"sweep_serving  json={path}  plot={png}")

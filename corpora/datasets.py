@@ -37,11 +37,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
-from corpora import rewrite_prompts, schema_prompts
+from corpora import extraction_prompts, rewrite_prompts, schema_prompts
 
 logger = logging.getLogger(__name__)
 
-DATASETS = ("sharegpt", "random", "custom", "rewrite", "schema", "shared-prefix")
+DATASETS = ("sharegpt", "random", "custom", "rewrite", "schema", "extraction", "shared-prefix")
 SPLITS = ("all", "train", "heldout")
 HELDOUT_PERCENT = 10
 SHAREGPT_MIN_PROMPT_LEN, SHAREGPT_MAX_PROMPT_LEN = 4, 1024
@@ -323,7 +323,7 @@ def sample_requests(
     elif name == "shared-prefix":
         out = sample_shared_prefix(num, tokenizer, rng, shared_prefix_groups, shared_prefix_len,
                                    random_input_len, random_output_len, max_new_tokens)
-    elif name in ("sharegpt", "rewrite", "schema"):
+    elif name in ("sharegpt", "rewrite", "schema", "extraction"):
         conversations = _in_split(load_sharegpt(dataset_path, min_turns=1), split)
         if name == "sharegpt":
             out = sample_sharegpt(conversations, num, tokenizer, rng, max_new_tokens)
@@ -331,6 +331,11 @@ def sample_requests(
             out = [
                 _schema_request(r, tokenizer, max_new_tokens)
                 for r in schema_prompts.build(conversations, num, tokenizer, rng)
+            ]
+        elif name == "extraction":
+            out = [
+                _extraction_request(r, tokenizer, max_new_tokens)
+                for r in extraction_prompts.build(conversations, num, tokenizer, rng)
             ]
         else:
             out = [
@@ -363,6 +368,17 @@ def _schema_request(
         prompt_len=len(tokenizer.encode(r.prompt, add_special_tokens=False)),
         prompt=r.prompt, kind=f"schema:{r.task}",
         max_new_tokens=_cap(r.expected_output_len, max_new_tokens),
+    )
+
+
+def _extraction_request(
+    r: extraction_prompts.ExtractionPrompt, tokenizer: Tokenizer, max_new_tokens: int | None
+) -> BenchRequest:
+    return BenchRequest(
+        id=f"extraction-{r.conversation_id}", prompt_len=chat_prompt_len(tokenizer, r.messages),
+        messages=r.messages, kind=f"extraction:{r.task}",
+        max_new_tokens=_cap(r.expected_output_len, max_new_tokens),
+        extra={"json_schema": r.schema},
     )
 
 

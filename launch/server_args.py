@@ -109,8 +109,13 @@ def server_args_class() -> type:
 
 
 def speculation(args) -> Speculation | None:
-    """What the runtime's processes get of resolved `ServerArgs`' speculative options."""
+    """What the runtime's processes get of resolved `ServerArgs`' speculative options. Without
+    an algorithm, a server with a grammar backend drafts the tokens constrained requests'
+    grammars force (JUMP_FORWARD, with the stored verify-cost table: no start-up timing)
+    unless --disable-grammar-jump-forward."""
     cfg = args.spec_config()
+    if cfg is None and args.grammar_backend != "none" and not args.disable_grammar_jump_forward:
+        cfg = SpecConfig("JUMP_FORWARD", 1, verify_cost="table")
     return None if cfg is None else Speculation(cfg)
 
 

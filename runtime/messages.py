@@ -112,6 +112,9 @@ class ReqBatchEntry(Msg):
     # speculative decode steps: draft only what the drafter is sure of (the controller kept
     # this request from drafting; speculative/controller.py)
     confident_only: bool = False
+    # nodes the drafter may propose, root included (0: every fresh slot; a constrained request
+    # may get more slots than that, for the tokens its grammar forces)
+    draft_nodes: int = 0
     grammar: GrammarPayload | None = None  # also sent once, with the parameters
 
 
@@ -126,6 +129,7 @@ class RunBatch(Msg):
     # drafting does not pay on the current traffic
     drafter_idle: bool = False
     traffic_off: bool = False
+    speculative: bool = False  # the controller planned this decode step (else it is plain)
 
 
 class ShutdownReq(Msg):

@@ -123,6 +123,10 @@ class BaseServerArgs:
     grammar_compile_timeout: float = _arg(
         10.0, "seconds a grammar may take to compile (in a thread of the HTTP process; the "
         "request is a 400 beyond it, and so is the same grammar again)")
+    disable_grammar_jump_forward: bool = _arg(
+        False, "without a speculative algorithm, constrained requests decode one token per step "
+        "instead of drafting the tokens their grammar forces and verifying them in one forward "
+        "(JUMP_FORWARD; every speculative algorithm drafts them too)")
     constrained_json_disable_any_whitespace: bool = _arg(
         False, "JSON Schema outputs without free whitespace: compact JSON ({\"a\": 1, \"b\": "
         "2}) instead of any whitespace between tokens (SGLang's option)")

@@ -49,10 +49,13 @@ class TargetRows:
 class StepPlan(NamedTuple):
     """The controller's decision for one decode step of the scheduler's running requests."""
 
-    sizes: list[int]  # tree nodes per request, root included (1: no draft)
+    sizes: list[int]  # KV slots per request: its tree's nodes at most, root included
     confident: list[bool]  # draft only what the drafter is sure of (it may give 1 node)
     idle: bool  # nobody drafts now or in the next few steps: the step may skip the drafter
     traffic_off: bool  # drafting does not pay on the current traffic (a drafter may defer work)
+    # the drafter's nodes per request when fewer than its slots (a constrained request's other
+    # slots are for the tokens its grammar forces); None: every slot
+    drafts: list[int] | None = None
 
 
 class SpecController(Protocol):
@@ -61,7 +64,7 @@ class SpecController(Protocol):
 
     base_nodes: int  # tree nodes a request gets per step when it drafts (KV to reserve)
 
-    def new_request(self) -> Any: ...
+    def new_request(self, constrained: bool = False) -> Any: ...
 
     def plan(self, states: Sequence[Any]) -> StepPlan: ...
 

@@ -12,6 +12,7 @@ import runtime  # noqa: F401 - first: sets the OpenMP wait policy before torch l
 from speculative.drafters import (  # noqa: F401 - each registers its algorithm(s)
     eagle,
     early_exit,
+    jump_forward,
     lookahead,
     medusa,
     ngram,

@@ -26,9 +26,11 @@ steps, doubling the same way; steps far from any probe then run without the draf
 
 What the drafter is decides the rest (speculative/base.py, `Drafter.tree_sizes`): the caps (a
 request decoding alone may go deeper), whether it sizes its own trees by its node estimates
-(then a request that drafts gets its whole cap and the drafter cuts it with the same curve,
+(then a request drafts while its expected accepted drafts, a / (1 - a), pay a tree of the size
+such trees keep on average; it gets its whole cap and the drafter cuts it with the same curve,
 `best_prefix`), and whether it can tell a sure draft from a guess (then a request the plan
-keeps at one node still drafts what the drafter is sure of, where a sure draft pays).
+keeps at one node still drafts what the drafter is sure of; a sure draft whose accepted
+drafts did not pay the rows it drafted makes the request wait, doubling).
 """
 
 from __future__ import annotations
@@ -68,9 +70,10 @@ class ReqSpec:
     sure_wait: int = 0
     sure_interval: int = 0
     # what its last plan gave it beyond the estimate (a probe, the server-wide probe, a sure
-    # draft) and the accepted drafts that pay for it: its outcome sets the next interval
+    # draft): whether its accepted drafts paid the rows it drafted sets the next interval
     out: str = ""
-    bar: float = 0.0
+    constrained: bool = False  # it follows a grammar: slots for the tokens the grammar forces
+    drafting: bool = False  # its last plan gave its drafter nodes (not only forced tokens)
 
     @property
     def rate(self) -> float:
@@ -84,6 +87,16 @@ PROBE_EVERY = 16  # a kept-back request's first probe interval (x batch size)
 MAX_PROBE_INTERVAL = 512
 WARM_STEPS = 8  # steps before a server-wide probe that run the drafter (fresh head state)
 COST_WEIGHT = 0.2  # EMA weight of a step's measured times
+FORCED_NODES = 8  # slots of a constrained request, at least (grammar-forced tokens)
+# a self-sized drafter's request drafts while it expects at least this many accepted drafts
+# per step, whatever the measured cost says (the cost is unknown until drafting steps ran)
+MIN_GAIN = 0.2
+
+
+def expected_gain(rate: float) -> float:
+    """Accepted drafts per drafting step of a request of this acceptance estimate (the mean
+    of the geometric run the chain model assumes)."""
+    return float("inf") if rate >= 1.0 else rate / (1.0 - rate)
 
 
 def update(counts: ReqSpec | list[float], drafted: int, accepted: int, decay: float) -> None:
@@ -164,6 +177,7 @@ class SpecController:
     def reset(self) -> None:
         """Forget what was learned about the traffic (flush_cache); measured costs stay."""
         self.prior = [1.0, 1.0]  # decayed (accepted, rejected) over every request
+        self.self_sized_nodes = 2.0  # drafts a self-sized drafter's tree keeps (EMA)
         self.global_interval = PROBE_EVERY
         self.since_global = 0
 
@@ -174,9 +188,9 @@ class SpecController:
             return 0.0
         return self.draft_s / self.t1
 
-    def new_request(self) -> ReqSpec:
+    def new_request(self, constrained: bool = False) -> ReqSpec:
         a = self.prior[0] / (self.prior[0] + self.prior[1])
-        return ReqSpec(PRIOR_WEIGHT * a, PRIOR_WEIGHT * (1.0 - a))
+        return ReqSpec(PRIOR_WEIGHT * a, PRIOR_WEIGHT * (1.0 - a), constrained=constrained)
 
     # ---- the plan -------------------------------------------------------------------------
     def caps(self, states: Sequence[ReqSpec]) -> list[int]:
@@ -205,12 +219,19 @@ class SpecController:
         caps = self.caps(states)
         n = len(states)
         if not self.adaptive:
-            return StepPlan(caps, [False] * n, False, False)
-        sizes = plan_drafts([s.rate for s in states], caps, self.curve, self.delta)
-        if self.sizes.self_sized:
-            sizes = [c if k > 1 else 1 for k, c in zip(sizes, caps)]
+            for st in states:
+                st.drafting = True
+            return self._with_forced(StepPlan(caps, [False] * n, False, False), states)
         prior = self.prior[0] / (self.prior[0] + self.prior[1])
-        off = not self.pays(prior, n, self.sizes.base)
+        if self.sizes.self_sized:
+            # the drafter cuts each tree by its own node estimates, so the plan only decides
+            # who drafts: a request whose accepted drafts pay a tree of the usual size
+            bar = max(MIN_GAIN, self.bar(n, 1.0 + self.self_sized_nodes))
+            sizes = [c if expected_gain(s.rate) >= bar else 1 for s, c in zip(states, caps)]
+            off = expected_gain(prior) < bar
+        else:
+            sizes = plan_drafts([s.rate for s in states], caps, self.curve, self.delta)
+            off = not self.pays(prior, n, self.sizes.base)
         confident = [False] * n
         kept = [i for i in range(n) if sizes[i] == 1 and caps[i] > 1]
         probe = self._global_probe(states, kept) if off else None
@@ -218,6 +239,7 @@ class SpecController:
         for i in range(n):
             st = states[i]
             st.out = ""
+            st.drafting = sizes[i] > 1
             if sizes[i] > 1:
                 st.idle = 0
                 continue
@@ -226,13 +248,23 @@ class SpecController:
             st.idle += 1
             st.sure_wait = max(st.sure_wait - 1, 0)
             if (i == probe) if off else st.idle >= (st.interval or PROBE_EVERY) * n:
-                sizes[i], st.idle = caps[i], 0
-                st.out, st.bar = ("global" if off else "probe"), self.bar(n, caps[i])
+                sizes[i], st.idle, st.drafting = caps[i], 0, True
+                st.out = "global" if off else "probe"
             elif sure and not st.sure_wait:
-                sizes[i], confident[i] = caps[i], True
-                st.out, st.bar = "sure", self.bar(n, 2)
+                sizes[i], confident[i], st.drafting = caps[i], True, True
+                st.out = "sure"
         idle = all(k == 1 for k in sizes) and self._steps_to_probe(states, kept, off) > WARM_STEPS
-        return StepPlan(sizes, confident, idle, off)
+        return self._with_forced(StepPlan(sizes, confident, idle, off), states)
+
+    def _with_forced(self, plan: StepPlan, states: Sequence[ReqSpec]) -> StepPlan:
+        """A constrained request gets FORCED_NODES slots at least: the tokens its grammar
+        forces are drafted for free (their acceptance is near certain, and a slot they do not
+        use costs nothing); its drafter keeps the plan's share."""
+        if not any(s.constrained for s in states):
+            return plan
+        slots = [max(n, FORCED_NODES) if s.constrained else n
+                 for n, s in zip(plan.sizes, states)]
+        return plan._replace(sizes=slots, drafts=list(plan.sizes), idle=False)
 
     def _global_probe(self, states: Sequence[ReqSpec], kept: list[int]) -> int | None:
         """The request that probes for the whole server this step, if one is due: the one kept
@@ -258,14 +290,18 @@ class SpecController:
         for st, info in zip(states, infos):
             drafted, accepted = info["drafted"], info["accepted"]
             rows += drafted
-            if drafted <= 0:
-                continue  # no draft (no n-gram match, or no budget): nothing learned
+            if drafted <= 0 or (st.constrained and not st.drafting):
+                # no draft (no n-gram match, or no budget), or only the tokens a grammar
+                # forced: nothing learned of the drafter
+                continue
             drafting += 1
             st.last_accepted = accepted
             update(st, drafted, accepted, DECAY)
             update(self.prior, drafted, accepted, PRIOR_DECAY)
+            if self.sizes.self_sized and st.out != "sure":
+                self.self_sized_nodes += COST_WEIGHT * (drafted - self.self_sized_nodes)
             if st.out:
-                self._learn_outcome(st, accepted >= st.bar)
+                self._learn_outcome(st, accepted >= self.bar(len(states), 1 + drafted))
         self._measure(len(states), rows, drafting, step_s)
 
     def _learn_outcome(self, st: ReqSpec, paid: bool) -> None:

@@ -24,10 +24,12 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import NamedTuple
 
 import torch
 
-from runtime.constrained.runner_grammars import mask_output
+from runtime.constrained.runner_grammars import apply_masks, mask_output
+from runtime.constrained.tree_masks import constrain_tree
 from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.model_runner.req import RunnerReq
 from runtime.models.llama import ModelOutput
@@ -53,20 +55,89 @@ from speculative.verify import (
 logger = logging.getLogger(__name__)
 
 
-def _grammar_masked(reqs: list[RunnerReq], sizes: list[int],
-                    out: ModelOutput) -> ModelOutput:
-    """`out` (sizes[b] logits rows per request, in request order) with the row of each request
-    that follows a grammar masked by its matcher (runtime/constrained/runner_grammars.py), as
-    plain decoding masks it. Such a request drafts nothing (the scheduler gives it one node):
-    its one row is its root's, where its matcher stands."""
-    rows, matchers, off = [], [], 0
-    for r, n in zip(reqs, sizes):
-        if r.grammar is not None:
-            assert n == 1, f"{r.rid}: a request with a grammar drafted {n - 1} tokens"
-            rows.append(off)
-            matchers.append(r.grammar)
-        off += n
-    return mask_output(out, rows, matchers)
+class NodeMasks(NamedTuple):
+    """A constrained request's tree masks: one per kept node, and which nodes' paths completed
+    the grammar (their rows need none: the request ends there)."""
+
+    masks: torch.Tensor  # [nodes, ceil(V / 32)] bit masks
+    ended: list[bool]  # [nodes]
+    backend: object  # the grammar backend (its mask layout)
+
+
+def _constrain(reqs: list[RunnerReq], trees: list[DraftTree], keep_numbering: bool
+               ) -> tuple[list[DraftTree], list[NodeMasks | None]]:
+    """Each constrained request's tree with the tokens its grammar forces added and the drafts
+    it forbids dropped (runtime/constrained/tree_masks.py), and the masks of its nodes (None for
+    a request without a grammar). Forced tokens (the tokenizer's own split of the one
+    continuation the grammar allows) take the slots beyond the drafter's budget and are
+    verified as any draft. The drafter's nodes keep their numbering where it reads it
+    (`keep_numbering`, Lookahead's node argmax): no forced tokens, nothing dropped, and a
+    forbidden subtree's rows stay unmasked (no path through a forbidden token is accepted).
+    A constrained tree is verified as a deterministic drafter's (one-hot q is lossless for any
+    tree; the grammar changed which of the drafter's sampled children remain)."""
+    out_trees, masks = [], []
+    for r, tree in zip(reqs, trees):
+        if r.grammar is None:
+            out_trees.append(tree)
+            masks.append(None)
+            continue
+        tokens, parents = tree.token_list, tree.parents.tolist()
+        if not keep_numbering:
+            tokens, parents = add_chain(tokens, parents, r.grammar.forced_tokens(),
+                                        r.fresh_slots.numel())
+        kept, node_masks, ended = constrain_tree(r.grammar, tokens, parents)
+        if keep_numbering:
+            rows = torch.zeros(len(tokens), node_masks.shape[1], dtype=node_masks.dtype)
+            rows[kept] = node_masks
+            end = [True] * len(tokens)  # (a forbidden subtree's rows: left as they are)
+            for k, u in enumerate(kept):
+                end[u] = ended[k]
+            out_trees.append(DraftTree.from_parents(tokens, parents))
+            masks.append(NodeMasks(rows, end, r.grammar.backend))
+            continue
+        index = {u: k for k, u in enumerate(kept)}
+        out_trees.append(DraftTree.from_parents([tokens[u] for u in kept],
+                                                [-1] + [index[parents[u]] for u in kept[1:]]))
+        masks.append(NodeMasks(node_masks, ended, r.grammar.backend))
+    return out_trees, masks
+
+
+def add_chain(tokens: list[int], parents: list[int], chain: list[int], cap: int
+              ) -> tuple[list[int], list[int]]:
+    """A tree (`tokens`, `parents`, topological order) with `chain` added below its root: the
+    tree's own nodes keep their numbers (a drafter may have written draft KV at their slots),
+    the chain shares the path where the tree holds it and takes new nodes after, at most `cap`
+    nodes in all."""
+    out_t, out_p = list(tokens), list(parents)
+    child = {(p, t): u for u, (t, p) in enumerate(zip(tokens, parents)) if u}
+    node = 0
+    for t in chain:
+        v = child.get((node, t))
+        if v is None:
+            if len(out_t) >= cap:
+                break
+            v = child[(node, t)] = len(out_t)
+            out_t.append(t)
+            out_p.append(node)
+        node = v
+    return out_t, out_p
+
+
+def _mask_rows(out: ModelOutput, trees: list[DraftTree],
+               masks: list[NodeMasks | None]) -> ModelOutput:
+    """`out` (the step's rows, trees in request order) with every constrained node's row
+    masked by the grammar state its own path reaches."""
+    rows, chunks, off, backend = [], [], 0, None
+    for tree, m in zip(trees, masks):
+        if m is not None:
+            keep = [k for k, e in enumerate(m.ended) if not e]
+            rows += [off + k for k in keep]
+            chunks.append(m.masks[keep])
+            backend = m.backend
+        off += tree.num_nodes
+    if not rows:
+        return out
+    return apply_masks(out, rows, torch.cat(chunks), backend)
 
 
 def _interpreted(runner) -> bool:
@@ -157,15 +228,21 @@ class SpeculativeWorker:
         skips it whenever nobody may draft. `traffic_off`: drafting does not pay on the
         current traffic (a drafter may defer work that only serves drafting)."""
         self.drafter.traffic_off = traffic_off
-        if all(r.budget <= 1 for r in reqs) and (idle or not self.drafter.wants_committed_rows):
+        draftless = all(r.budget <= 1 and (r.grammar is None or r.fresh_slots.numel() <= 1)
+                        for r in reqs)
+        if draftless and (idle or not self.drafter.wants_committed_rows):
             return self._plain_step(reqs)
         t0 = time.perf_counter()
         trees = self.drafter.propose(reqs)
+        grammar = None
+        if any(r.grammar is not None for r in reqs):
+            trees, grammar = _constrain(reqs, trees, self.drafter.wants_node_argmax)
         draft_s = time.perf_counter() - t0
         slots, tokens = [], []
         for r, tree in zip(reqs, trees):
             n = tree.num_nodes
-            assert 1 <= n <= max(r.budget, 1), f"{r.rid}: drafter gave {n} nodes, budget {r.budget}"
+            cap = r.fresh_slots.numel() if r.grammar is not None else max(r.budget, 1)
+            assert 1 <= n <= cap, f"{r.rid}: a tree of {n} nodes, budget {r.budget}"
             tokens.append(tree.token_list)
             assert tokens[-1][0] == r.tokens[-1], "tree root must be the last token"
             slots.append(r.slots[: r.prefix_len + n])
@@ -183,8 +260,11 @@ class SpeculativeWorker:
                 capture_layers=capture,
             )
         batch.logit_top = logit_top(r.logprobs for r in reqs)
-        out = self.drafter.target_forward(batch, trees, self.drafter.needs_final_hidden)
-        out = _grammar_masked(reqs, [t.num_nodes for t in trees], out)
+        if grammar is None:
+            out = self.drafter.target_forward(batch, trees, self.drafter.needs_final_hidden)
+        else:  # (the trees are no longer the drafter's: no draft-pass work to resume from)
+            out = self.runner.forward(batch, self.drafter.needs_final_hidden)
+            out = _mask_rows(out, trees, grammar)
         results = self._verify(reqs, trees, out.logits, out.argmax)  # logits [sum n, V]
         if self.drafter.wants_node_argmax and any(t.num_nodes > 1 for t in trees):
             am = out.row_argmax().tolist()
@@ -228,7 +308,10 @@ class SpeculativeWorker:
                                    [r.slots[: r.prefix_len + 1] for r in reqs],
                                    [r.prefix_len for r in reqs])
         batch.logit_top = logit_top(r.logprobs for r in reqs)
-        out = _grammar_masked(reqs, [1] * len(reqs), self.runner.forward(batch, False))
+        out = self.runner.forward(batch, False)
+        if any(r.grammar is not None for r in reqs):
+            out = mask_output(out, [b for b, r in enumerate(reqs) if r.grammar is not None],
+                              [r.grammar for r in reqs if r.grammar is not None])
         if self.tree_ops is None and all(r.params.takes_argmax for r in reqs):
             tokens = [[t] for t in out.row_argmax().tolist()]
         else:

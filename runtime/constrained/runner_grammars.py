@@ -26,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
+from runtime.constrained import build_in_background
 from runtime.constrained.base import GrammarBackend, Matcher
 from runtime.messages import GRAMMAR_END, GRAMMAR_REJECTED, GrammarPayload
 from runtime.models.llama import ModelOutput
@@ -41,7 +42,7 @@ class RunnerGrammars:
 
     def __init__(self, make_backend: Callable[[], GrammarBackend]) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-load")
-        self._backend: Future = self._pool.submit(make_backend)  # (the vocabulary: ~0.2 s)
+        self._backend: Future = build_in_background(make_backend)
         self._loaded: OrderedDict[str, Future] = OrderedDict()
         self.live: weakref.WeakSet[Matcher] = weakref.WeakSet()
 
@@ -87,6 +88,16 @@ def mask_output(out: ModelOutput, rows: Sequence[int], matchers: Sequence[Matche
     masks = backend.allocate_masks(len(rows))  # [R, ceil(V / 32)]
     for j, m in enumerate(matchers):
         m.fill_mask(masks, j)
+    return apply_masks(out, rows, masks, backend)
+
+
+def apply_masks(out: ModelOutput, rows: Sequence[int], masks: torch.Tensor,
+                backend: GrammarBackend) -> ModelOutput:
+    """`out` with logits rows `rows` [R] masked in place by bit masks `masks` [R, words] (one
+    per row), their argmax taken over the masked rows and their logit statistics marked
+    unusable; the other rows untouched."""
+    if not rows:
+        return out
     forbidden = backend.forbidden(masks, out.logits.shape[-1])  # [R, V] bool
     masked = _mask_rows(out.logits, list(rows), forbidden)  # [R] argmax of the masked rows
     argmax = out.argmax
@@ -117,16 +128,19 @@ def _mask_rows(logits: torch.Tensor, rows: list[int], forbidden: np.ndarray) -> 
         return argmax_rows(logits[rows])
 
 
-def advance(matcher: Matcher, tokens: Sequence[int]) -> str:
-    """Accept committed `tokens` in order: the request's grammar state after them ("" while
-    it runs, GRAMMAR_END once complete, GRAMMAR_REJECTED at a token it cannot match, which
-    masking prevents: it means a bug, and the request is ended rather than left stuck)."""
-
-    for t in tokens:
+def advance(matcher: Matcher, tokens: Sequence[int]) -> tuple[int, str]:
+    """Accept committed `tokens` in order: how many the request keeps (all, or those up to the
+    one that completes the grammar: a speculative step's tokens may run past its end) and its
+    grammar state after them ("" while it runs, GRAMMAR_END once complete, GRAMMAR_REJECTED
+    at a token it cannot match, which masking prevents: it means a bug, and the request is
+    ended rather than left stuck)."""
+    for k, t in enumerate(tokens):
         if not matcher.accept(t):
             logger.error("the grammar rejected token %d, which its mask allowed", t)
-            return GRAMMAR_REJECTED
-    return GRAMMAR_END if matcher.is_terminated() else ""
+            return k, GRAMMAR_REJECTED
+        if matcher.is_terminated():
+            return k + 1, GRAMMAR_END
+    return len(tokens), ""
 
 
 # what vLLM reports for a token its grammar forbids (JSON has no -Infinity)

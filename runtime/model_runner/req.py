@@ -39,6 +39,9 @@ class RunnerReq:
     grammar_failed: bool = False
     # ---- this step (set by the runner before a speculative step) ----
     prefix_len: int = 0  # tokens with KV; tokens[-1] (the root) has none yet
+    # tree nodes the drafter may propose, root included; the fresh slots may be more (a
+    # constrained request's grammar-forced tokens take them: speculative/worker.py)
+    budget: int = 1
     confident_only: bool = False  # draft only what the drafter is sure of
 
     def __post_init__(self) -> None:
@@ -60,7 +63,7 @@ class RunnerReq:
             slots = torch.arange(prefix + budget)
         assert slots.numel() == prefix + budget, "slots: the prefix's, then one per node"
         req = cls(rid, params or SamplingParams(temperature=0.0), list(tokens), slots=slots,
-                  confident_only=confident_only)
+                  budget=budget, confident_only=confident_only)
         req.prefix_len = prefix
         return req
 
@@ -69,18 +72,13 @@ class RunnerReq:
         self.tokens.extend(new)
 
     @property
-    def budget(self) -> int:
-        """Tree nodes it may draft this step, root included: its fresh KV slots."""
-        return self.slots.numel() - self.prefix_len
-
-    @property
     def prefix_slots(self) -> torch.Tensor:
         """[prefix_len] KV slots of the committed tokens."""
         return self.slots[: self.prefix_len]
 
     @property
     def fresh_slots(self) -> torch.Tensor:
-        """[budget] this step's fresh KV slots: tree node i's target KV goes to slot i."""
+        """[>= budget] this step's fresh KV slots: tree node i's target KV goes to slot i."""
         return self.slots[self.prefix_len :]
 
     def input_logprob_rows(self, prefix_len: int, n: int) -> list[int]:

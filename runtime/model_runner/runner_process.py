@@ -112,14 +112,19 @@ class RunnerWorker:
             self.spec.release(rid)
 
     def _append(self, st: RunnerReq, tokens: list[int]) -> str:
-        """Commit sampled tokens; the request's grammar state after them (runtime/messages.py:
-        BatchResult.grammar_states)."""
+        """Commit sampled tokens (in place: a grammar that completes inside a speculative
+        step's tokens keeps those up to its end); the request's grammar state after them
+        (runtime/messages.py: BatchResult.grammar_states)."""
+        state = ""
+        if st.grammar_failed:
+            state = GRAMMAR_REJECTED
+        elif st.grammar is not None:
+            kept, state = advance(st.grammar, tokens)
+            del tokens[kept:]
         st.append(tokens)
         if self.spec is not None:
             self.spec.observe(st.rid, st.tokens, len(tokens))
-        if st.grammar_failed:
-            return GRAMMAR_REJECTED
-        return "" if st.grammar is None else advance(st.grammar, tokens)
+        return state
 
     def _matchers(self, rid: str, st: RunnerReq) -> None:
         """The request's matcher, once its grammar has loaded (waiting for it if need be: it
@@ -148,6 +153,7 @@ class RunnerWorker:
         for e, st in zip(msg.reqs, states):
             self._matchers(e.rid, st)
             st.prefix_len, st.confident_only = e.prefix_len, e.confident_only
+            st.budget = e.draft_nodes or st.slots.numel() - e.prefix_len
         out, infos = self.spec.step(states, idle=msg.drafter_idle, traffic_off=msg.traffic_off)
         grammar = [self._append(st, toks) for st, toks in zip(states, out)]
         lps = [info.pop("logprobs", None) for info in infos]
@@ -185,7 +191,7 @@ class RunnerWorker:
         mode = ForwardMode(msg.mode)
         states = [self._state(e) for e in msg.reqs]
         slots = [self._slots(e, st) for e, st in zip(msg.reqs, states)]
-        if mode == ForwardMode.DECODE and self.spec is not None:
+        if mode == ForwardMode.DECODE and msg.speculative:
             return self._run_spec(msg, states, t0)
         spec = self.spec
         wants_rows = spec is not None and spec.wants_committed_rows
@@ -337,8 +343,8 @@ def _create_spec(speculation: Speculation | None, runner: ModelRunner,
 
 def _grammars(server_args, runner: ModelRunner) -> RunnerGrammars | None:
     """The runner's grammar loader (None with --grammar-backend none). Its backend (the
-    tokenizer and xgrammar's view of its vocabulary, ~1.3 s of one core) is built on a thread
-    from here on: after the verify-cost curve was timed, while the first requests arrive."""
+    tokenizer and xgrammar's view of its vocabulary) is built from here on, after the
+    verify-cost curve was timed, at the lowest CPU priority (`build_in_background`)."""
     if server_args.grammar_backend == "none":
         return None
     mc = runner.model_config

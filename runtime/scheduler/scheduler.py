@@ -239,7 +239,7 @@ class Scheduler:
             batch_id=self.batch_id, mode=mode.value,
             reqs=[e for _, e, _ in entries], released_rids=self.released,
             drafter_idle=plan is not None and plan.idle,
-            traffic_off=plan is not None and plan.traffic_off,
+            traffic_off=plan is not None and plan.traffic_off, speculative=plan is not None,
         )
         self.released = []
         result = self.run_batch(msg)
@@ -407,7 +407,10 @@ class Scheduler:
         decoding = [r for r in self.running if r.num_pending == 1]
         if not decoding:
             return []
-        speculate = speculate and self.spec is not None
+        # (a controller whose drafter never drafts itself, JUMP_FORWARD, plans only steps with
+        # a constrained request: the others are plain steps)
+        speculate = speculate and self.spec is not None and (
+            self.spec.base_nodes > 1 or any(r.constrained for r in decoding))
         tokens_per_req = self.spec.base_nodes if speculate else 1
         # retract before allocating anything, so no batch entry ever points at freed KV
         while (
@@ -420,16 +423,15 @@ class Scheduler:
             self._retract(victim)
         entries = []
         sizes, confident = [1] * len(decoding), [False] * len(decoding)
+        drafts = [0] * len(decoding)  # (0: every slot)
         if speculate:
             for r in decoding:
                 if r.spec is None:
-                    r.spec = self.spec.new_request()
+                    r.spec = self.spec.new_request(r.constrained)
             self._plan = self.spec.plan([r.spec for r in decoding])
-            # a request that follows a grammar does not draft (its mask is its root's only)
-            sizes = [1 if r.constrained else n for r, n in zip(decoding, self._plan.sizes)]
-            confident = [sure and not r.constrained
-                         for r, sure in zip(decoding, self._plan.confident)]
-        for req, n, sure in zip(decoding, sizes, confident):
+            sizes, confident = self._plan.sizes, self._plan.confident
+            drafts = self._plan.drafts or drafts
+        for req, n, sure, k in zip(decoding, sizes, confident, drafts):
             # never draft past the context length: the tree's positions must exist
             room = self.stop.context_length - req.kv_len
             slots = None
@@ -441,6 +443,7 @@ class Scheduler:
                 raise RuntimeError("KV cache too small for a single request")
             entries.append(self._entry(req, 1, slots))
             entries[-1][1].confident_only = sure
+            entries[-1][1].draft_nodes = min(k, slots.numel())
         return entries
 
     def _retract(self, req: Req, why: str = "KV cache full") -> None:

@@ -144,6 +144,18 @@ class _Pending:
 
 
 @dataclass(slots=True)
+class _HeadReq:
+    """What the drafter keeps of one request (its one entry in `EagleDrafter.reqs`)."""
+
+    state: HeadState | None = None  # the head's output at its last committed row
+    pending: _Pending | None = None  # rows the head has not run over yet
+    # earlier runs of its rows that wait behind a gap of skipped steps (see `draft_extend`),
+    # in position order
+    waited: list[_Pending] = field(default_factory=list)
+    idle: int = 0  # steps since it last drafted
+
+
+@dataclass(slots=True)
 class _Growing:
     req: RunnerReq
     builder: TopKTree | SampledTree
@@ -236,12 +248,7 @@ class EagleDrafter(Drafter):
         if isinstance(self.head, Eagle3Head):
             self.to_target = self.head.map_to_target(
                 torch.arange(self.head.config.draft_vocab_size, device=self.device))
-        self.states: dict[str, HeadState] = {}
-        self.pending: dict[str, _Pending] = {}  # rows the head has not run over yet
-        # earlier runs of a request's rows that wait behind a gap of skipped steps (see
-        # `draft_extend`), in position order
-        self.waited: dict[str, list[_Pending]] = {}
-        self.idle: dict[str, int] = {}  # steps since the request last drafted
+        self.reqs: dict[str, _HeadReq] = {}  # per request: its head state and waiting rows
         self.dropped_rows = 0  # pending rows of idle requests that never went through the head
         self._draft_ids: Tensor | None = None  # [V_head] target id per head id (coupling)
 
@@ -294,40 +301,48 @@ class EagleDrafter(Drafter):
         # rows, in one batch, when the request drafts; a run whose slots changed (retracted
         # and re-admitted) is dropped
         for r in rows:
-            p = self.pending.get(r.rid)
+            q = self._req(r.rid)
+            p = q.pending
             if p is not None and p.end < r.prefix_len and self._valid(p, r.slots):
-                self.waited.setdefault(r.rid, []).append(self.pending.pop(r.rid))
+                q.waited.append(p)
+                q.pending = None
             kept = []
-            for q in self.waited.pop(r.rid, ()):
-                if q.end <= r.prefix_len and self._valid(q, r.slots):
-                    kept.append(q)
+            for w in q.waited:
+                if w.end <= r.prefix_len and self._valid(w, r.slots):
+                    kept.append(w)
                 else:
-                    self.dropped_rows += q.end - q.start
-            if kept:
-                self.waited[r.rid] = kept
+                    self.dropped_rows += w.end - w.start
+            q.waited = kept
         hidden = self.head.target_hidden(out)  # [T, H] or [T, 3H] (EAGLE-3 fused features)
         index = torch.cat([r.hidden_rows for r in rows]).to(hidden.device)
         feats = hidden[index]  # [sum n, F]: a copy, the forward's buffers can go
         full, off = [], 0
         for r in rows:
             n = len(r.next_tokens)
-            p = self.pending.get(r.rid)
+            q = self.reqs[r.rid]
+            p = q.pending
             if p is not None and (p.end != r.prefix_len or not self._valid(p, r.slots)):
                 p = None  # retracted and re-admitted: its old rows' slots are gone
             if p is None:
-                p = self.pending[r.rid] = _Pending(r.prefix_len, r.prefix_len, [], [], r.slots)
+                p = q.pending = _Pending(r.prefix_len, r.prefix_len, [], [], r.slots)
             p.features.append(feats[off : off + n])
             p.next_tokens += r.next_tokens
             p.end += n
             p.slots = r.slots
             off += n
-            waiting = p.end - p.start + sum(q.end - q.start for q in self.waited.get(r.rid, ()))
+            waiting = p.end - p.start + sum(w.end - w.start for w in q.waited)
             if waiting >= self.MAX_PENDING_ROWS and not self._may_wait():
-                if self.idle.get(r.rid, 0) >= self.IDLE_STEPS:
+                if q.idle >= self.IDLE_STEPS:
                     self._drop_pending(r.rid)
                 else:
                     full.append(r.rid)
         self._catch_up(full)
+
+    def _req(self, rid: str) -> _HeadReq:
+        q = self.reqs.get(rid)
+        if q is None:
+            q = self.reqs[rid] = _HeadReq()
+        return q
 
     @staticmethod
     def _valid(p: _Pending, slots: Tensor) -> bool:
@@ -335,8 +350,8 @@ class EagleDrafter(Drafter):
         return torch.equal(slots[p.start : p.end], p.slots[p.start : p.end])
 
     def _waiting_rows(self) -> int:
-        return sum(p.end - p.start for p in self.pending.values()) + sum(
-            q.end - q.start for w in self.waited.values() for q in w)
+        return sum((q.pending.end - q.pending.start if q.pending is not None else 0)
+                   + sum(w.end - w.start for w in q.waited) for q in self.reqs.values())
 
     def _may_wait(self) -> bool:
         """Rows may wait past MAX_PENDING_ROWS (see MAX_WAITING_ROWS)."""
@@ -344,8 +359,10 @@ class EagleDrafter(Drafter):
 
     def _drop_pending(self, rid: str) -> None:
         """Forget an idle request's pending rows but the last (see IDLE_STEPS)."""
-        self.dropped_rows += sum(q.end - q.start for q in self.waited.pop(rid, []))
-        p = self.pending.get(rid)
+        q = self.reqs[rid]
+        self.dropped_rows += sum(w.end - w.start for w in q.waited)
+        q.waited = []
+        p = q.pending
         if p is None or p.end - p.start <= 1:
             return
         self.dropped_rows += p.end - p.start - 1
@@ -361,9 +378,13 @@ class EagleDrafter(Drafter):
         had gone through the head one after another."""
         items = []
         for rid in rids:
-            items += [(rid, q) for q in self.waited.pop(rid, [])]
-            if (p := self.pending.pop(rid, None)) is not None:
-                items.append((rid, p))
+            q = self.reqs.get(rid)
+            if q is None:
+                continue
+            items += [(rid, w) for w in q.waited]
+            if q.pending is not None:
+                items.append((rid, q.pending))
+            q.waited, q.pending = [], None
         if not items:
             return
         batch = ForwardBatch.build(
@@ -373,7 +394,7 @@ class EagleDrafter(Drafter):
         res = self._run_head(batch, feats, fused=True)
         last = (torch.tensor([p.end - p.start for _, p in items]).cumsum(0) - 1).tolist()
         for b, (rid, _) in enumerate(items):
-            self.states[rid] = HeadState(res.logits[b], res.hidden[last[b]])
+            self.reqs[rid].state = HeadState(res.logits[b], res.hidden[last[b]])
 
     # ---- drafting --------------------------------------------------------------------------
     def _sampled(self, r: RunnerReq) -> bool:
@@ -384,14 +405,14 @@ class EagleDrafter(Drafter):
         trees: list[DraftTree | None] = [None] * len(reqs)
         work: list[tuple[int, _Growing]] = []
         for r in reqs:
-            self.idle[r.rid] = 0 if r.budget > 1 else self.idle.get(r.rid, 0) + 1
-        self._catch_up([r.rid for r in reqs if r.budget > 1
-                        and (r.rid in self.pending or r.rid in self.waited)])
+            q = self._req(r.rid)
+            q.idle = 0 if r.budget > 1 else q.idle + 1
+        self._catch_up([r.rid for r in reqs if r.budget > 1])
         for i, r in enumerate(reqs):
             if r.budget <= 1:
                 trees[i] = DraftTree.root(r.tokens[-1])
                 continue
-            st = self.states.get(r.rid)
+            st = self.reqs[r.rid].state
             assert st is not None, f"{r.rid}: no draft extend ran before its first decode step"
             assert r.prefix_slots is not None and r.prefix_slots.numel() == len(r.tokens) - 1, (
                 f"{r.rid}: prefix slots must cover the committed tokens")
@@ -411,7 +432,7 @@ class EagleDrafter(Drafter):
 
     def _grow(self, items: list[_Growing]) -> None:
         # level 1 comes from the kept output of the last committed row: no forward needed
-        logits = torch.stack([self.states[g.req.rid].logits for g in items])  # [B, V_head]
+        logits = torch.stack([self.reqs[g.req.rid].state.logits for g in items])  # [B, V_head]
         self._expand(items, [[0] for _ in items], logits)
         need = sum(len(g.builder.widths) if isinstance(g.builder, SampledTree)
                    else g.builder.max_depth for g in items) * self.cfg.eagle_topk
@@ -514,25 +535,23 @@ class EagleDrafter(Drafter):
 
     def skipped(self, rids: list[str]) -> None:
         for rid in rids:
-            self.idle[rid] = self.idle.get(rid, 0) + 1
+            self._req(rid).idle += 1
 
     def release(self, rid: str) -> None:
-        idle = self.idle.pop(rid, 0) >= self.IDLE_STEPS
-        if idle or self.traffic_off:
+        q = self.reqs.get(rid)
+        if q is None:
+            return
+        if q.idle >= self.IDLE_STEPS or self.traffic_off:
             # idle, or nobody drafts: its head KV stays stale (IDLE_STEPS, MAX_WAITING_ROWS)
-            runs = self.waited.pop(rid, [])
-            if (p := self.pending.pop(rid, None)) is not None:
-                runs.append(p)
-            self.dropped_rows += sum(q.end - q.start for q in runs)
+            runs = q.waited + ([q.pending] if q.pending is not None else [])
+            self.dropped_rows += sum(w.end - w.start for w in runs)
+            q.waited, q.pending = [], None
         with torch.inference_mode():
             self._catch_up([rid])  # its prefix may stay in the radix cache: complete its head KV
-        self.states.pop(rid, None)
+        del self.reqs[rid]
 
     def reset(self) -> None:
-        self.states.clear()
-        self.pending.clear()
-        self.waited.clear()
-        self.idle.clear()
+        self.reqs.clear()
 
 
 @register_algorithm("EAGLE3")

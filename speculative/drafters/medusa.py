@@ -128,9 +128,7 @@ class MedusaDrafter(Drafter):
                 trees[i] = DraftTree.root(r.tokens[-1])
         if not live:
             return trees
-        h = torch.stack([self.hidden[reqs[i].rid] for i in live])
-        # only the heads the tree reaches (each costs an LM-head matmul)
-        logits = self.heads.logits(h, self._lm_head, len(self.ranks))  # [depth, B, V]
+        logits = self._head_logits([reqs[i] for i in live])  # [depth, B, V]
         tops = [torch.topk(logits[d], k, dim=-1).indices.tolist()
                 for d, k in enumerate(self.ranks)]  # per depth: [B][k]
         for b, i in enumerate(live):
@@ -142,6 +140,13 @@ class MedusaDrafter(Drafter):
                 parents.append(index[path[:-1]])
             trees[i] = DraftTree.from_parents(tokens, parents)
         return trees
+
+    def _head_logits(self, reqs: list[RunnerReq]) -> Tensor:
+        """[depth, B, V]: the heads' scores at each request's last committed row, only the
+        heads the tree reaches (each costs an LM-head matmul). Tests steer drafts by overriding
+        this."""
+        h = torch.stack([self.hidden[r.rid] for r in reqs])
+        return self.heads.logits(h, self._lm_head, len(self.ranks))
 
     def release(self, rid: str) -> None:
         self.hidden.pop(rid, None)

@@ -26,6 +26,15 @@ from speculative.tree import DraftTree
 logger = logging.getLogger(__name__)
 
 
+@dataclass(slots=True)
+class _NgramReq:
+    """What the drafter keeps of one request (its one entry in `NgramDrafter.reqs`)."""
+
+    history: list[int] | None = None  # its latest token history (`observe`)
+    counted: int | None = None  # tokens of it the trie has counted (None: it never drafted)
+    context: ContextIndex | None = None  # its token positions, for own-context drafts
+
+
 @dataclass(frozen=True)
 class NgramOptions(SpecOptions):
     ngram_capacity: int = option(1_000_000, "NGRAM: most trie nodes kept (least recently used "
@@ -96,14 +105,10 @@ class NgramDrafter(Drafter):
             num_draft_tokens=cfg.num_draft_tokens,
             size_by_match=not cfg.ngram_disable_match_sizing,
         ))
-        # per-request token positions for own-context drafts, LRU-bounded like the trie's states
         self.own_context = not cfg.ngram_disable_own_context
-        self._contexts: OrderedDict[str, ContextIndex] = OrderedDict()
-        self._max_contexts = self.cache.cfg.max_tracked_requests
-        # Lazy counting (`_count`): rid -> how many tokens of its history the trie has counted
-        # (present once the request has drafted), and rid -> its latest history (`observe`).
-        self._counted: dict[str, int] = {}
-        self._history: dict[str, list[int]] = {}
+        # per request, least recently used first; bounded like the trie's request states
+        self.reqs: OrderedDict[str, _NgramReq] = OrderedDict()
+        self._max_reqs = self.cache.cfg.max_tracked_requests
         if cfg.ngram_external_corpus_path:
             n = self.cache.load_corpus(cfg.ngram_external_corpus_path, tokenize=self._tokenize)
             logger.info("n-gram trie preloaded with %d tokens from %s", n,
@@ -120,7 +125,7 @@ class NgramDrafter(Drafter):
         depth = self.cfg.ngram_max_trie_depth
         for r in reqs:  # every drafting request's n-grams first, as if counted as they came
             if r.budget > 1:
-                self._count(r.rid, r.tokens)
+                self._count(r.rid, self._req(r.rid), r.tokens)
         trees = []
         for r in reqs:
             if r.budget <= 1:
@@ -137,13 +142,10 @@ class NgramDrafter(Drafter):
                            parents: list[int]) -> tuple[list[int], list[int]]:
         """On a short match, the trie's tree rebuilt from the request's own context first (the
         trie's nodes fill what is left); the same node count."""
-        index = self._contexts.get(r.rid)
-        if index is None:
-            index = self._contexts[r.rid] = ContextIndex()
-            if len(self._contexts) > self._max_contexts:
-                self._contexts.popitem(last=False)
-        else:
-            self._contexts.move_to_end(r.rid)
+        q = self._req(r.rid)
+        if q.context is None:
+            q.context = ContextIndex()
+        index = q.context
         index.catch_up(r.tokens)  # every step, so its cost stays O(new tokens)
         m = self.cache.last_match_len
         if not 1 <= m <= OWN_CONTEXT_MAX_MATCH or len(tokens) <= 1:
@@ -156,20 +158,26 @@ class NgramDrafter(Drafter):
             return tokens, parents
         return own_context_tree(r.tokens, starts, size, tokens, parents)
 
+    def _req(self, rid: str) -> _NgramReq:
+        q = self.reqs.get(rid)
+        if q is None:
+            q = self.reqs[rid] = _NgramReq()
+            if len(self.reqs) > self._max_reqs:  # (a request never released)
+                self.reqs.popitem(last=False)
+        else:
+            self.reqs.move_to_end(rid)
+        return q
+
     def release(self, rid: str) -> None:
-        tokens = self._history.pop(rid, None)
-        if tokens is not None and rid in self._counted:
-            self._count(rid, tokens)  # a request that drafted leaves all its n-grams
-        self._counted.pop(rid, None)
+        q = self.reqs.pop(rid, None)
+        if q is not None and q.history is not None and q.counted is not None:
+            self._count(rid, q, q.history)  # a request that drafted leaves all its n-grams
         self.cache.release(rid)
-        self._contexts.pop(rid, None)
 
     def reset(self) -> None:
         cfg, self.cache = self.cache.cfg, None  # the old trie's memory goes first
         self.cache = NgramCache(cfg)
-        self._contexts.clear()
-        self._counted.clear()
-        self._history.clear()
+        self.reqs.clear()
 
     # Counting is lazy. The trie counts a request's n-grams just before its first draft (its
     # prompt and output so far), then before each draft the tokens since, and its last tokens
@@ -181,11 +189,11 @@ class NgramDrafter(Drafter):
     # "Step time outside the forward"). What one request wrote still helps the next as long as
     # drafting is on.
     def observe(self, rid: str, tokens: list[int], num_new: int) -> None:
-        self._history[rid] = tokens
+        self._req(rid).history = tokens
 
-    def _count(self, rid: str, tokens: list[int]) -> None:
-        done, n = self._counted.get(rid, 0), len(tokens)
+    def _count(self, rid: str, q: _NgramReq, tokens: list[int]) -> None:
+        done, n = q.counted or 0, len(tokens)
         if done < n:
             depth = self.cfg.ngram_max_trie_depth
             self.cache.extend(rid, tokens[max(done - depth, 0):done], tokens[done:])
-        self._counted[rid] = n
+        q.counted = n

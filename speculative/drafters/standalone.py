@@ -87,6 +87,14 @@ class StandaloneOptions(DraftTreeOptions):
         choices=("auto", "full"))
 
 
+@dataclass(slots=True)
+class _DraftKV:
+    """What the draft model's own KV covers for one request."""
+
+    valid: int = 0  # committed positions with draft KV
+    fed: int = 0  # chain nodes fed in its last step
+
+
 @register_algorithm("STANDALONE")
 class StandaloneDrafter(ChainDrafter):
     options = StandaloneOptions
@@ -95,7 +103,7 @@ class StandaloneDrafter(ChainDrafter):
     supports_trees = True
     default_num_steps = {"cpu": 3, "torch": 4}
     shipped_draft = DEFAULT_DRAFT_MODEL
-    # a skipped step leaves `_valid` where it was (its position gets draft KV when the request
+    # a skipped step leaves `valid` where it was (its position gets draft KV when the request
     # next drafts); `_fed` is written by every propose before the draft_extend that reads it
 
     @classmethod
@@ -152,8 +160,7 @@ class StandaloneDrafter(ChainDrafter):
             self.vocab_head.pack_weights(draft_matmul_dtype(cfg.draft_matmul_dtype,
                                                             runner.device),
                                          getattr(runner, "kernel_threads", None))
-        self._valid: dict[str, int] = {}  # rid -> committed positions with draft KV
-        self._fed: dict[str, int] = {}  # rid -> chain nodes fed in its last step
+        self.reqs: dict[str, _DraftKV] = {}  # per request: what its draft KV covers
 
     def _tree_scratch(self) -> int:
         return self.scratch
@@ -189,7 +196,8 @@ class StandaloneDrafter(ChainDrafter):
         for c in chains:
             committed = len(c.req.tokens) - 1
             if j == 0:  # catch up the committed positions without draft KV, then the root
-                start = min(self._valid.get(c.req.rid, committed), committed)
+                q = self.reqs.get(c.req.rid)
+                start = committed if q is None else min(q.valid, committed)
                 tokens.append(c.req.tokens[start:])
                 prefix.append(start)
             else:
@@ -200,9 +208,10 @@ class StandaloneDrafter(ChainDrafter):
 
     def _end(self, chains: list[Chain]) -> None:
         for c in chains:
-            self._fed[c.req.rid] = c.depth
+            q = self.reqs.setdefault(c.req.rid, _DraftKV())
+            q.fed = c.depth
             if c.depth > 0:
-                self._valid[c.req.rid] = len(c.req.tokens) - 1  # caught up to the root
+                q.valid = len(c.req.tokens) - 1  # caught up to the root
 
     def draft_extend(self, rows: list[TargetRows], out: ModelOutput) -> None:
         for r in rows:
@@ -212,17 +221,16 @@ class StandaloneDrafter(ChainDrafter):
                 # prefill); the first draft step catches up. A (re)admission trusts no cached
                 # slot: its radix-hit prefix may hold no draft KV or another request's. The next
                 # chunk, or a rider, keeps the draft KV it has.
-                keep = 0 if r.admitted else self._valid.get(r.rid, 0)
-                self._valid[r.rid] = min(keep, r.prefix_len)
+                q = self.reqs.setdefault(r.rid, _DraftKV())
+                q.valid = min(0 if r.admitted else q.valid, r.prefix_len)
                 continue
-            fed = self._fed.get(r.rid, 0)
-            if fed > 0:  # verified: root + accepted drafts; the fed ones have draft KV in place
-                self._valid[r.rid] = r.prefix_len + min(len(r.tree_nodes), fed)
+            q = self.reqs.get(r.rid)
+            if q is not None and q.fed > 0:
+                # verified: root + accepted drafts; the fed ones have draft KV in place
+                q.valid = r.prefix_len + min(len(r.tree_nodes), q.fed)
 
     def release(self, rid: str) -> None:
-        self._valid.pop(rid, None)
-        self._fed.pop(rid, None)
+        self.reqs.pop(rid, None)
 
     def reset(self) -> None:
-        self._valid.clear()
-        self._fed.clear()
+        self.reqs.clear()

@@ -53,6 +53,17 @@ CALIBRATION_DECAY = 0.998  # per observed drafting step of any request: a memory
 MIN_GLOBAL_TRUST = 0.05
 
 
+@dataclass(slots=True)
+class _SuffixReq:
+    """What the drafter keeps of one live request (its one entry in `SuffixDrafter.reqs`)."""
+
+    tree: ContextIndex  # its own prompt and output, indexed
+    prompt_len: int
+    # its last draft until the step's tokens are observed: tokens, parents, each node's source
+    # and its estimate before calibration
+    pending: tuple[list[int], list[int], list[str], list[float]] | None = None
+
+
 class SourceCalibration:
     """How well each suffix structure's estimates predict acceptance, learned from the steps.
 
@@ -199,16 +210,13 @@ class SuffixDrafter(Drafter):
         self._global_cfg = NgramConfig(capacity=cfg.suffix_cache_capacity, max_trie_depth=depth,
                                        max_bfs_breadth=breadth)
         self.global_tree = NgramCache(self._global_cfg)
-        self.trees: OrderedDict[str, ContextIndex] = OrderedDict()  # per live request
+        # per live request, least recently used first
+        self.reqs: OrderedDict[str, _SuffixReq] = OrderedDict()
         # outputs the global tree counts, oldest first (finished or running)
         self.outputs: OrderedDict[str, array] = OrderedDict()
-        self._prompt_len: dict[str, int] = {}
         self.last_source = ""  # "request" / "global" / "": where the last draft came from
         self.last_probs: list[float] = [1.0]  # the last draft's node probabilities (replay)
         self.calibration = SourceCalibration()
-        # per request, its last draft until the step's tokens are observed: tokens, parents,
-        # each node's source and its estimate before calibration
-        self._pending: dict[str, tuple[list[int], list[int], list[str], list[float]]] = {}
         self._payable: dict[tuple[int, int], bool] = {}  # can_pay's answers for one curve
         self._payable_for = None  # ... this one
 
@@ -227,25 +235,25 @@ class SuffixDrafter(Drafter):
     def draft_lists(self, r: RunnerReq, batch_size: int = 1) -> tuple[list[int], list[int]]:
         root = ([r.tokens[-1]], [-1])
         self.last_source, self.last_probs = "", [1.0]
+        q = self.reqs.get(r.rid)
+        if q is not None:
+            q.pending = None
         if r.budget <= 1 or not self.can_pay(batch_size, r.budget):
-            self._pending.pop(r.rid, None)
             return root
         c = self.cfg
         tail = r.tokens[-c.suffix_max_tree_depth:]
         kw = {"spec_factor": c.suffix_max_spec_factor, "spec_offset": c.suffix_max_spec_offset,
               "min_prob": c.suffix_min_token_prob, "key": r.rid}
         found = []
-        own = self.trees.get(r.rid)
-        if own is not None:
-            own.catch_up(r.tokens)
-            found.append(("request", own.draft_scored(
+        if q is not None:
+            q.tree.catch_up(r.tokens)
+            found.append(("request", q.tree.draft_scored(
                 r.tokens, r.budget, spec_factor=c.suffix_max_spec_factor,
                 spec_offset=c.suffix_max_spec_offset, min_prob=c.suffix_min_token_prob,
                 max_depth=c.suffix_max_tree_depth)))
         if c.suffix_max_cached_requests > 0:
             found.append(("global", self.global_tree.draft_scored(tail, r.budget, **kw)))
         found = [(src, t) for src, t in found if t[3] > 0]
-        self._pending.pop(r.rid, None)
         if not found:
             return root
         trust = self.calibration.global_trust() if self.cfg.suffix_global_calibration else 1.0
@@ -261,18 +269,16 @@ class SuffixDrafter(Drafter):
         tokens, parents, probs = merge_best_first([t for _, t in found], r.budget, origins)
         k = self.worth_drafting(probs, batch_size)
         self.last_probs = probs[:k]
-        if k > 1:
+        if k > 1 and q is not None:
             srcs = [found[o][0] for o in origins[1:k]]
-            est = [q / scale[o] for q, o in zip(probs[1:k], origins[1:k])]  # before scaling
-            self._pending[r.rid] = (tokens[:k], parents[:k], srcs, est)
-            if len(self._pending) > MAX_LIVE_TREES:  # (a request never observed again)
-                self._pending.pop(next(iter(self._pending)))
+            est = [p / scale[o] for p, o in zip(probs[1:k], origins[1:k])]  # before scaling
+            q.pending = (tokens[:k], parents[:k], srcs, est)
         return tokens[:k], parents[:k]
 
-    def _learn(self, rid: str, new: list[int]) -> None:
+    def _learn(self, q: _SuffixReq, new: list[int]) -> None:
         """Score the request's last draft against the tokens it gained (accepted drafts, then
         the target's own token: the walk down the tree follows exactly the accepted path)."""
-        pending = self._pending.pop(rid, None)
+        pending, q.pending = q.pending, None
         if pending is None:
             return
         tokens, parents, srcs, est = pending
@@ -326,19 +332,17 @@ class SuffixDrafter(Drafter):
     # ---- state --------------------------------------------------------------------------
     def observe(self, rid: str, tokens: list[int], num_new: int) -> None:
         depth = self.cfg.suffix_max_tree_depth
-        tree = self.trees.get(rid)
-        if tree is None or num_new >= len(tokens):  # a new request: its prompt
-            tree = self.trees[rid] = ContextIndex()
-            tree.catch_up(tokens)
-            self._prompt_len[rid] = len(tokens)
-            if len(self.trees) > MAX_LIVE_TREES:
-                old, _ = self.trees.popitem(last=False)
-                self._prompt_len.pop(old, None)
+        q = self.reqs.get(rid)
+        if q is None or num_new >= len(tokens):  # a new request: its prompt
+            q = self.reqs[rid] = _SuffixReq(ContextIndex(), len(tokens))
+            q.tree.catch_up(tokens)
+            if len(self.reqs) > MAX_LIVE_TREES:  # (a request never released)
+                self.reqs.popitem(last=False)
             return
-        self.trees.move_to_end(rid)
-        tree.catch_up(tokens)
+        self.reqs.move_to_end(rid)
+        q.tree.catch_up(tokens)
         new = tokens[-num_new:]
-        self._learn(rid, new)
+        self._learn(q, new)
         if self.cfg.suffix_max_cached_requests <= 0:
             return
         out = self.outputs.get(rid)
@@ -348,29 +352,25 @@ class SuffixDrafter(Drafter):
                 _, gone = self.outputs.popitem(last=False)
                 self.global_tree.remove(gone)
         # the global tree counts outputs only: their first token has no output context yet
-        start = self._prompt_len.get(rid, 0)
+        start = q.prompt_len
         ctx_out = tokens[max(start, len(tokens) - num_new - depth):len(tokens) - num_new]
         self.global_tree.extend(rid, ctx_out, new)
         out.extend(new)
 
     def release(self, rid: str) -> None:
-        self.trees.pop(rid, None)
-        self._pending.pop(rid, None)
-        self._prompt_len.pop(rid, None)
+        self.reqs.pop(rid, None)
         self.global_tree.release(rid)  # its output stays counted until it is the oldest
 
     def reset(self) -> None:
         self.global_tree = None  # the old tree's memory goes first
         self.global_tree = NgramCache(self._global_cfg)
         self.calibration = SourceCalibration()
-        self._pending.clear()
-        self.trees.clear()
+        self.reqs.clear()
         self.outputs.clear()
-        self._prompt_len.clear()
 
     def memory_nodes(self) -> dict[str, int]:
         """What is held: the global tree's nodes (~100 bytes each) and the live requests'
         indexed tokens (one int each) (for tests and /server_info-style reporting)."""
         return {"global": self.global_tree.num_nodes,
-                "requests": sum(len(t) for t in self.trees.values()),
-                "cached_requests": len(self.outputs), "live_requests": len(self.trees)}
+                "requests": sum(len(q.tree) for q in self.reqs.values()),
+                "cached_requests": len(self.outputs), "live_requests": len(self.reqs)}

@@ -1,7 +1,7 @@
-"""Greedy speculation equals plain greedy decoding, token for token (near-ties excepted only on
-the torch engine, tests/helpers/near_tie.py): the tiny model in-process with NGRAM on 50
-prompts, and every algorithm on the default model through `Engine` (the shipped heads, draft
-model and adapter), on 52 held-out prompts under concurrency 8 and 26 of them one at a time
+"""Speculation equals plain decoding, token for token (greedy near-ties excepted only on the
+torch engine, tests/helpers/near_tie.py): the tiny model in-process with NGRAM on 50 prompts,
+and every algorithm on the default model through `Engine` (the shipped heads, draft model and
+adapter), greedy and seeded, on the reference's strongest prompts (all 52 under `make test-all`)
 (tests/helpers/lossless.py; the algorithms are shared with test_spec_lossless_draft_models.py,
 so that `make test`'s two workers split them)."""
 
@@ -14,7 +14,7 @@ import pytest
 from runtime.model_runner.runner_process import RunnerWorker
 from speculative.base import SpecConfig, create_drafter
 from speculative.worker import SpeculativeWorker
-from tests.helpers.lossless import GROUPS, check_greedy_spec_equals_plain
+from tests.helpers.lossless import GROUPS, check_spec_equals_plain
 from tests.unit.test_scheduler import Harness, reference, tiny  # noqa: F401
 
 
@@ -50,6 +50,13 @@ def test_tiny_model_ngram_greedy_equals_plain(tiny, concurrency):  # noqa: F811
 
 @pytest.mark.slow
 @pytest.mark.parametrize("algo", GROUPS[0])
-def test_default_model_greedy_spec_equals_plain_batch1_and_concurrency8(algo, plain_reference):
+def test_default_model_spec_equals_plain_on_the_strongest_prompts(algo, plain_reference):
     """NGRAM, SUFFIX, LOOKAHEAD and MEDUSA (the others: test_spec_lossless_draft_models.py)."""
-    check_greedy_spec_equals_plain(algo, plain_reference)
+    check_spec_equals_plain(algo, plain_reference)
+
+
+@pytest.mark.slow
+@pytest.mark.full
+@pytest.mark.parametrize("algo", GROUPS[0])
+def test_default_model_spec_equals_plain_on_every_prompt(algo, plain_reference):
+    check_spec_equals_plain(algo, plain_reference, full=True)

@@ -137,8 +137,8 @@ def every_kind_of_forward(r) -> torch.Tensor:
     return full
 
 
-def test_a_request_batched_with_others_gets_its_single_logits(gguf_dirs):
-    r = runner(gguf_dirs["q4_1"])
+def batched_and_alone(r) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three prompts' logits prefilled together and one at a time, on runner `r`."""
     prompts = [PROMPT, PROMPT[3:9], [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 20, 30]]
     alone = [prefill_logits(r, p).logits for p in prompts]
     start, slots = 1, []
@@ -146,8 +146,31 @@ def test_a_request_batched_with_others_gets_its_single_logits(gguf_dirs):
         slots.append(torch.arange(start, start + len(p)))
         start += len(p)
     b = ForwardBatch.build(ForwardMode.EXTEND, prompts, slots, [0, 0, 0], logits="all")
-    batched = r.forward(b).logits
-    assert torch.equal(batched, torch.cat(alone))
+    return r.forward(b).logits, torch.cat(alone)
+
+
+def test_a_request_batched_with_others_gets_its_single_logits(gguf_dirs):
+    batched, alone = batched_and_alone(runner(gguf_dirs["q4_1"]))
+    assert torch.equal(batched, alone)
+
+
+def test_the_batch_check_catches_a_one_ulp_difference(gguf_dirs, monkeypatch):
+    """The negative control of batch invariance: an engine whose batched rows differ from the
+    rows alone by one unit in the last place of one logit fails the check above."""
+    r = runner(gguf_dirs["q4_1"])
+    real = r.forward
+
+    def off_by_one_ulp(batch, *args, **kwargs):
+        out = real(batch, *args, **kwargs)
+        if batch.batch_size > 1:
+            logits = out.logits.clone()  # the engine's are inference tensors
+            logits[0, 7] = torch.nextafter(logits[0, 7], torch.tensor(float("inf")))
+            return out._replace(logits=logits)
+        return out
+
+    monkeypatch.setattr(r, "forward", off_by_one_ulp)
+    batched, alone = batched_and_alone(r)
+    assert not torch.equal(batched, alone)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from corpora import rewrite_prompts, schema_prompts
+from corpora import extraction_prompts, rewrite_prompts, schema_prompts
 from corpora.datasets import (
     DatasetError,
     load_sharegpt,
@@ -182,6 +182,15 @@ def test_rewrite_sampling_is_deterministic_and_splits_are_disjoint(tmp_path: Pat
     assert all(split_of(cid) == "train" for cid in train)
 
 
+def split_ids(dataset: str, path: Path) -> set[str]:
+    """The held-out request ids of a dataset, checked non-empty and disjoint from training's."""
+    tok = WordTokenizer()
+    held, train = ({r.id for r in sample_requests(dataset, 1000, tok, 0, dataset_path=path,
+                                                  split=split)} for split in ("heldout", "train"))
+    assert held and train and not held & train
+    return held
+
+
 def test_schema_prompts_cycle_tasks_quote_the_message_and_split_disjointly(tmp_path: Path
                                                                           ) -> None:
     path = rewrite_corpus(tmp_path)
@@ -199,12 +208,24 @@ def test_schema_prompts_cycle_tasks_quote_the_message_and_split_disjointly(tmp_p
         assert len(message.split()) == 10  # the conversation's first user turn
         assert all(a in text for a in task.examples)  # both worked examples
         assert 1 <= r.max_new_tokens <= 64
-    held = {r.id for r in sample_requests("schema", 1000, tok, 0, dataset_path=path,
-                                          split="heldout")}
-    train = {r.id for r in sample_requests("schema", 1000, tok, 0, dataset_path=path,
-                                           split="train")}
-    assert held and train and not held & train
+    held = split_ids("schema", path)
     assert all(split_of(i.removeprefix("schema-")) == "heldout" for i in held)
+
+
+def test_extraction_prompts_carry_their_schema_and_split_disjointly(tmp_path: Path) -> None:
+    path = rewrite_corpus(tmp_path)
+    tok = WordTokenizer()
+    reqs = sample_requests("extraction", 12, tok, seed=2, dataset_path=path, max_new_tokens=64)
+    assert len(reqs) == 12 and len({r.id for r in reqs}) == 12
+    names = [t.name for t in extraction_prompts.TASKS]
+    assert [r.kind for r in reqs[:6]] == [f"extraction:{n}" for n in names * 2]
+    for r in reqs:
+        task = next(t for t in extraction_prompts.TASKS if r.kind == f"extraction:{t.name}")
+        assert r.extra["json_schema"] == task.schema
+        text = r.messages[0]["content"]
+        assert text.startswith(task.instruction) and json.dumps(task.schema) in text
+        assert 1 <= r.max_new_tokens <= 64
+    split_ids("extraction", path)
 
 
 def test_sharegpt_sampling_prunes_lengths_and_caps_output(tmp_path: Path) -> None:

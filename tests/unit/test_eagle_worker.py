@@ -231,7 +231,7 @@ def test_head_kv_after_spec_steps_equals_one_draft_extend_of_the_history(target,
     pool = drafter.head.kv_pool
     for cache in (pool.k[0], pool.v[0], runner.kv_pool.k[-1]):
         torch.testing.assert_close(cache[slots], cache[fresh], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(drafter.states["r"].hidden, base.hidden[-1], atol=1e-4,
+    torch.testing.assert_close(drafter.reqs["r"].state.hidden, base.hidden[-1], atol=1e-4,
                                rtol=1e-4)
     h.sched.allocator.free(fresh)
     h.run()
@@ -290,7 +290,7 @@ def test_a_request_that_does_not_draft_runs_the_head_in_batches_not_per_step(tar
     assert all(fused for fused, _ in calls)  # extends only, no draft step
     assert sum(n for _, n in calls) >= rows - 2  # every committed row, once
     assert len(calls) <= rows // 64 + 2 * len(ps), calls  # in batches, not one per step
-    assert not drafter.pending
+    assert not drafter.reqs  # released: nothing kept
     h.sched.check_no_leak()
 
 
@@ -325,7 +325,7 @@ def test_an_idle_request_drops_its_rows_and_stays_exact_when_it_drafts_again(
     assert h.sched.info()["spec_decode_num_draft_tokens"] > 0  # it drafted again, verified
     for i in range(len(ps)):
         worker.release(f"r{i}")
-    assert not drafter.pending and not drafter.idle
+    assert not drafter.reqs  # every request's rows and state dropped at release
     h.sched.check_no_leak()
 
 
@@ -365,7 +365,7 @@ def test_while_nobody_drafts_prompts_skip_the_head_until_a_probe(target, truth, 
         assert rows_run == []  # no prompt, no committed row went through the head
     for i in range(len(ps)):
         worker.release(f"r{i}")
-    assert not drafter.pending
+    assert not drafter.reqs  # released: nothing kept
     h.sched.check_no_leak()
 
 
@@ -403,11 +403,12 @@ def test_runs_split_by_a_gap_go_through_the_head_in_one_batch_as_one_after_anoth
                 drafter._catch_up(["r"])
         if one_batch:
             assert rows_run == []  # nothing went through the head at the gap
-            assert [(q.start, q.end) for q in drafter.waited["r"]] == [(0, 12)]
+            assert [(q.start, q.end) for q in drafter.reqs["r"].waited] == [(0, 12)]
             drafter._catch_up(["r"])  # as `propose` does for a request that drafts
             assert rows_run == [30 - 5]
-        assert not drafter.pending and not drafter.waited
-        st = drafter.states["r"]
+        q = drafter.reqs["r"]
+        assert q.pending is None and not q.waited
+        st = q.state
         return [t[slots].clone() for t in pool.k + pool.v], st.logits.clone(), st.hidden.clone()
 
     kv1, logits1, hidden1 = head_after(one_batch=False)

@@ -1,6 +1,7 @@
 """MEDUSA: the public Medusa-1 layout (safetensors and weights-only .pt) and our tied variant
 load, mismatched checkpoints fail clearly, the static sparse tree follows the choices, and
-greedy output equals plain decoding on the tiny model at batch 1 and 8."""
+greedy and seeded output equal plain decoding on the tiny model at batch 1 and 8, with drafts
+accepted (heads steered toward the known continuation)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import json
 import pytest
 import torch
 
+from runtime.model_runner.local_generator import LocalGenerator
 from runtime.model_runner.runner_process import RunnerWorker
+from runtime.sampling.sampling_params import SamplingParams
 from speculative.base import RunnerReq, SpecConfig, create_drafter
-from speculative.drafters.medusa import parse_choices
+from speculative.drafters.medusa import MedusaDrafter, parse_choices
 from speculative.models.medusa import MedusaError, MedusaHeads, load_medusa, save_medusa
 from speculative.worker import SpeculativeWorker
 from tests.integration.test_spec_lossless import copy_heavy_prompts
@@ -127,22 +130,49 @@ def test_the_tree_follows_the_choices(tiny, tmp_path):  # noqa: F811
     assert cut.tokens.numel() == 3  # the budget cuts
 
 
+class SteeredMedusa(MedusaDrafter):
+    """Makes each head's known next token (from `truth`: prompt -> output) its top score in
+    three requests' steps of four (the fourth left as the heads have it)."""
+
+    truth: dict[tuple, list[int]]
+
+    def _head_logits(self, reqs):
+        logits = super()._head_logits(reqs).clone()  # [depth, B, V]
+        for b, r in enumerate(reqs):
+            cont = next((out[len(r.tokens) - len(p):] for p, out in self.truth.items()
+                         if list(p) == r.tokens[: len(p)]), [])
+            if len(r.tokens) % 4 == 3:
+                continue
+            for d in range(min(len(cont), logits.shape[0])):
+                logits[d, b, cont[d]] = logits[d, b].max() + 6.0
+        return logits
+
+
+@pytest.mark.parametrize("params", [{"temperature": 0.0},
+                                    {"temperature": 0.8, "top_p": 0.9, "seed": 0}],
+                         ids=["greedy", "seeded"])
 @pytest.mark.parametrize("concurrency", [1, 8])
-def test_tiny_model_medusa_greedy_equals_plain(tiny, tmp_path, concurrency):  # noqa: F811
+def test_tiny_model_medusa_equals_plain_with_drafts_accepted(tiny, tmp_path, concurrency,  # noqa: F811
+                                                            params):
     path = identity_heads(tiny[0], tmp_path / "heads")
-    prompts = copy_heavy_prompts(50, seed=30 + concurrency)
-    ref = reference(tiny, prompts, ignore_eos=True, max_new_tokens=20)
+    prompts = copy_heavy_prompts(24, seed=30 + concurrency)
+    sps = [SamplingParams(max_new_tokens=20, ignore_eos=True,
+                          **{**params, **({"seed": 100 + i} if "seed" in params else {})})
+           for i in range(len(prompts))]
+    ref = [r.output_ids for r in LocalGenerator(tiny[1]).generate(prompts, sps)]
     h = Harness(tiny, num_draft_tokens=6, max_running_requests=concurrency)
-    cfg = SpecConfig("MEDUSA", 6, draft_model_path=str(path))
+    cfg = SpecConfig("MEDUSA", 6, draft_model_path=str(path), disable_adaptive=True)
     runner = tiny[1]
-    h.worker = RunnerWorker(runner, SpeculativeWorker(cfg, create_drafter(cfg, runner), runner))
-    h.sched.run_batch = h.worker.run
-    for i, p in enumerate(prompts):
-        h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=20)
+    drafter = SteeredMedusa(cfg, runner)
+    drafter.truth = {tuple(p): r for p, r in zip(prompts, ref)}
+    h.worker = RunnerWorker(runner, SpeculativeWorker(cfg, drafter, runner))
+    for i, (p, sp) in enumerate(zip(prompts, sps)):
+        h.submit(f"r{i}", p, **sp.to_dict())
     h.run()
-    assert [h.outputs[f"r{i}"] for i in range(50)] == ref
+    assert [h.outputs[f"r{i}"] for i in range(len(prompts))] == ref
     info = h.sched.info()
-    assert info["spec_decode_num_draft_tokens"] > 0
+    assert info["spec_decode_num_accepted_tokens"] > 0.3 * info["spec_decode_num_draft_tokens"]
+    assert info["avg_spec_accept_length"] > 1.5, info["avg_spec_accept_length"]
     h.sched.check_no_leak()
 
 

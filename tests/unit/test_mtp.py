@@ -1,7 +1,9 @@
 """MTP modules inside a checkpoint: a synthetic Qwen2 checkpoint with MiMo's `model.mtp_layers.0`
 (and one with DeepSeek-style `model.layers.{N}` + `eh_proj`) loads into the EAGLE-style worker,
 computes what the layout's reference does (checked against Hugging Face's Qwen2 decoder layer),
-drafts, and is lossless; a checkpoint without MTP layers fails with a clear message."""
+drafts, and is lossless, greedy and seeded, with drafts accepted (the module steered toward the
+known continuation, as the EAGLE tests steer their heads); a checkpoint without MTP layers
+fails with a clear message."""
 
 from __future__ import annotations
 
@@ -19,11 +21,17 @@ from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
 from runtime.model_runner.runner_process import RunnerWorker
 from runtime.sampling.sampling_params import SamplingParams
 from speculative.base import SpecConfig, create_drafter
+from speculative.drafters.eagle import MtpDrafter
 from speculative.models.mtp_head import load_mtp_head
 from speculative.worker import SpeculativeWorker
 from tests.helpers.tiny_models import write_tiny_model
 from tests.integration.test_spec_lossless import copy_heavy_prompts
+from tests.unit.test_eagle_worker import Steered, hints_of
 from tests.unit.test_scheduler import Harness
+
+
+class SteeredMtp(Steered, MtpDrafter):
+    pass
 
 
 def add_mtp(model_dir: Path, layout: str, seed: int = 9) -> dict[str, torch.Tensor]:
@@ -129,20 +137,29 @@ def test_a_checkpoint_without_mtp_layers_fails_clearly(tmp_path):
         create_drafter(SpecConfig("MTP", 3, num_steps=2, eagle_topk=1), runner)
 
 
+@pytest.mark.parametrize("params", [{"temperature": 0.0},
+                                    {"temperature": 0.8, "top_p": 0.9, "seed": 0}],
+                         ids=["greedy", "seeded"])
 @pytest.mark.parametrize("concurrency", [1, 8])
-def test_mtp_greedy_equals_plain(mtp_model, concurrency):
+def test_mtp_equals_plain_with_drafts_accepted(mtp_model, concurrency, params):
     _, d, _, runner = mtp_model
-    prompts = copy_heavy_prompts(50, seed=40 + concurrency)
+    prompts = copy_heavy_prompts(24, seed=40 + concurrency)
     gen = LocalGenerator(runner)
-    sp = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
-    ref = [r.output_ids for r in gen.generate(prompts, [sp] * len(prompts))]
+    sps = [SamplingParams(max_new_tokens=16, ignore_eos=True,
+                          **{**params, **({"seed": 100 + i} if "seed" in params else {})})
+           for i in range(len(prompts))]
+    ref = [r.output_ids for r in gen.generate(prompts, sps)]
     cfg = SpecConfig("MTP", 4, num_steps=2, eagle_topk=2, disable_adaptive=True)
+    drafter = SteeredMtp(cfg, runner)
+    drafter.hints = hints_of(prompts, ref)
     h = Harness((d, runner), num_draft_tokens=4, max_running_requests=concurrency)
-    h.worker = RunnerWorker(runner, SpeculativeWorker(cfg, create_drafter(cfg, runner), runner))
-    h.sched.run_batch = h.worker.run
-    for i, p in enumerate(prompts):
-        h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=16)
+    h.worker = RunnerWorker(runner, SpeculativeWorker(cfg, drafter, runner))
+    for i, (p, sp) in enumerate(zip(prompts, sps)):
+        h.submit(f"r{i}", p, **sp.to_dict())
     h.run()
-    assert [h.outputs[f"r{i}"] for i in range(50)] == ref
-    assert h.sched.info()["spec_decode_num_draft_tokens"] > 0
+    assert [h.outputs[f"r{i}"] for i in range(len(prompts))] == ref
+    info = h.sched.info()
+    # steered drafts land: a decisive share of the drafts, not a handful
+    assert info["spec_decode_num_accepted_tokens"] > 0.3 * info["spec_decode_num_draft_tokens"]
+    assert info["avg_spec_accept_length"] > 1.5, info["avg_spec_accept_length"]
     h.sched.check_no_leak()

@@ -135,7 +135,7 @@ def test_the_trie_counts_a_request_before_it_drafts_and_all_of_it_when_it_ends()
     d.propose([RunnerReq.drafting("q", other, 1, GREEDY)])
     d.release("q")
     assert _ngram_counts(d.cache) == before
-    assert not d._counted and not d._history
+    assert not d.reqs
 
 
 def test_a_short_match_drafts_the_requests_own_continuation_first():
@@ -169,13 +169,14 @@ def test_a_short_match_drafts_the_requests_own_continuation_first():
 
 def test_release_and_reset_drop_request_contexts_and_the_count_is_bounded():
     d = _drafter(True)
-    d._max_contexts = 3
+    d._max_reqs = 3
     for i in range(5):
         toks = [1, 2, 1, 2, 1]
         d.observe(f"r{i}", toks, len(toks))
         d.propose([RunnerReq.drafting(f"r{i}", toks, 8, SamplingParams(temperature=0.0))])
-    assert len(d._contexts) == 3 and "r0" not in d._contexts
+    assert len(d.reqs) == 3 and "r0" not in d.reqs
+    assert all(q.context is not None for q in d.reqs.values())
     d.release("r4")
-    assert "r4" not in d._contexts
+    assert "r4" not in d.reqs
     d.reset()
-    assert not d._contexts
+    assert not d.reqs

@@ -32,10 +32,11 @@ class Harness:
     draft sizes, every request its cap every step, unless `load_aware=True` (the controller
     plans: speculative/controller.py) — speculative tests check what a draft of a given size
     does, the controller's own tests what size it picks. `max_draft_tokens` / `deep_for_all`
-    are the controller's `TreeSizes.alone` / `deep_for_all`."""
+    are the controller's `TreeSizes.alone` / `deep_for_all`; `tree_sizes` gives the controller
+    those sizes instead (a controller for JUMP_FORWARD: TreeSizes(1, 1))."""
 
     def __init__(self, tiny, capacity=4096, num_draft_tokens=1, load_aware=False,
-                 max_draft_tokens=None, deep_for_all=False, **cfg):
+                 max_draft_tokens=None, deep_for_all=False, tree_sizes=None, **cfg):
         model_dir, runner = tiny
         self.worker = RunnerWorker(runner)
         self.outputs: dict[str, list[int]] = {}
@@ -43,9 +44,10 @@ class Harness:
         self.meta: dict[str, dict] = {}
         stop = StopChecker(load_tokenizer(model_dir), [2], 256)
         spec = None
-        if num_draft_tokens > 1:
-            sizes = TreeSizes(num_draft_tokens, max_draft_tokens or num_draft_tokens,
-                              deep_for_all=deep_for_all)
+        if num_draft_tokens > 1 or tree_sizes is not None:
+            sizes = tree_sizes or TreeSizes(num_draft_tokens,
+                                            max_draft_tokens or num_draft_tokens,
+                                            deep_for_all=deep_for_all)
             spec = SpecController(sizes, stored_verify_cost("cpu"), adaptive=load_aware)
         self.sched = Scheduler(SchedulerConfig(**cfg), capacity, stop,
                                lambda msg: self.worker.run(msg), self.emit, spec)

@@ -280,6 +280,6 @@ def test_probe_intervals_are_bounded():
     c = ctl(4)
     c.prior = [50.0, 1.0]
     st = ReqSpec(0.0, 10.0, interval=MAX_PROBE_INTERVAL)
-    st.out, st.bar = "probe", 1.0
+    st.out = "probe"
     c._learn_outcome(st, False)
     assert st.interval == MAX_PROBE_INTERVAL

@@ -154,13 +154,13 @@ def test_abort_mid_speculation_returns_kv_and_drafter_state(tiny_vocab, heads, a
     assert h.sched.allocator.num_free == h.sched.allocator.capacity
     assert not h.worker.states
     if algo == "NGRAM":
-        assert not drafter._contexts
+        assert not drafter.reqs
     elif algo == "SUFFIX":  # own trees dropped (the flush also emptied the global tree)
-        assert not drafter.trees and not drafter.outputs
+        assert not drafter.reqs and not drafter.outputs
     elif algo == "LOOKAHEAD":  # windows dropped
         assert not drafter.reqs
     else:
-        assert not drafter.states
+        assert not drafter.reqs
 
 
 def record_trees(drafter) -> list[tuple[int, list[int], list[int]]]:

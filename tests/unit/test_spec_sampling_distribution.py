@@ -48,24 +48,35 @@ def tiny_vocab(tmp_path_factory):
     return d, runner
 
 
-def next_dists(runner, seqs: list[list[int]], params: dict = PARAMS) -> torch.Tensor:
-    """Processed next-token distributions [len(seqs), V] after PROMPT + each continuation."""
+def next_dists(runner, seqs: list[list[int]], params: dict = PARAMS,
+               allowed=None) -> torch.Tensor:
+    """Processed next-token distributions [len(seqs), V] after PROMPT + each continuation;
+    `allowed(last token or None)` lists the tokens a grammar allows there (masked first, as
+    the runtime does)."""
     full = [PROMPT + s for s in seqs]
     slots = [torch.arange(1, len(f) + 1) + 16 * i for i, f in enumerate(full)]
     logits = runner.forward(ForwardBatch.build(ForwardMode.EXTEND, full, slots,
                                                [0] * len(full))).logits
+    if allowed is not None:
+        logits = logits.clone()
+        for i, s in enumerate(seqs):
+            ok = torch.zeros(VOCAB, dtype=torch.bool)
+            ok[allowed(s[-1] if s else None)] = True
+            logits[i, ~ok] = float("-inf")
     info = SamplingBatchInfo.from_params([SamplingParams(**params)] * len(seqs), VOCAB)
     logits = apply_penalties(logits, info, [PROMPT] * len(seqs), seqs)
     return process_logits(logits, info).double()
 
 
-def pair_joints(runner, params: dict = PARAMS, tokens: int = TOKENS) -> list[torch.Tensor]:
-    """Exact p(t_k, t_k+1) [V, V] for k = 1 .. tokens - 1 under the processed distribution."""
+def pair_joints(runner, params: dict = PARAMS, tokens: int = TOKENS,
+                allowed=None) -> list[torch.Tensor]:
+    """Exact p(t_k, t_k+1) [V, V] for k = 1 .. tokens - 1 under the processed distribution
+    (masked by `allowed`, as `next_dists`)."""
     prefixes = {(): torch.tensor(1.0, dtype=torch.float64)}  # continuation → its probability
     joints = []
     for k in range(tokens):
         keys = [c for c, pr in prefixes.items() if pr > 0]
-        dists = next_dists(runner, [list(c) for c in keys], params)  # [len(keys), V]
+        dists = next_dists(runner, [list(c) for c in keys], params, allowed)  # [keys, V]
         nxt = {}
         pair = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
         for c, d in zip(keys, dists):

@@ -328,5 +328,56 @@ def test_steps_without_draft_slots_are_plain_for_model_free_drafters(tiny, monke
             assert bool(drafter.proposed) == slots
             if algorithm == "NGRAM":
                 assert (drafter.cache.num_nodes > 0) == slots
-                assert len(drafter._history) <= 1  # (the last release rides the next batch)
+                assert len(drafter.reqs) <= 1  # (the last release rides the next batch)
             h.sched.check_no_leak()
+
+
+# ---- negative controls: each check above fails when its bug is put in ------------------------
+def test_the_equality_check_catches_a_verifier_that_accepts_a_wrong_draft(tiny, monkeypatch):  # noqa: F811
+    """The greedy equality the lossless tests assert is not vacuous: a verifier that accepts a
+    tree's first child whatever the target says produces other tokens, and the comparison
+    with plain decoding sees it."""
+    import speculative.worker as worker_mod
+    from speculative.verify import VerifyResult, greedy_walk
+
+    def accepts_the_first_child(tree, argmax):
+        if tree.num_nodes == 1 or tree.token_list[1] == argmax[0]:
+            return greedy_walk(tree, argmax)
+        return VerifyResult([0, 1], [tree.token_list[1]], argmax[1])
+
+    monkeypatch.setattr(worker_mod, "greedy_walk", accepts_the_first_child)
+    ps = prompts(6, seed=10)
+    ref = reference(tiny, ps, ignore_eos=True, max_new_tokens=24)
+    truth = {tuple(p): r for p, r in zip(ps, ref)}
+    h = spec_harness(tiny, lambda c, r: OracleMixDrafter(c, r, truth, 0),
+                     max_running_requests=3)
+    for i, p in enumerate(ps):
+        h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=24)
+    h.run()
+    assert [h.outputs[f"r{i}"] for i in range(6)] != ref
+
+
+def test_the_leak_check_catches_slots_a_step_forgot_to_free(tiny, monkeypatch):  # noqa: F811
+    """`check_no_leak` (asserted after every speculative test) fails when the scheduler keeps
+    a rejected draft's slot instead of freeing it."""
+    from runtime.mem_cache.allocator import TokenSlotAllocator
+
+    real_free = TokenSlotAllocator.free
+    lost = []
+
+    def free_all_but_one(self, slots):
+        if slots.numel() > 1 and not lost:
+            lost.append(int(slots[0]))
+            slots = slots[1:]
+        return real_free(self, slots)
+
+    monkeypatch.setattr(TokenSlotAllocator, "free", free_all_but_one)
+    ps = prompts(3, seed=12)
+    truth = {tuple(p): [] for p in ps}
+    h = spec_harness(tiny, lambda c, r: OracleMixDrafter(c, r, truth, 1))
+    for i, p in enumerate(ps):
+        h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=12)
+    h.run()
+    assert lost
+    with pytest.raises(AssertionError, match="KV leak"):
+        h.sched.check_no_leak()

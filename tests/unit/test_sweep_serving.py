@@ -22,11 +22,13 @@ def sweep_args(**kw) -> argparse.Namespace:
 def test_interleaved_rounds_rotate_flush_and_keep_the_median(monkeypatch, tmp_path):
     events: list[tuple] = []
     started: list[str] = []
+    checkouts: dict[str, object] = {}
 
     @contextlib.contextmanager
-    def fake_server(args, log_path, timeout_s=300):
+    def fake_server(args, log_path, timeout_s=300, checkout=sw.ROOT):
         url = f"http://{args[0]}"
         started.append(url)
+        checkouts[url] = checkout
         yield url
         events.append(("stop", url))
 
@@ -49,9 +51,10 @@ def test_interleaved_rounds_rotate_flush_and_keep_the_median(monkeypatch, tmp_pa
         config=[("A", ["a"]), ("B", ["b"])], common_args="", concurrency=[1, 4],
         dataset="sharegpt", split="heldout", num_prompts=2, prompts_per_slot=2,
         max_new_tokens=8, seed=1, rounds=3, output=str(tmp_path / "s.json"),
-        logprobs={"B": 5})
+        logprobs={"B": 5}, checkout={"A": tmp_path})
     res = sw.run_interleaved(args)
     assert started == ["http://a", "http://b"]  # all servers first
+    assert checkouts == {"http://a": tmp_path, "http://b": sw.ROOT}  # --checkout A=DIR
     runs = [e for e in events if e[0] == "run"]
     # every run follows a flush of its own server
     for i, e in enumerate(events):
@@ -72,7 +75,7 @@ def test_sequential_sweep_serves_every_level_from_one_server_each(monkeypatch, t
     events: list[tuple] = []
 
     @contextlib.contextmanager
-    def fake_server(args, log_path, timeout_s=300):
+    def fake_server(args, log_path, timeout_s=300, checkout=sw.ROOT):
         events.append(("start", args[0]))
         yield f"http://{args[0]}"
         events.append(("stop", args[0]))
@@ -184,3 +187,14 @@ def test_logprobs_option_names_a_configuration():
             sw.parse_logprobs(bad)
     with pytest.raises(SystemExit):
         sw.main(["--config", "none=", "--logprobs", "other=3"])
+
+
+def test_checkout_names_a_checkout_and_a_configuration(tmp_path):
+    (tmp_path / "launch_server.py").write_text("")
+    p = sw.build_parser()
+    args = p.parse_args(["--config", "old=", "--checkout", f"old={tmp_path}"])
+    assert args.checkout == [("old", tmp_path.resolve())]
+    with pytest.raises(SystemExit):  # a directory that is no checkout of this repository
+        p.parse_args(["--config", "old=", "--checkout", f"old={tmp_path / 'nothing'}"])
+    with pytest.raises(SystemExit):  # a label no --config has
+        sw.main(["--config", "new=", "--checkout", f"old={tmp_path}"])
