@@ -39,7 +39,9 @@ def gguf_raw(fmt: Fmt, n: int, k: int, seed: int = 0) -> np.ndarray:
 
 
 def dequantized(fmt: Fmt, raw: np.ndarray, k: int) -> np.ndarray:
-    return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[fmt.name]).reshape(-1, k)
+    # float64 whatever the gguf version returns (some give float32 for the legacy formats)
+    out = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[fmt.name])
+    return out.astype(np.float64).reshape(-1, k)
 
 
 def make_linear(fmt: Fmt, n: int, k: int, seed: int = 0, bias: torch.Tensor | None = None):
