@@ -6,8 +6,11 @@ For each prompt (the first user turn of a held-out ShareGPT conversation, as raw
 the prompt's tokens from our tokenizer and from llama-server's `/tokenize` (must be equal), then
 `--max-new-tokens` greedy tokens from each side (EOS ignored) with the top-2 log-probabilities
 of every step. Where the two texts part, the step is a near-tie when our top-2 gap there is at
-most `--tolerance` nats (two engines that round differently may pick either token); anything
-else is a mismatch. Needs llama.cpp built by ../shared/tools/build_llamacpp.sh. Prints a table
+most the tolerance: by default the largest difference between the two engines' log-probs of the
+same chosen token on the steps where they agree (what their rounding alone moves a logit by),
+or `--tolerance` nats; anything else is a mismatch. `--fp32-reference` adds a third opinion at
+every parting: transformers' float32 reading of the same GGUF, greedy from the same prompt
+(needs `accelerate`). Needs llama.cpp built by ../shared/tools/build_llamacpp.sh. Prints a table
 last and writes JSON (`--output`).
 """
 
@@ -31,10 +34,6 @@ from runtime.model_loader.default_model import resolve_model_path
 from runtime.model_loader.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
-# The exact engine multiplies ~22-bit activations, llama.cpp 8-bit ones (Q8_K / Q8_0 blocks):
-# their logits differ by a few hundredths of a nat on a small model, so a top-2 gap below this
-# may be resolved either way.
-DEFAULT_TOLERANCE = 0.1
 
 
 def completion_prompts(num: int, seed: int, split: str, tokenizer: Any,
@@ -62,13 +61,24 @@ def llama_side(url: str, prompt: str, n: int) -> dict[str, Any]:
             "top2": [[t["logprob"] for t in p["top_logprobs"][:2]] for p in probs]}
 
 
-def compare(ours: list[int], our_top2: list[list[float]], theirs: list[int],
-            tolerance: float) -> dict[str, Any]:
-    for i, (a, b) in enumerate(zip(ours, theirs)):
-        if a != b:
-            gap = our_top2[i][0] - our_top2[i][1]
-            return {"equal": False, "first_diff": i, "gap": gap, "near_tie": gap <= tolerance}
-    return {"equal": True, "first_diff": None, "gap": None, "near_tie": False}
+def first_diff(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+def fp32_reference(gguf: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """transformers' greedy tokens from the dequantized GGUF in float32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                              dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for ids in prompts:
+            seq = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=n,
+                              min_new_tokens=n)
+            out.append(seq[0, len(ids):].tolist())
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -82,8 +92,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--split", default="heldout")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
-                   help="our top-2 log-prob gap (nats) under which a parting step is a near-tie")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="our top-2 log-prob gap (nats) under which a parting step is a "
+                   "near-tie (default: the engines' largest log-prob difference where they agree)")
+    p.add_argument("--fp32-reference", action="store_true",
+                   help="at each parting, which side transformers' float32 reading agrees with")
     p.add_argument("--port", type=int, default=30171)
     p.add_argument("--output", default="results/parity_llamacpp.json")
     args = p.parse_args(argv)
@@ -123,38 +136,61 @@ def main(argv: list[str] | None = None) -> dict:
         finally:
             stop_server(proc)
 
+    spreads = []
+    for o, t in zip(ours, theirs):
+        upto = first_diff(o["ids"], t["ids"])
+        upto = len(o["ids"]) if upto is None else upto
+        # the chosen token's log-prob on both sides while the texts agree: the engines' spread
+        spreads.append(max((abs(a[0] - b[0]) for a, b in zip(o["top2"][:upto], t["top2"][:upto])),
+                           default=0.0))
+    tolerance = max(spreads, default=0.0) if args.tolerance is None else args.tolerance
+    parted = [i for i, (o, t) in enumerate(zip(ours, theirs))
+              if first_diff(o["ids"], t["ids"]) is not None]
+    ref: dict[int, list[int]] = {}
+    if args.fp32_reference and parted:
+        ref = dict(zip(parted, fp32_reference(
+            gguf, [tok.encode(prompts[i]) for i in parted], args.max_new_tokens)))
+
     rows, records = [], []
     for i, (prompt, o, t) in enumerate(zip(prompts, ours, theirs)):
         same_prompt = tok.encode(prompt) == t["prompt_ids"]
-        cmp = compare(o["ids"], o["top2"], t["ids"], args.tolerance)
-        # the chosen token's log-prob on both sides while the texts agree: the engines' spread
-        upto = cmp["first_diff"] if cmp["first_diff"] is not None else len(o["ids"])
-        spread = max((abs(a[0] - b[0]) for a, b in zip(o["top2"][:upto], t["top2"][:upto])),
-                     default=0.0)
+        at = first_diff(o["ids"], t["ids"])
+        gap = None if at is None else o["top2"][at][0] - o["top2"][at][1]
+        near_tie = gap is not None and gap <= tolerance
+        sides = "-"
+        if i in ref:  # who the float32 reference agrees with at the parting step
+            r = ref[i][at]
+            sides = "ours" if r == o["ids"][at] else "llama.cpp" if r == t["ids"][at] else "neither"
         records.append({"prompt": prompt[:200], "tokenization_equal": same_prompt,
-                        "prompt_tokens": len(t["prompt_ids"]), "logprob_spread": spread,
-                        **cmp, "ours": o["ids"], "llama.cpp": t["ids"]})
-        verdict = "equal" if cmp["equal"] else ("near-tie" if cmp["near_tie"] else "MISMATCH")
+                        "prompt_tokens": len(t["prompt_ids"]), "logprob_spread": spreads[i],
+                        "equal": at is None, "first_diff": at, "gap": gap, "near_tie": near_tie,
+                        "fp32_sides_with": sides if i in ref else None,
+                        "ours": o["ids"], "llama.cpp": t["ids"]})
+        verdict = "equal" if at is None else ("near-tie" if near_tie else "MISMATCH")
         rows.append([i, len(t["prompt_ids"]), "yes" if same_prompt else "NO", verdict,
-                     "-" if cmp["equal"] else cmp["first_diff"],
-                     "-" if cmp["equal"] else f"{cmp['gap']:.3f}", f"{spread:.3f}"])
+                     "-" if at is None else at, "-" if gap is None else f"{gap:.3f}",
+                     f"{spreads[i]:.3f}", sides])
     summary = {
         "prompts": len(records),
         "tokenization_equal": sum(r["tokenization_equal"] for r in records),
         "text_equal": sum(r["equal"] for r in records),
         "near_ties": sum(r["near_tie"] for r in records),
         "mismatches": sum(not r["equal"] and not r["near_tie"] for r in records),
-        "max_logprob_spread": max((r["logprob_spread"] for r in records), default=0.0),
+        "max_logprob_spread": max(spreads, default=0.0), "tolerance": tolerance,
+        "fp32_sides_with_ours": sum(r["fp32_sides_with"] == "ours" for r in records),
+        "fp32_checked": len(ref),
     }
     path = write_json(args.output, {"machine": machine_info(), "args": vars(args),
                                     "gguf": str(gguf), "summary": summary, "prompts": records})
     print(f"\nJSON: {path}\n")
     print(format_table(["#", "prompt tok", "same tokens", "text", "parts at", "our top-2 gap",
-                        "logprob spread"], rows))
+                        "logprob spread", "fp32 sides with"], rows))
     print(f"\n{summary['text_equal']}/{summary['prompts']} texts equal, "
-          f"{summary['near_ties']} near-ties (gap <= {args.tolerance}), "
+          f"{summary['near_ties']} near-ties (our top-2 gap <= {tolerance:.3f} nats), "
           f"{summary['mismatches']} mismatches; tokenization equal on "
-          f"{summary['tokenization_equal']}/{summary['prompts']}")
+          f"{summary['tokenization_equal']}/{summary['prompts']}"
+          + (f"; float32 reference agrees with ours at {summary['fp32_sides_with_ours']}/"
+             f"{len(ref)} partings" if ref else ""))
     return summary
 
 
