@@ -58,6 +58,7 @@ from runtime.model_loader.default_model import (
     packaged_gguf_path,
     resolve_model_path,
 )
+from runtime.tokenizer.chat_templates import read_template
 
 logger = logging.getLogger(__name__)
 DEFAULT_LLAMACPP_BIN = Path.home() / ".cache" / "llamacpp-peer" / "build" / "bin"
@@ -147,6 +148,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--endpoint", choices=("auto", "chat", "completions"), default="auto",
                    help="OpenAI API of the server runs; auto: chat where the model has a "
                    "chat template, else completions")
+    p.add_argument("--chat-template", default=None,
+                   help="a chat template name (chatml, gemma) both servers and the prompts use, "
+                   "for a model that ships none (chat datasets on a base model)")
     p.add_argument("--port", type=int, default=30170)
     p.add_argument("--output", default="results/bench_peers.json")
     args = p.parse_args(argv)
@@ -174,6 +178,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     if not args.skip_servers:
         tokenizer = load_bench_tokenizer(model_dir)
+        if args.chat_template:
+            tokenizer.chat_template = read_template(args.chat_template)
+        template = ["--chat-template", args.chat_template] if args.chat_template else []
         endpoint = args.endpoint
         if endpoint == "auto":
             endpoint = "chat" if getattr(tokenizer, "chat_template", None) else "completions"
@@ -182,7 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
         servers: list[tuple[str, list[str]]] = [
             ("ours", [sys.executable, "-m", "launch_server", "--model-path", str(gguf),
                       "--num-threads", str(args.threads), "--log-level", "warning",
-                      "--port", str(args.port), "--disable-grammar-jump-forward"])]
+                      "--port", str(args.port), *template, "--disable-grammar-jump-forward"])]
         for cfg in args.ours:
             algo, _, rest = cfg.partition(":")
             extra = [x for kv in rest.split(",") if kv for x in
@@ -190,7 +197,8 @@ def main(argv: list[str] | None = None) -> dict:
             servers.append((f"ours {cfg}", servers[0][1][:-1] + ["--speculative-algorithm", algo]
                             + extra))
         llama = [str(bin_dir / "llama-server"), "-m", str(gguf), "-t", str(args.threads),
-                 "-c", "8192", "-np", "1", "--port", str(args.port), "--host", "127.0.0.1"]
+                 "-c", "8192", "-np", "1", "--port", str(args.port), "--host", "127.0.0.1",
+                 *template]
         if not args.skip_llamacpp:
             servers.append(("llama.cpp", llama))
             servers += [(f"llama.cpp {s}", llama + ["--spec-type", s])
