@@ -94,7 +94,7 @@ from corpora.datasets import (
 )
 
 logger = logging.getLogger("bench_speculative")
-DATASETS = ("sharegpt", "rewrite", "schema", "custom")
+DATASETS = ("sharegpt", "rewrite", "schema", "extraction", "custom")
 WARMUP_MESSAGES = [{"role": "user", "content": "Count from one to ten, in words."}]
 WARMUP_MAX_NEW_TOKENS = 16
 

@@ -37,7 +37,8 @@ class Msg(msgspec.Struct, tag=True, array_like=False):
 
 class GrammarPayload(msgspec.Struct):
     """A compiled grammar on its way from the tokenizer process (which compiled it) to the model
-    runner: the backend's own bytes (xgrammar: its JSON serialization), never pickled.
+    runner: the backend's own bytes (xgrammar: its JSON serialization) zlib-compressed, never
+    pickled.
     `key` names it in both processes' caches (runtime/constrained/)."""
 
     key: str

@@ -1,12 +1,12 @@
 """Grammars in the model runner: loading compiled grammars, matchers, masking logits rows.
 
 The runner never compiles. A request's first batch entry brings its compiled grammar as bytes
-(`GrammarPayload`); `RunnerGrammars.load` looks its key up in an LRU of loaded grammars and
-otherwise deserializes it on a background thread, which runs while the step's forward does
-(xgrammar releases the GIL; deserializing costs ~15 ms per MiB, capped by the tokenizer
-process at 8 MiB). The request's matcher is made when its first token is sampled, after that
-forward. Matchers are plain objects owned by the runner's per-request state: releasing the
-request drops them (`live` counts them, for tests).
+(`GrammarPayload`, zlib-compressed); `RunnerGrammars.load` looks its key up in an LRU of loaded
+grammars and otherwise inflates and deserializes it on a background thread, which runs while
+the step's forward does (xgrammar releases the GIL; ~20 ms per shipped MiB, capped by the
+tokenizer process at 32 MiB). The request's matcher is made when its first token is sampled,
+after that forward. Matchers are plain objects owned by the runner's per-request state:
+releasing the request drops them (`live` counts them, for tests).
 
 `mask_output` applies matchers to a forward's logits rows: forbidden tokens become -inf, the
 rows' argmax is recomputed (the CPU engine found the raw one inside the forward), and their
@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import weakref
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -59,7 +60,7 @@ class RunnerGrammars:
         return fut
 
     def _load(self, data: bytes):
-        return self._backend.result().load(data)
+        return self._backend.result().load(zlib.decompress(data))
 
     def matcher(self, loading: Future) -> Matcher:
         """A new matcher of a grammar `load` returned (waiting for it if still loading); a
