@@ -22,7 +22,7 @@ from runtime.layers.linear import Linear
 from runtime.layers.norm import RMSNorm
 from runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from runtime.model_loader.config import ModelConfig
-from runtime.models.llama import LlamaForCausalLM, ModelOutput, _param
+from runtime.models.llama import LlamaForCausalLM, LlamaMLP, ModelOutput, _param
 
 
 class Gemma3Attention(nn.Module):
@@ -53,16 +53,8 @@ class Gemma3Attention(nn.Module):
         return self.o_proj(out.reshape(t, self.q_size))
 
 
-class Gemma3MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -73,7 +65,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.self_attn = Gemma3Attention(cfg, layer_id)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.mlp = Gemma3MLP(cfg)
+        self.mlp = LlamaMLP(cfg, gelu_tanh)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
 
     def forward(self, x, cos_sin, backend, batch) -> torch.Tensor:

@@ -7,7 +7,7 @@ the caller asks for, and optional capture of hidden states entering chosen layer
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 import torch
@@ -77,15 +77,19 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """Gated MLP: down(act(gate) * up); `act` is SiLU for Llama, GELU-tanh for Gemma."""
+
+    def __init__(self, cfg: ModelConfig,
+                 act: Callable[[torch.Tensor], torch.Tensor] = F.silu) -> None:
         super().__init__()
         self.intermediate = cfg.intermediate_size
+        self.act = act
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
