@@ -22,7 +22,7 @@ from runtime.layers.linear import Linear
 from runtime.layers.norm import RMSNorm
 from runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from runtime.model_loader.config import ModelConfig
-from runtime.models.llama import LlamaForCausalLM, LlamaMLP, ModelOutput, _param
+from runtime.models.llama import LlamaForCausalLM, LlamaMLP, _param
 
 
 class Gemma3Attention(nn.Module):
@@ -97,29 +97,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         scale = torch.tensor(self.config.embed_scale, dtype=self.embed_tokens.dtype)
         return F.embedding(input_ids, self.embed_tokens) * scale
 
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, backend: AttentionBackend,
-                return_final_hidden: bool = False, layers: tuple[int, int] | None = None,
-                hidden_in: torch.Tensor | None = None) -> ModelOutput:
-        """As `LlamaForCausalLM.forward`; cos_sin is (global, local) RoPE."""
-        begin, end = layers if layers is not None else (0, len(self.layers))
-        end = len(self.layers) if end < 0 else end
-        assert 0 <= begin <= end <= len(self.layers), f"bad layer range {layers}"
-        assert begin == 0 or hidden_in is not None, "layer_begin > 0 needs hidden_in"
-        x = self.embed(batch.input_ids) if hidden_in is None else hidden_in
-        cos_sin = (self.rotary.cos_sin(batch.positions), self.rotary_local.cos_sin(batch.positions))
-        captured: dict[int, torch.Tensor] = {}
-        for i in range(begin, end):
-            if i in batch.capture_layers:
-                captured[i] = x
-            x = self.layers[i](x, cos_sin, backend, batch)
-        if end in batch.capture_layers:
-            captured[end] = x
-        if return_final_hidden:
-            final = self.norm(x)
-            return ModelOutput(self.compute_logits(final[batch.logits_indices]), captured, final)
-        return ModelOutput(self.compute_logits(self.norm(x[batch.logits_indices])), captured,
-                           None)
+    def rope_tables(self, positions: torch.Tensor):
+        return self.rotary.cos_sin(positions), self.rotary_local.cos_sin(positions)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def plus_one(items):

@@ -131,6 +131,10 @@ class LlamaForCausalLM(nn.Module):
         """hidden [n, hidden] (already normed) → logits [n, vocab] float32."""
         return self.lm_head(hidden).float()
 
+    def rope_tables(self, positions: torch.Tensor):
+        """What each layer's attention rotates q and k with (Gemma 3: a global and a local)."""
+        return self.rotary.cos_sin(positions)
+
     @torch.inference_mode()
     def forward(
         self, batch: ForwardBatch, backend: AttentionBackend, return_final_hidden: bool = False,
@@ -144,7 +148,7 @@ class LlamaForCausalLM(nn.Module):
         assert 0 <= begin <= end <= len(self.layers), f"bad layer range {layers}"
         assert begin == 0 or hidden_in is not None, "layer_begin > 0 needs hidden_in"
         x = self.embed(batch.input_ids) if hidden_in is None else hidden_in  # [T, hidden]
-        cos_sin = self.rotary.cos_sin(batch.positions)
+        cos_sin = self.rope_tables(batch.positions)
         captured: dict[int, torch.Tensor] = {}
         for i in range(begin, end):
             if i in batch.capture_layers:
