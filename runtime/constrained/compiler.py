@@ -24,7 +24,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from runtime.constrained import build_in_background
 from runtime.constrained.base import GrammarBackend, GrammarCompileError
 from runtime.constrained.spec import GrammarSpec
 from runtime.errors import InvalidRequestError
@@ -49,7 +48,8 @@ class GrammarCompiler:
     def __init__(self, make_backend: Callable[[], GrammarBackend], timeout_s: float = 10.0,
                  on_compile: Callable[[float], None] | None = None) -> None:
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
-        self._backend: Future = build_in_background(make_backend)
+        # the backend is built in the pool (xgrammar reads the whole vocabulary: ~0.2 s)
+        self._backend: Future = self._pool.submit(make_backend)
         self.timeout_s = timeout_s
         self.on_compile = on_compile
         self._cache: OrderedDict[str, GrammarPayload | InvalidRequestError] = OrderedDict()

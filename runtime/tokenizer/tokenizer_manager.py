@@ -120,8 +120,8 @@ class TokenizerManager:
         self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
 
     def _grammar_compiler(self) -> GrammarCompiler | None:
-        """The grammar compiler (None with --grammar-backend none); its backend is built from
-        now on at the lowest CPU priority (`build_in_background`)."""
+        """The grammar compiler (None with --grammar-backend none); its backend is built in a
+        worker thread from now on, so the first request with a grammar rarely waits for it."""
         args = self.server_args
         if args.grammar_backend == "none":
             return None
