@@ -57,6 +57,8 @@ class GenerateReq(Msg):
     # none (the least urgent, as SGLang)
     priority: int | None = None
     grammar: GrammarPayload | None = None  # the compiled grammar the output must match
+    spec_trace: bool = False  # report every step's draft tree and outcome (`TraceStep`)
+    disable_speculation: bool = False  # decode plainly (the output is the same either way)
 
 
 class AbortReq(Msg):
@@ -71,6 +73,31 @@ class GetInfoReq(Msg):
     req_id: str
 
 
+class SpecStep(msgspec.Struct, omit_defaults=True):
+    """What a verify step did for one request that asked for a trace: the tree the target
+    verified (nodes in topological order, node 0 the root), the accepted path and the bonus
+    token. `draft_probs[i]`: the drafter's probability of node i's token at its parent (1.0 for
+    the root); None where the drafter is deterministic (n-gram)."""
+
+    tokens: list[int]
+    parents: list[int]
+    accepted: list[int]  # node indices, root first
+    bonus: int
+    draft_probs: list[float] | None = None
+    draft_s: float = 0.0  # the step's drafting time (every request's trees)
+
+
+class TraceStep(msgspec.Struct, omit_defaults=True):
+    """One step that gave a traced request tokens: `output` (after any stop cut) starts at
+    output index `start`; `tree` is None for a plain step (no draft)."""
+
+    start: int
+    output: list[int]
+    step_s: float  # the model runner's time for the whole step
+    batch_size: int
+    tree: SpecStep | None = None
+
+
 # ---- received by the tokenizer process / Engine (from the scheduler) -------------------------
 class TokenOut(Msg):
     """New tokens for some requests. `finish_reasons[i]` is None while request i runs."""
@@ -81,6 +108,8 @@ class TokenOut(Msg):
     meta_infos: list[dict]
     # per request, for those that asked: the new tokens' logprobs (runtime/sampling/logprobs.py)
     logprobs: list[dict | None] | None = None
+    # per request, for those that asked: the steps that gave it these tokens
+    spec_trace: list[list[TraceStep] | None] | None = None
 
 
 class InfoOut(Msg):
@@ -117,6 +146,7 @@ class ReqBatchEntry(Msg):
     # may get more slots than that, for the tokens its grammar forces)
     draft_nodes: int = 0
     grammar: GrammarPayload | None = None  # also sent once, with the parameters
+    spec_trace: bool = False  # also sent once: report its verify steps (`SpecStep`)
 
 
 class RunBatch(Msg):
@@ -151,6 +181,8 @@ class BatchResult(Msg):
     # per request when some follow a grammar: "" (still matching, or none), GRAMMAR_END (its
     # grammar is complete: the request is done), GRAMMAR_REJECTED (a token it could not match)
     grammar_states: list[str] | None = None
+    # speculative steps in which a traced request drafted: its `SpecStep`, by request id
+    spec_trace: dict[str, SpecStep] | None = None
 
 
 class RunnerReady(Msg):

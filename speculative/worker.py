@@ -31,6 +31,7 @@ import torch
 from runtime.constrained.runner_grammars import apply_masks, mask_output
 from runtime.constrained.tree_masks import constrain_tree
 from runtime.forward_batch import ForwardBatch, ForwardMode
+from runtime.messages import SpecStep
 from runtime.model_runner.req import RunnerReq
 from runtime.models.llama import ModelOutput
 from runtime.sampling.argmax import argmax_rows
@@ -138,6 +139,17 @@ def _mask_rows(out: ModelOutput, trees: list[DraftTree],
     if not rows:
         return out
     return apply_masks(out, rows, torch.cat(chunks), backend)
+
+
+def trace_step(tree: DraftTree, res: VerifyResult, draft_s: float) -> SpecStep:
+    """A traced request's verify step: its tree as verified, the outcome, and the drafter's
+    probability of each node's token at its parent, where the drafter has a distribution."""
+    probs = None
+    if tree.draft_probs is not None:
+        q = tree.draft_probs[tree.parents[1:], tree.tokens[1:]]  # [N - 1]
+        probs = [1.0, *q.float().tolist()]
+    return SpecStep(tree.token_list, tree.parents.tolist(), list(res.accepted_nodes),
+                    res.bonus_token, probs, draft_s)
 
 
 def _interpreted(runner) -> bool:
@@ -284,6 +296,8 @@ class SpeculativeWorker:
             out_tokens.append(res.output_tokens)
             infos.append({"drafted": tree.num_nodes - 1, "accepted": len(res.accepted_tokens),
                           "draft_s": draft_share})
+            if r.spec_trace and tree.num_nodes > 1:
+                infos[-1]["trace"] = trace_step(tree, res, draft_s)
             if reads_hidden:  # root + accepted path: rows off + node, KV now in path order
                 kept = r.slots[: r.prefix_len + len(res.accepted_nodes)]
                 rows.append(TargetRows(r.rid, r.prefix_len, kept,

@@ -35,7 +35,8 @@ from runtime.sampling.sampling_params import SamplingParams, integral
 
 
 class _Item:
-    __slots__ = ("cursor", "formatter", "grammar", "input_ids", "logprobs", "params", "rid")
+    __slots__ = ("cursor", "formatter", "grammar", "input_ids", "logprobs", "params", "rid",
+                 "spec")
 
     def __init__(self, input_ids: list[int], params: SamplingParams, rid: str | None,
                  logprobs: LogprobOptions | None = None) -> None:
@@ -44,6 +45,7 @@ class _Item:
         self.formatter: SglangLogprobs | None = None  # the response's, once it has one
         self.cursor = StreamCursor()  # (--incremental-streaming-output)
         self.grammar: GrammarPayload | None = None  # its compiled grammar, if it has one
+        self.spec: dict = {}  # tm.generate's speculation arguments (trace, opt-out)
 
 
 def chunk_json(chunk: Any, index: int | None, item: _Item | None = None,
@@ -109,6 +111,10 @@ def parse_generate(body: GenerateRequest, tm: Any) -> tuple[bool, list[_Item]]:
             else:
                 items.append(_Item(ids, p.for_sample(j),
                                    None if rid is None else f"{rid}-{j}", logprobs))
+    spec = {"spec_trace": body.return_spec_trace,
+            "disable_speculation": body.disable_speculation}
+    for it in items:
+        it.spec = spec
     return batch or n > 1, items
 
 
@@ -174,13 +180,14 @@ async def generate(request: Request, tm: Any, incremental: bool = False) -> Resp
     text_of = tm.token_texts if body.return_text_in_logprobs else None
     if body.stream:
         gens = await first_chunks(request, [
-            tm.generate(it.input_ids, it.params, True, it.rid, it.logprobs, priority, it.grammar)
+            tm.generate(it.input_ids, it.params, True, it.rid, it.logprobs, priority, it.grammar,
+                        **it.spec)
             for it in items])
         return SSEResponse(sse_events(_events(merge(gens), batch, items, text_of,
                                               incremental)))
     finals = await until_disconnect(request, gather_all([
         last_chunk(tm.generate(it.input_ids, it.params, False, it.rid, it.logprobs, priority,
-                               it.grammar))
+                               it.grammar, **it.spec))
         for it in items]))
     out = [chunk_json(chunk, None, it, text_of) for chunk, it in zip(finals, items)]
     return JSONResponse(out if batch else out[0])

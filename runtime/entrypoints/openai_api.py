@@ -60,12 +60,18 @@ class _Choice:
 @dataclass(frozen=True)
 class _Shape:
     """What a response's choices carry besides text: `top` alternatives per token when
-    logprobs were asked for (None: no logprobs), the prompt in front (completions' echo), and
-    tool calls read out of the text when the request offered tools."""
+    logprobs were asked for (None: no logprobs), the prompt in front (completions' echo),
+    tool calls read out of the text when the request offered tools, and the speculation
+    trace (`spec_trace`: each choice's steps, new ones with each stream event)."""
 
     top: int | None = None
     echo: bool = False
     tools: ToolRequest | None = None
+    spec_trace: bool = False
+    disable_speculation: bool = False
+
+    def spec_args(self) -> dict:
+        return {"spec_trace": self.spec_trace, "disable_speculation": self.disable_speculation}
 
 
 # the sampling parameters OpenAI's fields set, and the errors about them
@@ -111,7 +117,9 @@ class OpenAIServing:
         sampling = body.base_sampling()
         sampling["max_new_tokens"] = 16 if body.max_tokens is None else body.max_tokens
         sampling.update(response_format_grammar(body.response_format))
-        shape = _Shape(body.top_logprobs(), bool(body.echo))
+        shape = _Shape(body.top_logprobs(), bool(body.echo),
+                       spec_trace=bool(body.return_spec_trace),
+                       disable_speculation=bool(body.disable_speculation))
         job = self._choices("cmpl", prompts, sampling, body.num_choices(),
                             {"max_new_tokens": "max_tokens", "input_ids": "prompt",
                              **_GRAMMAR_FIELDS},
@@ -134,7 +142,9 @@ class OpenAIServing:
         sampling["max_new_tokens"] = limit if limit is not None \
             else max(1, self.tm.context_length - len(ids))
         sampling.update(self._chat_grammar(body.response_format, tools))
-        shape = _Shape(body.logprob_top(), tools=tools if tools.offered else None)
+        shape = _Shape(body.logprob_top(), tools=tools if tools.offered else None,
+                       spec_trace=bool(body.return_spec_trace),
+                       disable_speculation=bool(body.disable_speculation))
         job = self._choices("chatcmpl", [ids], sampling, body.num_choices(),
                             {"max_new_tokens": body.max_tokens_field(), "prompt": "messages",
                              "input_ids": "messages", **_GRAMMAR_FIELDS},
@@ -211,14 +221,14 @@ class OpenAIServing:
         if stream:
             gens = await first_chunks(request, [
                 self.tm.generate(c.input_ids, c.params, True, c.rid, c.logprobs, priority,
-                                 c.grammar)
+                                 c.grammar, **shape.spec_args())
                 for c in choices])
             events = self._stream(head, merge(gens), choices, prompt_tokens, include_usage,
                                   shape)
             return SSEResponse(sse_events(events))
         finals = await until_disconnect(request, gather_all([
             last_chunk(self.tm.generate(c.input_ids, c.params, False, c.rid, c.logprobs,
-                                        priority, c.grammar))
+                                        priority, c.grammar, **shape.spec_args()))
             for c in choices]))
         chat = kind == "chat.completion"
         out = []
@@ -235,6 +245,8 @@ class OpenAIServing:
             else:
                 item["text"] = text
             item.update(logprobs=logprobs, finish_reason=reason)
+            if shape.spec_trace:
+                item["spec_trace"] = view.new_steps(chunk)
             out.append(item)
         completion_tokens = sum(_completion_tokens(chunk) for chunk in finals)
         return JSONResponse({**head, "choices": out,
@@ -276,6 +288,7 @@ class _ChoiceView:
         self.tm, self.choice, self.chat, self.shape = tm, choice, chat, shape
         self.sent_text = ""
         self.sent_tokens = 0
+        self.sent_steps = 0
         self.started = False
         self.completion = None if shape.top is None or chat else CompletionLogprobs(
             tm.token_texts, shape.top)
@@ -287,19 +300,30 @@ class _ChoiceView:
         offered, text inside call blocks goes out as `tool_calls` deltas, once a call is
         whole, and a choice that called a tool finishes with "tool_calls"."""
         new, logprobs = self.piece(chunk)
+        steps = self.new_steps(chunk) if self.shape.spec_trace else None
         reason = finish_reason(chunk.finish_reason) if chunk.finished else None
         if not self.chat:
-            if not new and not chunk.finished and not _names_tokens(logprobs):
+            if not new and not chunk.finished and not _names_tokens(logprobs) and not steps:
                 return None
-            return {"index": index, "text": new, "logprobs": logprobs, "finish_reason": reason}
-        fields = {"content": new} if new else {}
-        if self.tools is not None:
-            fields = self.tools.delta(chunk.text, chunk.finished)
-            if chunk.finished and self.tools.called:
-                reason = "tool_calls"
-        if not fields and not chunk.finished and not _names_tokens(logprobs):
-            return None
-        return _delta(index, fields, reason, logprobs)
+            out = {"index": index, "text": new, "logprobs": logprobs, "finish_reason": reason}
+        else:
+            fields = {"content": new} if new else {}
+            if self.tools is not None:
+                fields = self.tools.delta(chunk.text, chunk.finished)
+                if chunk.finished and self.tools.called:
+                    reason = "tool_calls"
+            if not fields and not chunk.finished and not _names_tokens(logprobs) and not steps:
+                return None
+            out = _delta(index, fields, reason, logprobs)
+        if steps is not None:
+            out["spec_trace"] = steps
+        return out
+
+    def new_steps(self, chunk: Any) -> list[dict]:
+        """The trace's steps since the last event (all of them in a non-streamed response)."""
+        trace = chunk.meta_info.get("spec_trace", [])
+        new, self.sent_steps = trace[self.sent_steps:], len(trace)
+        return new
 
     def piece(self, chunk: Any) -> tuple[str, dict | None]:
         text = chunk.text

@@ -212,6 +212,9 @@ class GenerateRequest(_Body):
     top_logprobs_num: Int | None = None
     return_text_in_logprobs: bool | None = None
     priority: Int | None = None  # --enable-priority-scheduling; every prompt of a batch
+    # meta_info.spec_trace: every step's draft tree and outcome (docs/playground.md)
+    return_spec_trace: bool = False
+    disable_speculation: bool = False  # decode plainly: the same output, without drafts
 
 
 class AbortRequest(_Body):
@@ -245,6 +248,9 @@ class _OpenAISampling(_Body):
     ignore_eos: bool | None = None
     stop_token_ids: list[Int] | None = None
     priority: Int | None = None  # vLLM's and SGLang's extension (--enable-priority-scheduling)
+    # ours: each choice's `spec_trace` (docs/playground.md), and plain decoding on request
+    return_spec_trace: bool | None = None
+    disable_speculation: bool | None = None
 
     def base_sampling(self) -> dict[str, Any]:
         """The SamplingParams fields this body sets (OpenAI names mapped to ours)."""

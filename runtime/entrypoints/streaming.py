@@ -35,17 +35,22 @@ class StreamCursor:
     """Where one stream's chunks got to, for --incremental-streaming-output: `cut` turns a
     cumulative /generate chunk dict into what is new since the previous one (text,
     output_ids, and the output-side logprob lists: SGLang's set of fields; the prompt's
-    logprobs stay whole). The cumulative text only grows (the detokenizer holds back what a
-    stop string could cut), so the pieces concatenate to the final text."""
+    logprobs stay whole; `spec_trace`, by steps). The cumulative text only grows (the
+    detokenizer holds back what a stop string could cut), so the pieces concatenate to the
+    final text."""
 
     META = ("output_token_logprobs", "output_top_logprobs")
 
     def __init__(self) -> None:
-        self.chars = self.ids = 0
+        self.chars = self.ids = self.steps = 0
 
     def cut(self, out: dict) -> dict:
         text, ids, meta = out["text"], out["output_ids"], out["meta_info"]
         meta = {k: v[self.ids:] if k in self.META else v for k, v in meta.items()}
+        trace = meta.get("spec_trace")
+        if trace is not None:  # (steps, not tokens)
+            meta["spec_trace"] = trace[self.steps:]
+            self.steps = len(trace)
         cut = {**out, "text": text[self.chars:], "output_ids": ids[self.ids:], "meta_info": meta}
         self.chars, self.ids = len(text), len(ids)
         return cut

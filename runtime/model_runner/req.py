@@ -28,6 +28,7 @@ class RunnerReq:
     slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     logprobs: LogprobOptions | None = None  # the client wants logprobs back
     input_logprobs_done: bool = False  # the prompt's logprobs went out (not again on re-prefill)
+    spec_trace: bool = False  # report each verify step's tree and outcome (messages.SpecStep)
     # prompt_ids + output_ids, grown in place: a speculative step reads the whole history, and
     # a fresh concatenation per request per step cost ~80 us of a ~6 ms step at c = 1 on
     # 500-token prompts. Drafters may keep a reference; it only ever grows.

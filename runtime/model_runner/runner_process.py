@@ -82,7 +82,7 @@ class RunnerWorker:
         if st is None:
             assert entry.sampling_params is not None, f"{entry.rid}: first batch lacks params"
             st = RunnerReq(entry.rid, entry.sampling_params, list(entry.prompt_ids or []),
-                           logprobs=entry.logprobs)
+                           logprobs=entry.logprobs, spec_trace=entry.spec_trace)
             if entry.grammar is not None:
                 assert self.grammars is not None, f"{entry.rid}: a grammar, and no backend"
                 st.grammar_loading = self.grammars.load(entry.grammar)  # (in the background)
@@ -159,10 +159,15 @@ class RunnerWorker:
         lps = [info.pop("logprobs", None) for info in infos]
         lps = [finite_logprobs(lp) if st.grammar is not None else lp
                for lp, st in zip(lps, states)]
+        traces = None
+        if any(st.spec_trace for st in states):
+            traces = {st.rid: info.pop("trace") for st, info in zip(states, infos)
+                      if "trace" in info}
         return BatchResult(batch_id=msg.batch_id, next_token_ids=out, spec_info=infos,
                            forward_s=time.perf_counter() - t0,
                            logprobs=lps if any(p is not None for p in lps) else None,
-                           grammar_states=grammar if any(grammar) else None)
+                           grammar_states=grammar if any(grammar) else None,
+                           spec_trace=traces)
 
     @staticmethod
     def _prefill_rows(msg: RunBatch, states: list[RunnerReq],

@@ -47,6 +47,10 @@ class Req:
     # `constrained` stays: such a request does not draft
     grammar: GrammarPayload | None = None
     constrained: bool = False
+    # the client asked for a trace: the steps not yet sent (messages.TraceStep); None: not asked
+    spec_trace: list | None = None
+    disable_speculation: bool = False  # the client asked for plain decoding
+    planned_nodes: int = 0  # tree nodes its last decode step was given (1: no draft)
 
     @property
     def fill_ids(self) -> list[int]:

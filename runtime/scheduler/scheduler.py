@@ -42,6 +42,7 @@ from runtime.messages import (
     ReqBatchEntry,
     RunBatch,
     TokenOut,
+    TraceStep,
     pack_ints,
 )
 from runtime.sampling import logprobs as lp_payload
@@ -50,6 +51,7 @@ from runtime.scheduler.stop import StopChecker
 from runtime.speculation import SpecController, StepPlan
 
 logger = logging.getLogger(__name__)
+MAX_DESCRIBED = 64  # running requests /server_info lists, at most
 
 
 @dataclass(frozen=True)
@@ -147,7 +149,9 @@ class Scheduler:
             req = Req(msg.rid, list(msg.input_ids), msg.sampling_params,
                       msg.stream, logprobs=msg.logprobs,
                       priority=msg.priority if self.cfg.enable_priority_scheduling else None,
-                      grammar=msg.grammar, constrained=msg.grammar is not None)
+                      grammar=msg.grammar, constrained=msg.grammar is not None,
+                      spec_trace=[] if msg.spec_trace else None,
+                      disable_speculation=msg.disable_speculation)
             if len(req.prompt_ids) >= self.stop.context_length or not req.prompt_ids:
                 self._finish_now(req, {"type": "abort", "message": "prompt length invalid"})
                 return
@@ -203,7 +207,18 @@ class Scheduler:
             "kv_usage": self.allocator.num_used / self.allocator.capacity,
             **self.totals,
             **self._spec_info(),
+            "running_requests": [self._describe(r) for r in self.running[:MAX_DESCRIBED]],
         }
+
+    @staticmethod
+    def _describe(req: Req) -> dict:
+        """A running request as /server_info lists it (the playground's server view)."""
+        accepted = sum(k * c for k, c in enumerate(req.spec_accept_hist))
+        return {"rid": req.rid, "prompt_tokens": len(req.prompt_ids),
+                "output_tokens": len(req.output_ids), "planned_nodes": req.planned_nodes,
+                "disable_speculation": req.disable_speculation,
+                "spec_verify_ct": req.spec_verify_ct, "spec_num_proposed_drafts":
+                req.spec_drafted, "spec_num_correct_drafts": accepted}
 
     def _spec_info(self) -> dict:
         if self.spec is None:
@@ -283,6 +298,7 @@ class Scheduler:
             # the runner keeps it (and its matcher) until the request is released, retractions
             # included
             entry.grammar, req.grammar = req.grammar, None
+            entry.spec_trace = req.spec_trace is not None
             req.runner_knows = True
         return req, entry, new_slots
 
@@ -411,6 +427,8 @@ class Scheduler:
         # a constrained request: the others are plain steps)
         speculate = speculate and self.spec is not None and (
             self.spec.base_nodes > 1 or any(r.constrained for r in decoding))
+        plain = [i for i, r in enumerate(decoding) if r.disable_speculation] if speculate else ()
+        speculate = speculate and len(plain) < len(decoding)
         tokens_per_req = self.spec.base_nodes if speculate else 1
         # retract before allocating anything, so no batch entry ever points at freed KV
         while (
@@ -431,7 +449,12 @@ class Scheduler:
             self._plan = self.spec.plan([r.spec for r in decoding])
             sizes, confident = self._plan.sizes, self._plan.confident
             drafts = self._plan.drafts or drafts
+            if plain:  # (the controller learns nothing from a step without a draft)
+                sizes, confident, drafts = list(sizes), list(confident), list(drafts)
+                for i in plain:
+                    sizes[i], confident[i], drafts[i] = 1, False, 0
         for req, n, sure, k in zip(decoding, sizes, confident, drafts):
+            req.planned_nodes = n
             # never draft past the context length: the tree's positions must exist
             room = self.stop.context_length - req.kv_len
             slots = None
@@ -609,6 +632,8 @@ class Scheduler:
             if spec is not None:
                 self._count_spec(req, spec, n_new)
             got[req.rid] = n_new
+            if req.spec_trace is not None:
+                self._trace(req, n_new, result)
             out_reqs.append(req)
         for req in out_reqs:
             if req.finished:
@@ -660,6 +685,21 @@ class Scheduler:
             req.spec_accept_hist += [0] * (acc + 1 - len(req.spec_accept_hist))
         req.spec_accept_hist[acc] += 1
 
+    @staticmethod
+    def _trace(req: Req, n_new: int, result: BatchResult) -> None:
+        start = len(req.output_ids) - n_new
+        tree = result.spec_trace.get(req.rid) if result.spec_trace else None
+        req.spec_trace.append(TraceStep(start, req.output_ids[start:], result.forward_s,
+                                        len(result.next_token_ids), tree))
+
+    @staticmethod
+    def _take_trace(req: Req) -> list[TraceStep] | None:
+        steps = req.spec_trace
+        if not steps:
+            return None
+        req.spec_trace = []
+        return steps
+
     def _retire(self, req: Req) -> None:
         self.running.remove(req)
         del self.live[req.rid]
@@ -702,7 +742,11 @@ class Scheduler:
                 pending, r.pending_logprobs = r.pending_logprobs, None
                 logprobs.append(None if pending is None else
                                 lp_payload.head(pending, got[r.rid]))
+        spec_trace = None
+        if any(r.spec_trace for r in reqs):
+            spec_trace = [self._take_trace(r) for r in reqs]
         return TokenOut(
+            spec_trace=spec_trace,
             rids=[r.rid for r in reqs],
             new_token_ids=[r.output_ids[len(r.output_ids) - got[r.rid]:] if got[r.rid] else []
                            for r in reqs],

@@ -40,6 +40,7 @@ from runtime.sampling.sampling_params import SamplingParams
 from runtime.tokenizer.chat_templates import NAMED, read_template
 from runtime.tokenizer.detokenizer import IncrementalText
 from runtime.tokenizer.metrics import ServingMetrics
+from runtime.tokenizer.spec_trace import TokenPieces, step_json
 from runtime.tool_calls.formats import ToolFormat, tool_format
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,10 @@ class _ReqState:
     last_token_at: float | None = None
     error: str | None = None
     logprobs: dict | None = None  # cumulative, when the request asked for them
+    # when the request asked for a trace: its steps so far (spec_trace.step_json), and the
+    # text of each of its tokens
+    trace: list[dict] | None = None
+    pieces: TokenPieces | None = None
 
 
 class TokenizerManager:
@@ -188,6 +193,17 @@ class TokenizerManager:
                 st.finished, st.finish_reason, st.meta = True, reason, meta
                 self._count_finished(st, now)
             st.event.set()
+        if msg.spec_trace is not None:
+            self._on_trace(msg)
+
+    def _on_trace(self, msg: TokenOut) -> None:
+        for rid, steps in zip(msg.rids, msg.spec_trace):
+            st = self._states.get(rid)
+            if not steps or st is None or st.trace is None:
+                continue
+            for step in steps:
+                pieces = st.pieces.extend(step.output)
+                st.trace.append(step_json(step, pieces, self.token_texts))
 
     def _count_finished(self, st: _ReqState, now: float) -> None:
         m = self.metrics
@@ -328,11 +344,14 @@ class TokenizerManager:
         self, input_ids: list[int], params: SamplingParams, stream: bool = False,
         rid: str | None = None, logprobs: LogprobOptions | None = None,
         priority: int | None = None, grammar: GrammarPayload | None = None,
+        spec_trace: bool = False, disable_speculation: bool = False,
     ) -> AsyncIterator[GenerateChunk]:
         """Yield chunks (each new step when `stream`, else only the final one); with
         `logprobs`, each chunk carries the logprobs so far. `priority` as `check_priority`
         returned it; `grammar` as `compile_grammar` returned it for `params` (compiled here
-        when not given).
+        when not given). `spec_trace`: each chunk's `meta_info["spec_trace"]` lists the steps
+        so far (runtime/tokenizer/spec_trace.py). `disable_speculation`: decode plainly (the
+        same output: speculation is lossless).
 
         If the consumer stops early (client disconnect → cancellation), the request is aborted
         on the scheduler and its KV freed.
@@ -349,11 +368,14 @@ class TokenizerManager:
         if logprobs is not None:
             logprobs.validate(len(input_ids))
             st.logprobs = {}
+        if spec_trace:
+            st.trace, st.pieces = [], TokenPieces(self.tokenizer)
         self._states[rid] = st
         self._send.send(self._enc.encode(GenerateReq(
             rid=rid, input_ids=list(input_ids), sampling_params=params,
             stream=stream, logprobs=logprobs,
             priority=priority, grammar=grammar,
+            spec_trace=spec_trace, disable_speculation=disable_speculation,
         )))
         try:
             while True:
@@ -381,6 +403,8 @@ class TokenizerManager:
         if final:
             meta["finish_reason"] = st.finish_reason
             meta["e2e_latency"] = time.perf_counter() - st.created
+        if st.trace is not None:
+            meta["spec_trace"] = list(st.trace)
         return GenerateChunk(st.rid, text, list(st.detok.ids), final, st.finish_reason, meta,
                              None if st.logprobs is None else lp_payload.concat([st.logprobs]))
 
