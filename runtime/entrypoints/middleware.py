@@ -17,17 +17,21 @@ class RequestGuard:
     `max_body_bytes`, by Content-Length up front and by counting what arrives (chunked uploads
     have no Content-Length; a client may also lie in it)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int,
+                 open_paths: frozenset[str] = frozenset()) -> None:
+        """`open_paths`: served without the key besides /health (the playground's static
+        files, which hold no data; every API call the page makes carries the key)."""
         self.app = app
         self.key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
+        self.open_paths = OPEN_PATHS | open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])  # raw lower-case byte names; a repeated header: last
-        if self.key is not None and scope["path"] not in OPEN_PATHS:
+        if self.key is not None and scope["path"] not in self.open_paths:
             if not self._authorized(headers.get(b"authorization", b"")):
                 body = error_body("invalid or missing API key (Authorization: Bearer <key>)",
                                   None, 401, "authentication_error")

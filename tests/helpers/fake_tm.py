@@ -26,7 +26,9 @@ from runtime.messages import (
     GenerateReq,
     GetInfoReq,
     InfoOut,
+    SpecStep,
     TokenOut,
+    TraceStep,
 )
 from runtime.tokenizer.tokenizer_manager import TokenizerManager
 from tests.helpers.tiny_models import EOS_ID, TINY_VOCAB_SIZE, write_tiny_tokenizer_files
@@ -108,7 +110,9 @@ class FakeScheduler:
                 lp = fake_logprobs(new, req.logprobs.top)
                 if len(out) == len(new):  # the first step also carries the prompt's
                     lp.update(fake_input_logprobs(req.input_ids, req.logprobs))
-            self._emit(req.rid, new, reason, lp)
+            trace = fake_trace_step(req.input_ids + out, len(out) - len(new), new) \
+                if req.spec_trace else None
+            self._emit(req.rid, new, reason, lp, trace)
             if reason is not None:
                 return
             if self.die_after_tokens is not None and len(out) >= self.die_after_tokens:
@@ -133,7 +137,7 @@ class FakeScheduler:
         return None
 
     def _emit(self, rid: str, new: list[int], reason: dict | None,
-              logprobs: dict | None = None) -> None:
+              logprobs: dict | None = None, trace: TraceStep | None = None) -> None:
         meta = {}
         if reason is not None:
             req, out = self._outputs.pop(rid)
@@ -141,7 +145,8 @@ class FakeScheduler:
                     "cached_tokens": 0, **self.extra_meta}
         self._deliver(TokenOut(rids=[rid], new_token_ids=[new], finish_reasons=[reason],
                                meta_infos=[meta],
-                               logprobs=None if logprobs is None else [logprobs]))
+                               logprobs=None if logprobs is None else [logprobs],
+                               spec_trace=None if trace is None else [[trace]]))
 
     def _deliver(self, msg: TokenOut | InfoOut) -> None:
         """What the tm's receive loop does with a message, after a wire round trip."""
@@ -152,6 +157,20 @@ class FakeScheduler:
         fut = self.tm._info_waiters.pop(msg.req_id, None)
         if fut is not None and not fut.done():
             fut.set_result(msg.info)
+
+
+def fake_trace_step(history: list[int], start: int, new: list[int]) -> TraceStep:
+    """The step that gave `new` (output index `start` on) as a verify step of a chain that
+    drafted them and one wrong sibling of the first, all but the last accepted (a plain step
+    when it is one token)."""
+    if len(new) == 1:
+        return TraceStep(start, list(new), 0.004, 1)
+    root = history[len(history) - len(new) - 1]
+    n = len(new)
+    tree = SpecStep(tokens=[root, *new[:-1], (new[0] + 1) % TINY_VOCAB_SIZE],
+                    parents=[-1, *range(n - 1), 0], accepted=list(range(n)), bonus=new[-1],
+                    draft_s=0.001)
+    return TraceStep(start, list(new), 0.006, 1, tree)
 
 
 def fake_logprob(token: int) -> float:
