@@ -66,6 +66,7 @@ class BenchConfig:
     request_timeout_s: float = 600.0
     # ask for each output token's logprob and this many alternatives (None: no logprobs)
     logprobs: int | None = None
+    spec_trace: bool = False  # ask for the speculation trace (its cost: docs/benchmarks.md)
 
 
 @dataclass(slots=True)
@@ -90,6 +91,8 @@ def build_call(req: BenchRequest, cfg: BenchConfig, tokenizer: Tokenizer, model:
             params["json_schema"] = json.dumps(req.extra["json_schema"])
         extra = {} if cfg.logprobs is None else {"return_logprob": True,
                                                  "top_logprobs_num": cfg.logprobs}
+        if cfg.spec_trace:
+            extra["return_spec_trace"] = True
         return _Call(req, "/generate", {**prompt, "sampling_params": params, "stream": True,
                                         **extra})
     body: dict[str, Any] = {
@@ -98,6 +101,8 @@ def build_call(req: BenchRequest, cfg: BenchConfig, tokenizer: Tokenizer, model:
     }
     if cfg.ignore_eos:
         body["ignore_eos"] = True  # a vLLM / SGLang extension of the OpenAI API
+    if cfg.spec_trace:
+        body["return_spec_trace"] = True  # ours
     if "json_schema" in req.extra:  # OpenAI's structured output, as llama-server takes it too
         body["response_format"] = {"type": "json_schema", "json_schema": {
             "name": "extraction", "schema": req.extra["json_schema"], "strict": True}}
@@ -346,6 +351,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=d.request_timeout_s)
     p.add_argument("--output", default="results/bench_serving.json")
     p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--spec-trace", action="store_true",
+                   help="requests ask for the speculation trace (return_spec_trace)")
     p.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="ask for every output token's logprob and N alternatives")
     return p.parse_args(argv)
@@ -360,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         max_concurrency=args.max_concurrency, temperature=args.temperature,
         ignore_eos=args.ignore_eos, warmup_requests=args.warmup_requests, seed=args.seed,
         disable_tqdm=args.disable_tqdm, request_timeout_s=args.request_timeout,
-        logprobs=args.logprobs,
+        logprobs=args.logprobs, spec_trace=args.spec_trace,
     )
     tokenizer = load_bench_tokenizer(args.tokenizer)
     requests = sample_requests(

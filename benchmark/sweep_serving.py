@@ -108,9 +108,9 @@ def parse_logprobs(text: str) -> tuple[str, int]:
 
 
 def _bench(url: str, c: int, reqs: list, tokenizer, seed: int,
-           logprobs: int | None = None) -> dict[str, Any]:
+           logprobs: int | None = None, spec_trace: bool = False) -> dict[str, Any]:
     cfg = BenchConfig(base_url=url, max_concurrency=c, seed=seed, disable_tqdm=True,
-                      warmup_requests=min(c, 4), logprobs=logprobs)
+                      warmup_requests=min(c, 4), logprobs=logprobs, spec_trace=spec_trace)
     return asyncio.run(run_benchmark(reqs, cfg, tokenizer))
 
 
@@ -125,7 +125,8 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
             for c in args.concurrency:
                 reqs = _level_requests(args, tokenizer, c)
                 n = len(reqs)
-                out = _bench(url, c, reqs, tokenizer, args.seed, args.logprobs.get(label))
+                out = _bench(url, c, reqs, tokenizer, args.seed, args.logprobs.get(label),
+                             label in args.spec_trace)
                 m = out["metrics"]
                 results[label]["levels"][str(c)] = {"metrics": m,
                                                    "server_info": out["server_info"]}
@@ -171,7 +172,8 @@ def run_interleaved(args: argparse.Namespace) -> dict[str, Any]:
                 for label in labels[first:] + labels[:first]:
                     _flush(urls[label])
                     runs[label].append(_bench(urls[label], c, reqs, tokenizer, args.seed,
-                                              args.logprobs.get(label)))
+                                              args.logprobs.get(label),
+                                              label in args.spec_trace))
                     bar.set_postfix_str(f"c={c} round {r + 1} {label}")
                     bar.update()
             for label in labels:
@@ -276,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="LABEL=DIR", help="that configuration's server runs the code of "
                    "another checkout of this repository (e.g. a git worktree of an older "
                    "commit): two versions compared in one sweep")
+    p.add_argument("--spec-trace", action="append", default=[], metavar="LABEL",
+                   help="that configuration's requests ask for the speculation trace")
     p.add_argument("--logprobs", type=parse_logprobs, action="append", default=[],
                    metavar="LABEL=N", help="that configuration's requests ask for logprobs "
                    "with N alternatives per token (the cost of logprobs: two configurations "
@@ -318,9 +322,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--rounds must be >= 0")
     args.logprobs = dict(args.logprobs)
     args.checkout = dict(args.checkout)
-    unknown = (set(args.logprobs) | set(args.checkout)) - {label for label, _ in args.config}
+    unknown = (set(args.logprobs) | set(args.checkout) | set(args.spec_trace)) - \
+        {label for label, _ in args.config}
     if unknown:
-        p.error(f"--logprobs / --checkout name no --config: {sorted(unknown)}")
+        p.error(f"--logprobs / --checkout / --spec-trace name no --config: "
+                f"{sorted(unknown)}")
     os.makedirs(Path(args.output).parent, exist_ok=True)
     results = run_interleaved(args) if args.rounds else run_sweep(args)
     path = write_json(args.output, {"config": {**vars(args), "config": args.config,
