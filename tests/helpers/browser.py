@@ -83,13 +83,14 @@ def send_prompt(driver, text: str) -> int:
 
 
 def wait_answered(driver, before: int, runs: int = 1, timeout_s: float = 90.0) -> None:
-    """Until message number `before` shows `runs` finished runs and the page is idle."""
-    def done(d) -> bool:
-        return js(d, """
-            const m = document.querySelectorAll('.msg.assistant')[arguments[0]];
-            if (!m || !document.getElementById('stop-btn').disabled) return false;
-            const metas = [...m.querySelectorAll('.run .meta')];
-            return metas.length === arguments[1] && metas.every(x => x.textContent !== '');
-        """, before, runs)
+    """Until message number `before` is done (the page idle again), with `runs` finished
+    runs; fails with the page's status otherwise."""
+    def idle(d) -> bool:
+        return js(d, "return document.querySelectorAll('.msg.assistant').length > arguments[0]"
+                     " && document.getElementById('stop-btn').disabled", before)
 
-    wait_until(driver, done, timeout_s, "the answer")
+    wait_until(driver, idle, timeout_s, "the answer")
+    metas = js(driver, "return [...document.querySelectorAll('.msg.assistant')[arguments[0]]"
+                       ".querySelectorAll('.run .meta')].map(m => m.textContent)", before)
+    status = js(driver, "return document.getElementById('status').textContent")
+    assert len(metas) == runs and all(metas), f"the answer failed: {status!r}"

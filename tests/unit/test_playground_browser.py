@@ -44,6 +44,9 @@ def test_model_markup_renders_as_text(page_url):
         wait_until(d, lambda d: js(d, "return document.getElementById('status').textContent")
                    == "ready", 20, "the page to load")
         title = d.title
+        field = d.find_element("id", "max_tokens")
+        field.clear()
+        field.send_keys("120")  # (the fake model's context is 256 tokens)
         before = send_prompt(d, "Say something dangerous.")
         wait_answered(d, before)
         js(d, "document.getElementById('trace').click()")  # the same, without the trace
