@@ -66,6 +66,8 @@ def test_playground_chat_trace_and_side_by_side(server, tmp_path):
         d.find_element("id", "key-save").click()
         wait_until(d, lambda d: d.find_element("id", "algorithm").text == "NGRAM", 20,
                    "the page to load with the key")
+        # the browser logs the 401 that made the page ask for the key (reading empties the log)
+        assert all("401" in e for e in severe_console_errors(d))
         field = d.find_element("id", "max_tokens")
         field.clear()
         field.send_keys(str(MAX_TOKENS))

@@ -46,24 +46,33 @@ def test_model_markup_renders_as_text(page_url):
         title = d.title
         field = d.find_element("id", "max_tokens")
         field.clear()
-        field.send_keys("120")  # (the fake model's context is 256 tokens)
+        field.send_keys("180")  # the reply is 154 tokens; the fake's context 256
         before = send_prompt(d, "Say something dangerous.")
         wait_answered(d, before)
-        js(d, "document.getElementById('trace').click()")  # the same, without the trace
-        before = send_prompt(d, "Again, please.")
-        wait_answered(d, before)
-        assert assistant_texts(d) == [REPLY, REPLY]
+        assert assistant_texts(d) == [REPLY]
         # the coloured tokens of the traced answer are text, and there were verify steps
-        kinds = js(d, "return [...document.querySelectorAll('.msg.assistant')[0]"
-                      ".querySelectorAll('.tok')].map(s => s.className)")
+        kinds = js(d, "return [...document.querySelectorAll('.msg.assistant .tok')]"
+                      ".map(s => s.className)")
         assert "tok bonus" in kinds and any(k.startswith("tok d") for k in kinds)
         assert js(d, "return document.querySelectorAll('#trees svg').length") >= 1
         labels = js(d, "return [...document.querySelectorAll('#trees text')]"
                        ".map(t => t.textContent).join('')")
         assert "<" in labels or "script" in labels, "the trees label nodes with token text"
-        # nothing the model wrote became an element or ran
-        found = js(d, "return document.querySelectorAll('#messages *:is(script, img, b, a, "
-                      "style), #trees script, #trees foreignObject').length")
-        assert found == 0
-        assert js(d, "return window.pwned === undefined") and d.title == title
+        assert_no_markup_ran(d, title)
+        # the same without the trace (a new conversation: the fake's context holds one turn)
+        d.find_element("id", "clear").click()
+        js(d, "document.getElementById('trace').click()")
+        before = send_prompt(d, "Again, please.")
+        wait_answered(d, before)
+        assert assistant_texts(d) == [REPLY]
+        assert js(d, "return document.querySelectorAll('.msg.assistant .tok').length") == 0
+        assert_no_markup_ran(d, title)
         assert severe_console_errors(d) == []
+
+
+def assert_no_markup_ran(d, title: str) -> None:
+    """Nothing the model wrote became an element or ran."""
+    found = js(d, "return document.querySelectorAll('#messages *:is(script, img, b, a, "
+                  "style), #trees script, #trees foreignObject').length")
+    assert found == 0
+    assert js(d, "return window.pwned === undefined") and d.title == title

@@ -465,8 +465,9 @@ async function pollServer() {
   if (document.hidden) return;
   try {
     const info = await (await api("/server_info")).json();
-    const r = await api("/metrics");
-    const ms = r.ok ? parseMetrics(await r.text()) : null;
+    // /metrics answers 404 unless enabled, which the browser would log as an error
+    const r = info.enable_metrics ? await api("/metrics") : null;
+    const ms = r && r.ok ? parseMetrics(await r.text()) : null;
     showServer(info, ms);
   } catch (e) {
     if (!(e instanceof AuthError)) setStatus("server: " + e.message, true);
