@@ -139,6 +139,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--num-prompts", type=int, default=20)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--grammar-backend", default="xgrammar", choices=("xgrammar", "llguidance"),
+                   help="our servers' (constrained requests: --dataset extraction)")
     p.add_argument("--ours", nargs="*", default=["NGRAM"],
                    help="our speculative configs: ALGO[:flag=value,...] (flags of launch_server, "
                         "without the leading --)")
@@ -189,7 +191,8 @@ def main(argv: list[str] | None = None) -> dict:
         servers: list[tuple[str, list[str]]] = [
             ("ours", [sys.executable, "-m", "launch_server", "--model-path", str(gguf),
                       "--num-threads", str(args.threads), "--log-level", "warning",
-                      "--port", str(args.port), *template, "--disable-grammar-jump-forward"])]
+                      "--port", str(args.port), *template, "--grammar-backend",
+                      args.grammar_backend, "--disable-grammar-jump-forward"])]
         for cfg in args.ours:
             algo, _, rest = cfg.partition(":")
             extra = [x for kv in rest.split(",") if kv for x in
