@@ -3,8 +3,7 @@
 llguidance builds a grammar's lexer and parser lazily and computes each token mask on the fly
 (a JSON Schema "compiles" in ~1 ms and ships as its grammar text), where xgrammar precomputes
 masks per grammar state at compile time (~2 s for a schema with a few string `maxLength` of
-40-300 on this project's default tokenizer). Masks take 0.03-0.1 ms a token either way
-(`python -m benchmark.bench_grammar_backends`).
+40-300 on the default model's tokenizer); docs/structured_output.md has both end to end.
 
 The same request surface as xgrammar's: JSON Schemas in xgrammar's strict mode (`strict_schema`:
 properties beyond those listed are not generated),
