@@ -34,6 +34,8 @@ setup(
         # triton, which are installed already; pinned, since compiled grammars cross processes
         # in its own serialization format
         "xgrammar==0.2.8",
+        # --grammar-backend llguidance (no dependencies; grammars ship as text)
+        "llguidance==1.9.1",
     ],
     extras_require={
         "gpu": ["flashinfer-python", "sgl-kernel"],

@@ -34,6 +34,7 @@ import asyncio
 import json
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -139,10 +140,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--num-prompts", type=int, default=20)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--grammar-backend", default="xgrammar", choices=("xgrammar", "llguidance"),
+                   help="our servers' (constrained requests: --dataset extraction)")
     p.add_argument("--ours", nargs="*", default=["NGRAM"],
                    help="our speculative configs: ALGO[:flag=value,...] (flags of launch_server, "
                         "without the leading --)")
     p.add_argument("--llamacpp-spec", nargs="*", default=list(LLAMACPP_SPEC_TYPES))
+    p.add_argument("--llamacpp-server-args", default="",
+                   help="more llama-server flags, e.g. \"-nr\" (no weight repacking: its AMX "
+                        "matmul crashes llama-server, not llama-bench, on some AMX machines)")
     p.add_argument("--skip-servers", action="store_true", help="decode comparison only")
     p.add_argument("--skip-llamacpp", action="store_true", help="our side only")
     p.add_argument("--endpoint", choices=("auto", "chat", "completions"), default="auto",
@@ -189,7 +195,8 @@ def main(argv: list[str] | None = None) -> dict:
         servers: list[tuple[str, list[str]]] = [
             ("ours", [sys.executable, "-m", "launch_server", "--model-path", str(gguf),
                       "--num-threads", str(args.threads), "--log-level", "warning",
-                      "--port", str(args.port), *template, "--disable-grammar-jump-forward"])]
+                      "--port", str(args.port), *template, "--grammar-backend",
+                      args.grammar_backend, "--disable-grammar-jump-forward"])]
         for cfg in args.ours:
             algo, _, rest = cfg.partition(":")
             extra = [x for kv in rest.split(",") if kv for x in
@@ -198,7 +205,7 @@ def main(argv: list[str] | None = None) -> dict:
                             + extra))
         llama = [str(bin_dir / "llama-server"), "-m", str(gguf), "-t", str(args.threads),
                  "-c", "8192", "-np", "1", "--port", str(args.port), "--host", "127.0.0.1",
-                 *template]
+                 *template, *shlex.split(args.llamacpp_server_args)]
         if not args.skip_llamacpp:
             servers.append(("llama.cpp", llama))
             servers += [(f"llama.cpp {s}", llama + ["--spec-type", s])

@@ -188,7 +188,8 @@ def start_engine(args: argparse.Namespace, cfg: SpecRunConfig) -> Any:
 
     t0 = time.perf_counter()
     engine = Engine(model_path=args.model_path, log_level="warning",
-                    max_running_requests=max(32, *args.concurrency), **cfg.server_args)
+                    max_running_requests=max(32, *args.concurrency),
+                    grammar_backend=args.grammar_backend, **cfg.server_args)
     try:
         ids = engine.tm.chat_ids(WARMUP_MESSAGES)
         engine.generate(input_ids=ids, sampling_params={
@@ -399,6 +400,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.add_argument("--" + name.replace("_", "-"), type=float, default=default,
                        help=f"{name} of every request, greedy ones included")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--grammar-backend", default="xgrammar", choices=("xgrammar", "llguidance"),
+                   help="every engine's, for constrained requests (--dataset extraction)")
     p.add_argument("--unseeded", action="store_true",
                    help="sampled requests carry no seed (default: request i gets --seed + i)")
     p.add_argument("--compare-hf", action="store_true",

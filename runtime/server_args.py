@@ -121,7 +121,9 @@ class BaseServerArgs:
     grammar_backend: str = _arg(
         "xgrammar", "grammar backend of constrained decoding (response_format json_schema / "
         "json_object, json_schema / regex / ebnf / structural_tag sampling parameters, forced "
-        "tool calls); none refuses such requests with HTTP 400", GRAMMAR_BACKENDS)
+        "tool calls): xgrammar precomputes masks when it compiles (~2 s for a schema with "
+        "long string maxLength), llguidance computes them as it goes (a new grammar starts at "
+        "once); none refuses such requests with HTTP 400", GRAMMAR_BACKENDS)
     grammar_compile_timeout: float = _arg(
         10.0, "seconds a grammar may take to compile (in a thread of the HTTP process; the "
         "request is a 400 beyond it, and so is the same grammar again)")

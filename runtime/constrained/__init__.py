@@ -3,7 +3,8 @@ structural tag (docs/structured_output.md).
 
 - `spec.py`: which grammar a request asks for (`grammar_of`), checked;
 - `base.py`: the backend interface (`GrammarBackend`, `Matcher`);
-- `xgrammar_backend.py`: the default backend;
+- `xgrammar_backend.py`: the default backend; `llguidance_backend.py`: the lazy one (no
+  per-grammar precompute: new schemas start at once);
 - `compiler.py`: compiling in the tokenizer process, off its event loop, with an LRU cache;
 - `runner_grammars.py`: loading compiled grammars in the model runner, masking logits rows.
 """
@@ -16,7 +17,7 @@ from runtime.constrained.base import GrammarBackend, GrammarCompileError, Matche
 from runtime.constrained.spec import GRAMMAR_FIELDS, MAX_GRAMMAR_BYTES, GrammarSpec, grammar_of
 
 # --grammar-backend choices; "none" serves no grammar (such requests are a 400)
-GRAMMAR_BACKENDS = ("xgrammar", "none")
+GRAMMAR_BACKENDS = ("xgrammar", "llguidance", "none")
 
 
 def create_backend(name: str, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
@@ -26,6 +27,10 @@ def create_backend(name: str, tokenizer: Any, vocab_size: int, stop_token_ids: l
         from runtime.constrained.xgrammar_backend import XGrammarBackend
 
         return XGrammarBackend(tokenizer, vocab_size, stop_token_ids, any_whitespace)
+    if name == "llguidance":
+        from runtime.constrained.llguidance_backend import LLGuidanceBackend
+
+        return LLGuidanceBackend(tokenizer, vocab_size, stop_token_ids, any_whitespace)
     raise ValueError(f"unknown grammar backend {name!r}; choose one of {GRAMMAR_BACKENDS}")
 
 

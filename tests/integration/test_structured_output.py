@@ -2,9 +2,10 @@
 grammar (JSON validated with `jsonschema`, regexes full-matched), tool calls come back from the
 model's own output, bad grammars are 400s the server shrugs off, aborted and disconnected
 constrained requests free their KV, greedy constrained output equals an independent reference
-(the model's forwards and xgrammar's masks in this process, tests/helpers/grammar_reference.py)
-and seeded output repeats; with NGRAM and SUFFIX speculation the output is plain constrained
-decoding's, token for token."""
+(the model's forwards and the grammar library's masks in this process,
+tests/helpers/grammar_reference.py) and seeded output repeats; with NGRAM and SUFFIX speculation
+the output is plain constrained decoding's, token for token. All of it for both grammar backends
+(xgrammar, llguidance)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,12 @@ import pytest
 from runtime.model_loader.default_model import resolve_model_path
 from runtime.model_loader.tokenizer import apply_chat_template, load_tokenizer
 from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
-from tests.helpers.grammar_reference import compile_spec, masked_greedy, xgrammar_compiler
+from tests.helpers.grammar_reference import (
+    LLGuidanceReference,
+    compile_spec,
+    masked_greedy,
+    xgrammar_compiler,
+)
 from tests.helpers.schemas import CASES, _obj
 from tests.helpers.server_proc import ServerProcess
 
@@ -38,13 +44,17 @@ TIME = {"type": "function", "function": {
     "parameters": _obj({"zone": {"type": "string"}})}}
 
 
+@pytest.fixture(scope="module", params=["xgrammar", "llguidance"])
+def backend(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def model():
-    """(tokenizer, a runner of this process's own, xgrammar's compiler for the model)"""
+    """(tokenizer, a runner of this process's own)"""
     d = resolve_model_path(None)
     tok = load_tokenizer(d)
-    runner = ModelRunner(RunnerConfig(str(d), "cpu", "float32", max_total_tokens=1024))
-    return tok, runner, xgrammar_compiler(tok, runner.vocab_size, [EOS])
+    return tok, ModelRunner(RunnerConfig(str(d), "cpu", "float32", max_total_tokens=1024))
 
 
 @pytest.fixture(scope="module")
@@ -53,16 +63,18 @@ def prompts(model):
 
 
 @pytest.fixture(scope="module")
-def reference(model, prompts):
-    """Greedy constrained outputs, computed in this process."""
-    _, runner, xc = model
-    return [masked_greedy(runner, compile_spec(xc, "json_schema", json.dumps(s)), p, NEW)
+def reference(model, prompts, backend):
+    """Greedy constrained outputs, computed in this process with the backend's library."""
+    tok, runner = model
+    make = xgrammar_compiler if backend == "xgrammar" else LLGuidanceReference
+    rc = make(tok, runner.vocab_size, [EOS])
+    return [masked_greedy(runner, compile_spec(rc, "json_schema", json.dumps(s)), p, NEW)
             for p, (_, s) in zip(prompts, CASES)]
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess("--log-level", "warning", "--enable-metrics")
+def server(backend):
+    srv = ServerProcess("--log-level", "warning", "--enable-metrics", "--grammar-backend", backend)
     try:
         yield srv
     finally:
@@ -79,7 +91,7 @@ def check_json(text: str, schema: dict) -> None:
 
 
 def test_greedy_constrained_equals_the_reference_and_seeded_output_repeats(server, prompts,
-                                                                           reference, model):
+                                                                           reference):
     with server.client() as c:
         outs = c.post("/generate", json={"input_ids": prompts, "sampling_params": [
             schema_params(i) for i in range(len(CASES))]}).json()
@@ -201,7 +213,7 @@ def test_bad_grammars_are_400s_and_aborts_free_kv(server):
 
 
 @pytest.mark.parametrize("algo", ["NGRAM", "SUFFIX"])
-def test_speculation_gives_plain_constrained_output(algo, prompts, reference):
+def test_speculation_gives_plain_constrained_output(algo, prompts, reference, backend):
     """Ten schema prompts, eight at a time, beside two unconstrained copy-heavy requests: every
     constrained output is the plain reference token for token, and constrained requests drafted
     (their drafter's tokens and the grammar's forced ones) and had drafts accepted."""
@@ -209,7 +221,7 @@ def test_speculation_gives_plain_constrained_output(algo, prompts, reference):
     from tests.helpers.engine_runs import run_concurrent
 
     copy = "Repeat exactly: the quick brown fox jumps over the lazy dog. " * 3
-    with Engine(log_level="warning", speculative_algorithm=algo,
+    with Engine(log_level="warning", speculative_algorithm=algo, grammar_backend=backend,
                 speculative_disable_adaptive=True, speculative_verify_cost="table") as spec:
         extra = [spec.tm.tokenize(copy)] * 2
         params = [schema_params(i) for i in range(len(CASES))] + \

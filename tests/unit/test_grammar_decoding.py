@@ -28,7 +28,12 @@ from runtime.sampling.sampling_params import SamplingParams
 from speculative.base import SpecConfig, create_drafter
 from speculative.controller import TreeSizes
 from speculative.worker import SpeculativeWorker
-from tests.helpers.grammar_reference import compile_spec, masked_greedy, xgrammar_compiler
+from tests.helpers.grammar_reference import (
+    LLGuidanceReference,
+    compile_spec,
+    masked_greedy,
+    xgrammar_compiler,
+)
 from tests.helpers.tiny_models import EOS_ID, TINY_VOCAB_SIZE
 from tests.unit.test_scheduler import Harness, prompts, reference, tiny  # noqa: F401
 
@@ -41,14 +46,16 @@ GRAMMARS = [("regex", REGEX), ("json_schema", json.dumps(SCHEMA)), ("ebnf", EBNF
 NEW = 40
 
 
-@pytest.fixture(scope="module")
-def env(tiny):  # noqa: F811
-    """(backend factory, compiler, a second runner for references, xgrammar's own compiler)"""
+@pytest.fixture(scope="module", params=["xgrammar", "llguidance"])
+def env(request, tiny):  # noqa: F811
+    """(backend factory, compiler, a second runner for references, the library's own compiler)
+    for each grammar backend"""
     tok = load_tokenizer(tiny[0])
-    backend = create_backend("xgrammar", tok, TINY_VOCAB_SIZE, [EOS_ID], any_whitespace=False)
+    backend = create_backend(request.param, tok, TINY_VOCAB_SIZE, [EOS_ID], any_whitespace=False)
     ref_runner = ModelRunner(RunnerConfig(str(tiny[0]), "cpu", "float32", max_total_tokens=512))
-    return (lambda: backend), GrammarCompiler(lambda: backend), ref_runner, \
-        xgrammar_compiler(tok, TINY_VOCAB_SIZE, [EOS_ID]), tok
+    ref = (xgrammar_compiler if request.param == "xgrammar" else LLGuidanceReference)(
+        tok, TINY_VOCAB_SIZE, [EOS_ID])
+    return (lambda: backend), GrammarCompiler(lambda: backend), ref_runner, ref, tok
 
 
 def harness(tiny, env, spec=None, **cfg):  # noqa: F811
