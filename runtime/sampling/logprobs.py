@@ -102,11 +102,12 @@ def logprob_rows(logits: torch.Tensor, tokens: Sequence[int], top: int,
 
     With the engine's `stats` for these logits (k >= top): logprob = logit - lse, read off
     without touching the rows again (~0.02 ms a row, in the forward, against ~0.24 ms a row
-    read cold after it: docs/benchmarks.md, "Logprobs and streaming"). Else log_softmax and topk
-    over the rows. Either way a row's numbers do not depend on the other rows of the call
-    (tests/unit/test_logprobs.py), so a verify pass and a decode step agree bit for bit; the
-    two ways differ in the last bits, and an engine takes one of them for every row it can
-    (a row whose lse is NaN, holding a NaN or an infinite logit, takes the torch way alone)."""
+    read cold after it: docs/benchmarks.md, "Logprobs, the speculation trace and streaming").
+    Else log_softmax and topk over the rows. Either way a row's numbers do not depend on the
+    other rows of the call (tests/unit/test_logprobs.py), so a verify pass and a decode step
+    agree bit for bit; the two ways differ in the last bits, and an engine takes one of them
+    for every row it can (a row whose lse is NaN, holding a NaN or an infinite logit, takes
+    the torch way alone)."""
     if stats is not None and stats.k >= top:
         rows = list(range(logits.shape[0])) if rows is None else list(rows)
         assert len(rows) == len(tokens), f"{len(rows)} rows for {len(tokens)} tokens"
