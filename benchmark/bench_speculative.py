@@ -189,7 +189,8 @@ def start_engine(args: argparse.Namespace, cfg: SpecRunConfig) -> Any:
     t0 = time.perf_counter()
     engine = Engine(model_path=args.model_path, log_level="warning",
                     max_running_requests=max(32, *args.concurrency),
-                    grammar_backend=args.grammar_backend, **cfg.server_args)
+                    grammar_backend=args.grammar_backend,
+                    constrained_json_disable_any_whitespace=args.compact_json, **cfg.server_args)
     try:
         ids = engine.tm.chat_ids(WARMUP_MESSAGES)
         engine.generate(input_ids=ids, sampling_params={
@@ -402,6 +403,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--grammar-backend", default="xgrammar", choices=("xgrammar", "llguidance"),
                    help="every engine's, for constrained requests (--dataset extraction)")
+    p.add_argument("--compact-json", action="store_true", help="every engine with "
+                   "--constrained-json-disable-any-whitespace (JSON without free whitespace)")
     p.add_argument("--unseeded", action="store_true",
                    help="sampled requests carry no seed (default: request i gets --seed + i)")
     p.add_argument("--compare-hf", action="store_true",
