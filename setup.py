@@ -43,9 +43,10 @@ setup(
         # triton: its interpreter runs the CUDA kernels on the CPU in the test suite
         # pytest-xdist: `make test` runs the suite in two workers
         # jsonschema: the structured-output tests validate outputs against their schemas
+        # sglang-router: a test runs the real router in front of a server
         # selenium: the playground's browser test drives the system's Chromium with it
         "dev": ["pytest", "pytest-xdist", "ruff", "openai", "matplotlib", "triton==3.9.0",
-                "jsonschema", "selenium"],
+                "jsonschema", "sglang-router==0.3.2", "selenium"],
         # opt-in: benchmark/fuzz_openapi.py (no torch; the test suite does not need it)
         "fuzz": ["schemathesis==4.32.5"],
     },

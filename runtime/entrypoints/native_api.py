@@ -173,6 +173,7 @@ async def compile_grammars(tm: Any, items: list[_Item], batch: bool) -> None:
 
 async def generate(request: Request, tm: Any, incremental: bool = False) -> Response:
     body = parse_model(GenerateRequest, await read_json(request))
+    body.check_supported()
     priority = tm.check_priority(body.priority)
     batch, items = parse_generate(body, tm)
     tm.admit(len(items))

@@ -215,6 +215,19 @@ class GenerateRequest(_Body):
     # meta_info.spec_trace: every step's draft tree and outcome (docs/playground.md)
     return_spec_trace: bool = False
     disable_speculation: bool = False  # decode plainly: the same output, without drafts
+    # what sglang-router adds to every body it forwards: the model name (one per server),
+    # SGLang's logging switches (no-ops here), and outputs we do not produce, at their off value
+    model: str | None = None
+    log_metrics: bool | None = None
+    no_logs: bool | None = None
+    return_hidden_states: bool | None = None
+    background: bool | None = None
+    return_bytes: bool | None = None
+    return_entropy: bool | None = None
+
+    def check_supported(self) -> None:
+        only_default(self, {"return_hidden_states": False, "background": False,
+                            "return_bytes": False, "return_entropy": False})
 
 
 class AbortRequest(_Body):
@@ -251,6 +264,10 @@ class _OpenAISampling(_Body):
     # ours: each choice's `spec_trace` (docs/playground.md), and plain decoding on request
     return_spec_trace: bool | None = None
     disable_speculation: bool | None = None
+    # SGLang's extensions that sglang-router sends at their default values (served as those)
+    no_stop_trim: bool | None = None
+    skip_special_tokens: bool | None = None
+    return_hidden_states: bool | None = None
 
     def base_sampling(self) -> dict[str, Any]:
         """The SamplingParams fields this body sets (OpenAI names mapped to ours)."""
@@ -270,6 +287,8 @@ class _OpenAISampling(_Body):
     def check_common(self) -> None:
         if self.logit_bias:
             unsupported("logit_bias")
+        only_default(self, {"no_stop_trim": False, "skip_special_tokens": True,
+                            "return_hidden_states": False})
 
 
 class CompletionRequest(_OpenAISampling):
@@ -328,6 +347,10 @@ class ChatCompletionRequest(_OpenAISampling):
     store: bool | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
+    # SGLang's: no reasoning parser runs here, so there is no reasoning to separate or stream
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
+    continue_final_message: bool | None = None
     safety_identifier: str | None = None
 
     def check_supported(self) -> None:
@@ -340,6 +363,7 @@ class ChatCompletionRequest(_OpenAISampling):
                 unsupported(name, "use `tools`" if name.startswith("function") else "")
         if self.modalities not in (None, ["text"]):
             unsupported("modalities", 'only ["text"] is supported')
+        only_default(self, {"continue_final_message": False})
 
     def logprob_top(self) -> int | None:
         """Alternatives per token when `logprobs` is true (`top_logprobs`, default 0), else
@@ -355,6 +379,14 @@ class ChatCompletionRequest(_OpenAISampling):
 
     def max_tokens_field(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+
+def only_default(body: BaseModel, defaults: dict[str, Any]) -> None:
+    """400 for a field set to anything but the value this server serves (None: not sent)."""
+    for name, value in defaults.items():
+        got = getattr(body, name)
+        if got is not None and got != value:
+            unsupported(name, f"only {json.dumps(value)} is served")
 
 
 def unsupported(field: str, detail: str = "") -> None:
