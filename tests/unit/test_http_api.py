@@ -445,3 +445,29 @@ def test_integer_fields_take_json_numbers_without_a_fraction(env):
         r = client.post(path, json=body)
         assert r.status_code == 400, (path, body, r.text)
         assert r.json()["error"]["param"] == param
+
+
+def test_the_fields_sglang_router_adds_are_served_at_its_values_and_others_are_400s(env):
+    client, _, _ = env
+    router = {"model": None, "return_text_in_logprobs": False, "log_metrics": True,
+              "return_hidden_states": False, "background": False, "no_logs": False,
+              "return_bytes": False, "return_entropy": False}
+    r = client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 3},
+                                       **router})
+    assert r.status_code == 200, r.text
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 3,
+            "no_stop_trim": False, "ignore_eos": False, "continue_final_message": False,
+            "skip_special_tokens": True, "separate_reasoning": True, "stream_reasoning": True,
+            "return_hidden_states": False}
+    assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    comp = {"prompt": "hi", "max_tokens": 3, "echo": False, "no_stop_trim": False,
+            "ignore_eos": False, "skip_special_tokens": True, "return_hidden_states": False}
+    assert client.post("/v1/completions", json=comp).status_code == 200
+    for path, body, field in (("/generate", {"text": "hi", "return_hidden_states": True},
+                               "return_hidden_states"),
+                              ("/v1/chat/completions", {**chat, "continue_final_message": True},
+                               "continue_final_message"),
+                              ("/v1/completions", {**comp, "skip_special_tokens": False},
+                               "skip_special_tokens")):
+        r = client.post(path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
