@@ -56,6 +56,14 @@ def strict_schema(schema: Any) -> Any:
     return out
 
 
+def json_options(any_whitespace: bool) -> dict:
+    """llguidance's JSON compile options: any whitespace between tokens, or compact JSON
+    (`{"a": 1, "b": 2}`, xgrammar's without any_whitespace)."""
+    if any_whitespace:
+        return {"whitespace_flexible": True}
+    return {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 class LLGuidanceMatcher(Matcher):
     """One llguidance matcher. The request ends, as with xgrammar, when it accepts a stop token
     (EOS) where the grammar may end; that token is kept here (`_ended`), not in llguidance,
@@ -126,17 +134,12 @@ class LLGuidanceBackend(GrammarBackend):
     def compile_options(self) -> str:
         return f"llg:ws={int(self.any_whitespace)}"
 
-    def _json_options(self) -> dict:
-        if self.any_whitespace:
-            return {"whitespace_flexible": True}
-        return {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
     def _schema_grammar(self, source: str | dict) -> str:
         schema = json.loads(source) if isinstance(source, str) else source
         if schema is True:
             schema = {}
         return self._llg.LLMatcher.grammar_from_json_schema(
-            json.dumps(strict_schema(schema)), defaults=self._json_options())
+            json.dumps(strict_schema(schema)), defaults=json_options(self.any_whitespace))
 
     def compile(self, spec: GrammarSpec) -> str:
         llm = self._llg.LLMatcher
@@ -183,7 +186,7 @@ class LLGuidanceBackend(GrammarBackend):
             name = f"tag{len(rules)}"
             schema = strict_schema(content.get("json_schema", {}))
             schema = {**(schema if isinstance(schema, dict) else {}),
-                      "x-guidance": self._json_options()}
+                      "x-guidance": json_options(self.any_whitespace)}
             parts = [json.dumps(str(t.get("begin", ""))), f"%json {json.dumps(schema)}"]
             if t.get("end"):
                 parts.append(json.dumps(str(t["end"])))
@@ -231,7 +234,9 @@ class LLGuidanceBackend(GrammarBackend):
         return LLGuidanceMatcher(self._llg.LLMatcher(self.info, compiled, log_level=0), self)
 
     def allocate_masks(self, rows: int) -> torch.Tensor:
-        return torch.zeros(rows, (self.vocab_size + 31) // 32, dtype=torch.int32)
+        from llguidance.torch import allocate_token_bitmask
+
+        return allocate_token_bitmask(rows, self.vocab_size)
 
 
 def _first_line(exc: Exception | str) -> str:

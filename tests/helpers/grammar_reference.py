@@ -45,13 +45,12 @@ class LLGuidanceReference:
         from llguidance import LLMatcher
         from llguidance.gbnf_to_lark import any_to_lark
 
-        from runtime.constrained.llguidance_backend import strict_schema
+        from runtime.constrained.llguidance_backend import json_options, strict_schema
 
         if kind == "json_schema":
-            ws = ({"whitespace_flexible": True} if any_whitespace else
-                  {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
             g = LLMatcher.grammar_from_json_schema(
-                json.dumps(strict_schema(json.loads(source))), defaults=ws)
+                json.dumps(strict_schema(json.loads(source))),
+                defaults=json_options(any_whitespace))
         elif kind == "regex":
             g = LLMatcher.grammar_from_regex(source)
         else:
