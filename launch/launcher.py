@@ -20,7 +20,7 @@ from launch.server_args import ServerArgs, parse_args, speculation
 from runtime.entrypoints.http_server import create_app
 from runtime.errors import SpecserveError
 from runtime.proc_utils import setup_logging
-from runtime.processes import Backend, StartupError
+from runtime.processes import Backend, StartupError, run_tp_node
 from runtime.sampling.sampling_params import SamplingParams
 from runtime.tokenizer.tokenizer_manager import TokenizerManager
 
@@ -49,6 +49,8 @@ async def _warm_up(tm: TokenizerManager) -> float:
 def serve(args: ServerArgs) -> int:
     """Serve until SIGINT/SIGTERM or a child dies; `args` must be resolved."""
     setup_logging(args.log_level, "launcher")
+    if args.node_rank > 0:  # another host's tensor-parallel ranks: no HTTP, no scheduler
+        return run_tp_node(args)
     t0 = time.perf_counter()
     backend = Backend(args, speculation(args))
     exit_code = 0

@@ -19,7 +19,12 @@ from runtime.errors import ModelLoadError
 from runtime.ipc import Receiver, ipc_addr, make_ipc_dir
 from runtime.messages import TO_TOKENIZER, ReadyOut
 from runtime.model_loader.tokenizer import load_tokenizer
-from runtime.model_runner.runner_process import StartupQuiet, run_model_runner_process
+from runtime.model_runner.runner_process import (
+    StartupQuiet,
+    run_model_runner_process,
+    runner_config,
+)
+from runtime.model_runner.tp_follower import run_tp_follower_process
 from runtime.scheduler.scheduler_process import run_scheduler_process
 from runtime.server_args import BaseServerArgs
 from runtime.speculation import Speculation
@@ -60,6 +65,7 @@ class Backend:
                 name="specserve-scheduler", daemon=True,
             ),
         }
+        self.procs.update(tp_follower_procs(server, ctx))
         self.ready_info: dict = {}
         self.tokenizer = None  # the front end's, loaded during start()
 
@@ -99,14 +105,45 @@ class Backend:
         return None
 
     def shutdown(self) -> None:
-        started = [p for p in self.procs.values() if p.pid is not None]
-        for proc in started:
-            if proc.is_alive():
-                proc.terminate()
-        deadline = time.monotonic() + 3.0
-        for proc in started:
-            proc.join(max(0.0, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.kill()
-                proc.join(1.0)
+        stop_processes(self.procs.values())
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def tp_follower_procs(args: BaseServerArgs, ctx) -> dict[str, mp.Process]:
+    """This host's tensor-parallel ranks other than 0 (rank 0 is the model runner)."""
+    return {f"tp_rank_{r}": ctx.Process(target=run_tp_follower_process,
+                                        args=(runner_config(args, r), args.log_level),
+                                        name=f"specserve-tp-rank-{r}", daemon=True)
+            for r in args.node_tp_ranks() if r != 0}
+
+
+def stop_processes(procs) -> None:
+    """SIGTERM the started ones, SIGKILL what is left after 3 s."""
+    started = [p for p in procs if p.pid is not None]
+    for proc in started:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + 3.0
+    for proc in started:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(1.0)
+
+
+def run_tp_node(args: BaseServerArgs) -> int:
+    """A host other than node 0 (`--node-rank` > 0): run its tensor-parallel ranks until they
+    exit (node 0 stopped) or SIGINT/SIGTERM; 0 if every rank exited cleanly."""
+    procs = tp_follower_procs(args.server_part(), mp.get_context("spawn"))
+    for proc in procs.values():
+        proc.start()
+    logger.info("node %d: tensor-parallel ranks %s following %s", args.node_rank,
+                list(args.node_tp_ranks()), args.dist_init_addr)
+    try:
+        while any(p.is_alive() for p in procs.values()):
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop_processes(procs.values())
+    return max((p.exitcode or 0) for p in procs.values())

@@ -10,12 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
 from kernels.cpu import ACTIVATION_DIGITS, DEFAULT_ACTIVATION_DIGITS
 from runtime.constrained import GRAMMAR_BACKENDS
 from runtime.tool_calls import TOOL_CALL_PARSERS
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _arg(default: Any, help: str, choices: tuple | None = None) -> Any:
@@ -142,6 +149,18 @@ class BaseServerArgs:
         "(docs/structured_output.md)", TOOL_CALL_PARSERS)
     num_threads: int | None = _arg(None, "torch threads in the model-runner process (default: "
                                    "all cores)")
+    tp_size: int = _arg(
+        1, "tensor parallelism: split the model over this many processes (ranks; CPU engine, "
+        "torch.distributed gloo): attention by KV heads, the MLP by columns, the vocabulary "
+        "by rows; each rank has --num-threads threads (default: the cores over the ranks on "
+        "this node)")
+    nnodes: int = _arg(1, "hosts the --tp-size ranks span (each runs this command with its "
+                       "--node-rank; ranks are split evenly)")
+    node_rank: int = _arg(0, "this host's index among --nnodes; 0 serves HTTP, the others "
+                          "only run their ranks")
+    dist_init_addr: str | None = _arg(
+        None, "host:port where the tensor-parallel ranks meet (node 0 listens there); needed "
+        "with --nnodes > 1, else a free loopback port")
     heap_trim_interval: float = _arg(
         30.0, "seconds between the model runner's returns of freed heap memory to the OS "
         "(glibc malloc_trim), which it also does once whenever it goes idle. The buffers a "
@@ -170,17 +189,38 @@ class BaseServerArgs:
             raise ValueError("--grammar-compile-timeout must be > 0")
         if not self.heap_trim_interval >= 0:
             raise ValueError("--heap-trim-interval must be >= 0 (0 turns it off)")
+        if self.tp_size < 1 or self.nnodes < 1 or self.tp_size % self.nnodes:
+            raise ValueError(f"--tp-size ({self.tp_size}) must be a positive multiple of "
+                             f"--nnodes ({self.nnodes})")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in 0..{self.nnodes - 1}")
+        init_addr = self.dist_init_addr
+        if self.nnodes > 1 and not init_addr:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)")
+        if init_addr and (":" not in init_addr or not init_addr.rsplit(":", 1)[1].isdigit()):
+            raise ValueError(f"--dist-init-addr must be HOST:PORT, got {init_addr!r}")
+        if self.tp_size > 1 and not init_addr:
+            init_addr = f"127.0.0.1:{_free_port()}"
         model_dir = str(resolve_model_path(self.model_path))
         name = self.served_model_name or (
             "SmolLM2-135M-Instruct" if self.model_path in ("default", None)
             else os.path.basename(os.path.normpath(self.model_path))
         )
-        threads = self.num_threads or os.cpu_count() or 1
+        threads = self.num_threads or max(1, (os.cpu_count() or 1) // self.local_ranks)
         chunk = self.chunked_prefill_size or (512 if self._on_cuda() else 256)
         return dataclasses.replace(
             self, model_path=model_dir, served_model_name=name, num_threads=threads,
-            chunked_prefill_size=chunk,
+            chunked_prefill_size=chunk, dist_init_addr=init_addr,
         )
+
+    @property
+    def local_ranks(self) -> int:
+        """Tensor-parallel ranks on this host."""
+        return self.tp_size // self.nnodes
+
+    def node_tp_ranks(self) -> range:
+        """This host's tensor-parallel ranks."""
+        return range(self.node_rank * self.local_ranks, (self.node_rank + 1) * self.local_ranks)
 
     def server_part(self) -> BaseServerArgs:
         """These options without the launcher's additions (what the runtime's processes get)."""

@@ -160,6 +160,19 @@ class Blocks:
         return Blocks(self.fmt, self.q[index], self.d[index], pick(self.m), pick(self.sc),
                       pick(self.mn))
 
+    def cols(self, begin: int, end: int) -> Blocks:
+        """Weights [begin, end) of every row; both on block boundaries (super-blocks for
+        K-quants)."""
+        bw = self.fmt.block_weights
+        assert begin % bw == 0 and end % bw == 0, (self.fmt, begin, end)
+
+        def part(a, per):
+            return None if a is None else a[:, begin // per:end // per]
+
+        sub = 16 if self.fmt == Fmt.Q6_K else QK  # weights per sub-scale
+        return Blocks(self.fmt, self.q[:, begin:end], self.d[:, begin // bw:end // bw],
+                      part(self.m, bw), part(self.sc, sub), part(self.mn, QK))
+
 
 def _half(b: np.ndarray, at: int) -> np.ndarray:
     """The fp16 at byte `at` of each block row: [N, nb] float16."""

@@ -35,6 +35,9 @@ class KVPool:
         self._views = (self.k, self.v)  # (tests may swap in lists of other tensors)
         self._flat = self._kv.view(2 * num_layers, capacity + 1, num_kv_heads * head_dim)
         self._commit_op = None  # the registry's commit_kv off the CPU (`move`)
+        # called with every move's (src, dst) first: a tensor-parallel leader's other ranks
+        # hold the other heads' KV and move theirs too
+        self.mirror = None
 
     @staticmethod
     def bytes_per_token(
@@ -51,6 +54,8 @@ class KVPool:
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy KV of slots `src` into slots `dst` in every layer (speculative commit by move).
         Off the CPU, one registry op (`commit_kv`: Triton on CUDA) moves every layer."""
+        if self.mirror is not None:
+            self.mirror(src, dst)
         if self.device.type != "cpu":
             if self._commit_op is None:  # looked up once, on the first commit
                 from kernels import registry

@@ -46,6 +46,7 @@ from kernels.cpu.packing import (
 )
 from runtime.model_loader.config import ModelConfig
 from runtime.model_loader.hf_dir import weight_files
+from runtime.model_loader.shard import TpShard
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +140,31 @@ def _load(src: _Source, name: str, fmt_name: str) -> _Weight:
                    native_fmt=_FLOAT_OF_DTYPE.get(t.dtype))
 
 
+def _rows(w: _Weight, begin: int, end: int) -> _Weight:
+    """Rows [begin, end) (output features) of `w`."""
+    if w.blocks is not None:
+        return dataclasses.replace(w, blocks=w.blocks.rows(np.arange(begin, end)))
+    return dataclasses.replace(w, dense=w.dense[begin:end],
+                               native=None if w.native is None else w.native[begin:end])
+
+
+def _cols(w: _Weight, begin: int, end: int) -> _Weight:
+    """Columns [begin, end) (input features) of `w`, on block boundaries."""
+    if w.blocks is not None:
+        return dataclasses.replace(w, blocks=w.blocks.cols(begin, end))
+    return dataclasses.replace(w, dense=np.ascontiguousarray(w.dense[:, begin:end]),
+                               native=None if w.native is None
+                               else np.ascontiguousarray(w.native[:, begin:end]))
+
+
+def tp_shard(cfg: ModelConfig, rank: int, world: int) -> TpShard:
+    """Rank `rank`'s part of the model (runtime/model_loader/shard.py), its splits on the
+    blocks of the checkpoint's formats (K-quant super-blocks hold 256 weights)."""
+    types = set(_Source(Path(cfg.model_dir)).block_types.values())
+    kquant = any(Fmt.parse(t).is_kquant for t in types)
+    return TpShard.plan(cfg, rank, world, 256 if kquant else 32)
+
+
 def _tile_major(parts: list[_Weight]) -> tuple[Fmt, np.ndarray]:
     """The parts (sharing K) concatenated along N, tile-major, in one format that holds each
     exactly (`common_format`)."""
@@ -161,8 +187,9 @@ def _pack(parts: list[_Weight], bias: np.ndarray | None = None) -> Packed:
 
 
 def load_packed_model(cfg: ModelConfig, weight_format: str = "auto",
-                      progress: bool = True) -> PackedModel:
-    """Read and pack every weight of `cfg.model_dir` (see the module docstring)."""
+                      progress: bool = True, shard: TpShard | None = None) -> PackedModel:
+    """Read and pack every weight of `cfg.model_dir` (see the module docstring); with a
+    `shard`, only that tensor-parallel rank's part of each matrix."""
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"--weight-format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
     src = _Source(Path(cfg.model_dir))
@@ -178,16 +205,28 @@ def load_packed_model(cfg: ModelConfig, weight_format: str = "auto",
         pre = f"layers.{i}."
         attn, mlp = pre + "self_attn.", pre + "mlp."
         qkv = [_load(src, attn + f"{p}_proj.weight", weight_format) for p in "qkv"]
+        o = _load(src, attn + "o_proj.weight", weight_format)
         bias = None
         if cfg.attention_bias:
-            bias = np.concatenate([src.float(attn + f"{p}_proj.bias").float().numpy()
-                                   for p in "qkv"])
+            bias = [src.float(attn + f"{p}_proj.bias").float().numpy() for p in "qkv"]
         gate = _load(src, mlp + "gate_proj.weight", weight_format)
         up = _load(src, mlp + "up_proj.weight", weight_format)
+        down = _load(src, mlp + "down_proj.weight", weight_format)
+        if shard is not None:
+            d = cfg.head_dim
+            heads = [shard.q_heads] + [shard.kv_heads] * 2
+            qkv = [_rows(w, h0 * d, h1 * d) for w, (h0, h1) in zip(qkv, heads)]
+            if bias is not None:
+                bias = [b[h0 * d:h1 * d] for b, (h0, h1) in zip(bias, heads)]
+            o = _cols(o, shard.q_heads[0] * d, shard.q_heads[1] * d)
+            gate, up = (_rows(w, *shard.intermediate) for w in (gate, up))
+            down = _cols(down, *shard.intermediate)
+        if bias is not None:
+            bias = np.concatenate(bias)
         both = common_format({gate.fmt, up.fmt}, gate.shape[1])  # mixed: one holding both
         gate, up = dataclasses.replace(gate, fmt=both), dataclasses.replace(up, fmt=both)
         (fmt_g, tg), (_, tu) = _tile_major([gate]), _tile_major([up])
-        gate_up = Packed(fmt_g, gate.shape[1], 2 * cfg.intermediate_size,
+        gate_up = Packed(fmt_g, gate.shape[1], 2 * gate.shape[0],
                          torch.from_numpy(finish(fmt_g, interleave_tiles(tg, tu))))
         gb, ub = (mlp + "gate_proj.bias", mlp + "up_proj.bias")
         if src.has(gb):
@@ -195,18 +234,34 @@ def load_packed_model(cfg: ModelConfig, weight_format: str = "auto",
                                                             src.float(ub).float().numpy()))
         layers.append({
             "qkv": note(_pack(qkv, bias)),
-            "o": note(_pack([_load(src, attn + "o_proj.weight", weight_format)])),
+            "o": note(_pack([o])),
             "gate_up": note(gate_up),
-            "down": note(_pack([_load(src, mlp + "down_proj.weight", weight_format)])),
+            "down": note(_pack([down])),
         })
         norms.append(_layer_norms(src, cfg, pre))
-    embed = note(_pack([_load(src, "embed_tokens.weight", weight_format)]))
-    if cfg.tie_word_embeddings or not src.has("lm_head.weight"):
-        lm_head = embed
-    else:
-        lm_head = note(_pack([_load(src, "lm_head.weight", weight_format)]))
+    embed, lm_head = _head(src, cfg, weight_format, shard.vocab if shard else None)
+    for p in {id(embed): embed, id(lm_head): lm_head}.values():
+        note(p)
     final = _norm(src, cfg, "norm.weight")
     return PackedModel(layers, norms, embed, lm_head, final, formats)
+
+
+def load_packed_head(cfg: ModelConfig, weight_format: str = "auto") -> tuple[Packed, Packed]:
+    """The whole embedding and LM head (one object when tied), packed: what a
+    tensor-parallel leader's drafters read beside its vocabulary shard."""
+    return _head(_Source(Path(cfg.model_dir)), cfg, weight_format, None)
+
+
+def _head(src: _Source, cfg: ModelConfig, weight_format: str,
+          vocab: tuple[int, int] | None) -> tuple[Packed, Packed]:
+    def load(name: str) -> Packed:
+        w = _load(src, name, weight_format)
+        return _pack([w if vocab is None else _rows(w, *vocab)])
+
+    embed = load("embed_tokens.weight")
+    if cfg.tie_word_embeddings or not src.has("lm_head.weight"):
+        return embed, embed
+    return embed, load("lm_head.weight")
 
 
 # the engine's norm slots -> HF names: before attention, before the MLP, and Gemma 3's norms of

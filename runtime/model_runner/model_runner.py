@@ -44,6 +44,11 @@ class RunnerConfig:
     activation_digits: int = DEFAULT_ACTIVATION_DIGITS
     num_threads: int | None = None  # CPU engine threads (default: torch's)
     kv_cache_dtype: str = "auto"  # auto | float32 | float16 (float16: the CPU engine only)
+    # tensor parallelism (CPU engine): this process is rank `tp_rank` of `tp_size`, the group
+    # meeting at `dist_init_addr` (host:port); rank 0 serves, the others follow
+    tp_size: int = 1
+    tp_rank: int = 0
+    dist_init_addr: str | None = None
 
 
 def resolve_kv_dtype(kv_cache_dtype: str, engine: str, dtype: torch.dtype) -> torch.dtype:
@@ -132,10 +137,23 @@ class ModelRunner:
         if self.engine == "cpu":
             self.dtype = torch.float32  # activations; weights keep their packed format
         self.kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.engine, self.dtype)
+        self.tp, self.tp_shards = None, None
+        kv_heads = mc.num_key_value_heads
+        if cfg.tp_size > 1:
+            if self.engine != "cpu":
+                raise ValueError("--tp-size > 1 runs on the CPU engine (the torch engine is not "
+                                 "sharded)")
+            from runtime.distributed import TpGroup
+            from runtime.model_loader.cpu_weights import tp_shard
+
+            self.tp_shards = [tp_shard(mc, r, cfg.tp_size) for r in range(cfg.tp_size)]
+            self.tp = TpGroup(cfg.tp_rank, cfg.tp_size, cfg.dist_init_addr)
+            kv_heads = self.tp_shards[cfg.tp_rank].num_kv_heads
         self.kv_pool = KVPool(
-            capacity, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
-            self.kv_dtype, self.device,
+            capacity, mc.num_hidden_layers, kv_heads, mc.head_dim, self.kv_dtype, self.device,
         )
+        if self.tp is not None and self.tp.leader:
+            self.kv_pool.mirror = self.tp.send_move  # the other ranks move their heads' KV
         if self.engine == "cpu":
             if cfg.attention_backend not in ("auto", "cpu"):
                 raise ValueError(f"the CPU engine has its own attention; --attention-backend "
@@ -143,6 +161,12 @@ class ModelRunner:
             self.model = self._cpu_model(cfg)
             self.weight_formats = dict(self.model.packed.formats)
             backend = "cpu"
+            if self.tp is not None:
+                shard = self.tp_shards[cfg.tp_rank]
+                backend = "cpu"
+                logger.info("tensor-parallel rank %d/%d: KV heads %s, query heads %s, MLP "
+                            "columns %s, vocabulary rows %s", cfg.tp_rank, cfg.tp_size,
+                            shard.kv_heads, shard.q_heads, shard.intermediate, shard.vocab)
             detail = (f"{self.model.isa} kernels, weights {self.model.packed.formats} "
                       f"({self.model.packed.nbytes / 2**20:.0f} MiB), activation digits "
                       f"{cfg.activation_digits}, KV {str(self.kv_dtype).removeprefix('torch.')}")
@@ -172,12 +196,18 @@ class ModelRunner:
         from runtime.models.cpu_llama import CpuLlamaForCausalLM
 
         mc = self.model_config
-        packed = load_packed_model(mc, cfg.weight_format)
+        shard = self.tp_shards[cfg.tp_rank] if self.tp is not None else None
+        packed = load_packed_model(mc, cfg.weight_format, shard=shard)
+        head = None
+        if self.tp is not None and self.tp.leader:
+            from runtime.model_loader.cpu_weights import load_packed_head
+
+            head = load_packed_head(mc, cfg.weight_format)
         rotary = RotaryEmbedding(mc.head_dim, max(mc.max_position_embeddings, 1), mc.rope_theta,
                                  mc.rope_scaling, self.device, torch.float32)
         threads = cfg.num_threads or torch.get_num_threads()
         return CpuLlamaForCausalLM(mc, packed, self.kv_pool, rotary, cfg.activation_digits,
-                                   threads)
+                                   threads, self.tp, self.tp_shards, head)
 
     @property
     def kv_capacity(self) -> int:

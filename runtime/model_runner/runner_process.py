@@ -375,6 +375,18 @@ def single_torch_thread(runner) -> None:
         torch.set_num_threads(1)
 
 
+def runner_config(server_args, tp_rank: int = 0) -> RunnerConfig:
+    """The `RunnerConfig` of resolved server args, for tensor-parallel rank `tp_rank`."""
+    return RunnerConfig(
+        server_args.model_path, server_args.device, server_args.dtype,
+        server_args.attention_backend, server_args.max_total_tokens,
+        server_args.context_length, weight_format=server_args.weight_format,
+        activation_digits=server_args.activation_digits,
+        num_threads=server_args.num_threads, kv_cache_dtype=server_args.kv_cache_dtype,
+        tp_size=server_args.tp_size, tp_rank=tp_rank, dist_init_addr=server_args.dist_init_addr,
+    )
+
+
 def run_model_runner_process(server_args, ipc_dir: str, parent_pid: int,
                              quiet: StartupQuiet | None = None,
                              speculation: Speculation | None = None) -> None:
@@ -387,13 +399,7 @@ def run_model_runner_process(server_args, ipc_dir: str, parent_pid: int,
     recv = Receiver(ctx, ipc_addr(ipc_dir, "runner_in"), bind=True, msg_type=TO_RUNNER)
     send = Sender(ctx, ipc_addr(ipc_dir, "runner_out"), bind=False)
     try:
-        runner = ModelRunner(RunnerConfig(
-            server_args.model_path, server_args.device, server_args.dtype,
-            server_args.attention_backend, server_args.max_total_tokens,
-            server_args.context_length, weight_format=server_args.weight_format,
-            activation_digits=server_args.activation_digits,
-            num_threads=server_args.num_threads, kv_cache_dtype=server_args.kv_cache_dtype,
-        ))
+        runner = ModelRunner(runner_config(server_args))
         # a draft head that does not fit fails here
         spec = _create_spec(speculation, runner,
                             None if quiet is None else functools.partial(quiet.wait, parent_pid))
@@ -411,6 +417,7 @@ def run_model_runner_process(server_args, ipc_dir: str, parent_pid: int,
         "architecture": mc.architecture, "num_layers": mc.num_hidden_layers,
         "engine": runner.engine, "weight_formats": runner.weight_formats,
         "threads": runner.kernel_threads, "runner_pid": os.getpid(),
+        "tp_size": runner.tp.world if runner.tp is not None else 1,
         # speculation plans with the verify-cost curve measured here, on this machine
         "verify_cost": spec.verify_cost.to_dict() if spec is not None else None,
     }))
@@ -422,6 +429,8 @@ def run_model_runner_process(server_args, ipc_dir: str, parent_pid: int,
             trimmer.idle()
             continue
         if isinstance(msg, ShutdownReq):
+            if runner.tp is not None:
+                runner.tp.send_stop()
             return
         try:
             send.send(worker.run(msg))

@@ -19,11 +19,13 @@ import torch
 
 from kernels import cpu
 from kernels.cpu.packing import PackedModel
+from runtime.distributed import TpGroup
 from runtime.forward_batch import ForwardBatch
 from runtime.layers.attention.cpu import CpuAttnMetadata
 from runtime.layers.rotary import RotaryEmbedding
 from runtime.mem_cache.kv_pool import KVPool
 from runtime.model_loader.config import ModelConfig
+from runtime.model_loader.shard import TpShard
 from runtime.models.llama import ModelOutput
 from runtime.sampling.logprobs import LogitStats
 
@@ -57,20 +59,33 @@ class _DenseLMHead:
 
 
 class CpuLlamaForCausalLM:
+    """With `tp` (runtime/distributed.py), `packed` is this rank's shard (`shard`) and every
+    forward is a collective: rank 0 sends the batch to the other ranks (`TpFollower` runs
+    theirs), the ranks sum their partial projections and rank 0 gathers the logits. Rank 0's
+    drafters read the whole embedding and LM head (`head`), a local copy."""
+
     device = torch.device("cpu")
     dtype = torch.float32  # of activations, hidden states and logits
 
     def __init__(self, cfg: ModelConfig, packed: PackedModel, kv_pool: KVPool,
-                 rotary: RotaryEmbedding, activation_digits: int, num_threads: int) -> None:
+                 rotary: RotaryEmbedding, activation_digits: int, num_threads: int,
+                 tp: TpGroup | None = None, shards: list[TpShard] | None = None,
+                 head: tuple | None = None) -> None:
         assert kv_pool.dtype in (torch.float32, torch.float16) and kv_pool.device.type == "cpu", (
             "the CPU engine's KV is float32 or float16 on the CPU")
         ext = cpu.load()
         self.config = cfg
         self.packed = packed
         self.activation_digits = activation_digits
+        self.num_threads = num_threads
+        self.tp = tp
+        shard = shards[tp.rank] if tp is not None else None
+        self._vocab_shards = [s.vocab for s in shards] if shards else None
         self.core = ext.CpuModel(
-            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-            cfg.intermediate_size, cfg.vocab_size, cfg.rms_norm_eps, activation_digits,
+            cfg.hidden_size, shard.num_heads if shard else cfg.num_attention_heads,
+            shard.num_kv_heads if shard else cfg.num_key_value_heads, cfg.head_dim,
+            shard.intermediate_size if shard else cfg.intermediate_size,
+            shard.vocab_size if shard else cfg.vocab_size, cfg.rms_norm_eps, activation_digits,
             num_threads, "",
         )
         for layer, norm in zip(packed.layers, packed.norms):
@@ -87,6 +102,11 @@ class CpuLlamaForCausalLM:
         if cfg.is_gemma3:
             self._configure_gemma3(cfg, packed, rotary)
         self.core.set_kv(kv_pool.k, kv_pool.v)
+        if tp is not None:
+            self.core.set_tensor_parallel(shard.vocab[0], cfg.vocab_size, tp.reduce)
+            if head is not None:  # the whole head, for rank 0's own (non-collective) calls
+                self._embed = head[0].to_ext(ext)
+                self._lm_head = self._embed if head[1] is head[0] else head[1].to_ext(ext)
         self.norm = _FinalNorm(self.core, packed.final_norm)
         self.lm_head = _DenseLMHead(self)
 
@@ -119,22 +139,57 @@ class CpuLlamaForCausalLM:
         meta: CpuAttnMetadata = batch.attn_metadata
         capture = sorted(set(batch.capture_layers))
         begin, end = layers if layers is not None else (0, -1)
-        out = self.core.forward(
-            batch.input_ids, batch.positions, batch.out_cache_loc, meta.tok_req, meta.tok_local,
-            meta.kv_indptr, batch.kv_indices, meta.prefix_len, meta.extend_len, meta.masks,
-            meta.mask_indptr, batch.logits_indices, capture, return_final_hidden, begin, end,
-            hidden_in, batch.logit_top,
+        args = dict(
+            input_ids=batch.input_ids, positions=batch.positions, out_loc=batch.out_cache_loc,
+            tok_req=meta.tok_req, tok_local=meta.tok_local, kv_indptr=meta.kv_indptr,
+            kv_indices=batch.kv_indices, prefix_len=meta.prefix_len, extend_len=meta.extend_len,
+            masks=meta.masks, mask_indptr=meta.mask_indptr, logits_rows=batch.logits_indices,
+            capture=capture, final_hidden=return_final_hidden, layer_begin=begin,
+            layer_end=end, hidden_in=hidden_in, logit_top=batch.logit_top,
         )
-        captured = dict(zip(capture, out[6:]))
-        stats = LogitStats(out[3], out[4], out[5]) if batch.logit_top >= 0 else None
-        return ModelOutput(out[0], captured, out[1] if return_final_hidden else None, out[2],
-                           stats)
+        if self.tp is None:
+            out = self.core.forward(**args)
+            captured = dict(zip(capture, out[6:]))
+            stats = LogitStats(out[3], out[4], out[5]) if batch.logit_top >= 0 else None
+            return ModelOutput(out[0], captured, out[1] if return_final_hidden else None, out[2],
+                               stats)
+        self.tp.send_forward(args)
+        out = self.core.forward(**args)
+        logits, amax, stats = self.gather_logits(out[0], batch.logit_top)
+        return ModelOutput(logits, dict(zip(capture, out[6:])),
+                           out[1] if return_final_hidden else None, amax, stats)
+
+    def gather_logits(self, shard: torch.Tensor, logit_top: int):
+        """Tensor parallel: (logits [R, V], argmax, LogitStats or None) on rank 0 from every
+        rank's vocabulary shard; (None, None, None) on the others."""
+        if shard.shape[0] == 0:
+            empty = torch.empty(0, self.config.vocab_size)
+            return (empty, torch.empty(0, dtype=torch.int64), None) if self.tp.leader else (
+                None, None, None)
+        logits = self.tp.gather_vocab(shard, self._vocab_shards)
+        if logits is None:
+            return None, None, None
+        ext = cpu.load()
+        if logit_top >= 0:
+            amax, lse, vals, ids = ext.logit_stats(logits, logit_top, self.num_threads)
+            return logits, amax, LogitStats(lse, vals, ids)
+        return logits, ext.argmax(logits, self.num_threads), None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is not None:  # rank 0's whole table, not the forward's shard
+            ids = input_ids.reshape(-1).tolist()
+            rows = [self._embed.row(i) for i in ids]
+            out = torch.stack(rows) if rows else torch.empty(0, self.config.hidden_size)
+            if self.config.embed_scale != 1.0:
+                out = out * self.config.embed_scale
+            return out.view(*input_ids.shape, -1)
         return self.core.embed(input_ids.reshape(-1)).view(*input_ids.shape, -1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, H] (already normed) -> logits [n, vocab] float32."""
+        if self.tp is not None:
+            return cpu.load().linear(self._lm_head, hidden.float(), self.activation_digits,
+                                     self.num_threads)
         return self.core.lm_head(hidden)
 
     def _dense(self, packed) -> torch.Tensor:

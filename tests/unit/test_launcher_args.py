@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kernels import cpu
@@ -27,6 +29,11 @@ from launch.server_args import (
     (["--speculative-config", "{\"method\": \"hydra\"}"], "method 'hydra' is not one of"),
     (["--speculative-config", "{\"method\": \"ngram\", \"prompt_lookup_max\": 5}",
       "--speculative-ngram-max-trie-depth", "7"], "also given as 7"),
+    (["--tp-size", "3", "--nnodes", "2"], "must be a positive multiple of --nnodes"),
+    (["--tp-size", "2", "--nnodes", "2"], "--nnodes > 1 needs --dist-init-addr"),
+    (["--tp-size", "2", "--dist-init-addr", "localhost"], "must be HOST:PORT"),
+    (["--tp-size", "2", "--nnodes", "2", "--node-rank", "2", "--dist-init-addr", "h:1"],
+     "--node-rank must be in 0..1"),
 ])
 def test_bad_flags_exit_2_with_one_clear_line(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -180,3 +187,12 @@ def test_chunked_prefill_size_defaults_by_device():
     assert ServerArgs().resolve().chunked_prefill_size == 256
     assert ServerArgs(device="cuda").resolve().chunked_prefill_size == 512
     assert ServerArgs(chunked_prefill_size=1024).resolve().chunked_prefill_size == 1024
+
+
+def test_tensor_parallel_ranks_split_the_cores_and_meet_on_loopback():
+    args = ServerArgs(tp_size=2).resolve()
+    host, port = args.dist_init_addr.rsplit(":", 1)
+    assert host == "127.0.0.1" and int(port) > 0
+    assert args.num_threads == max(1, (os.cpu_count() or 1) // 2)
+    two = ServerArgs(tp_size=4, nnodes=2, node_rank=1, dist_init_addr="10.0.0.1:5000").resolve()
+    assert list(two.node_tp_ranks()) == [2, 3] and two.dist_init_addr == "10.0.0.1:5000"

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <chrono>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -579,6 +580,21 @@ class CpuModel {
     v_ = std::move(v);
   }
 
+  // Tensor parallelism: this model holds one rank's shard (its KV heads with their query
+  // heads, a slice of the MLP's columns, vocabulary rows [vocab_start, vocab_start + V)).
+  // `reduce` sums a [rows, H] partial over the ranks in place, in a fixed rank order (the
+  // caller's collective), after the embedding and each row-parallel o / down projection.
+  void set_tensor_parallel(int64_t vocab_start, int64_t vocab_full, py::function reduce) {
+    TORCH_CHECK(vocab_start >= 0 && vocab_start + V_ <= vocab_full, "vocab shard");
+    vocab_start_ = vocab_start;
+    vocab_full_ = vocab_full;
+    reduce_ = [reduce](float* p, int64_t rows, int64_t cols) {
+      py::gil_scoped_acquire gil;
+      reduce(torch::from_blob(p, {rows, cols}, torch::kFloat32));
+    };
+  }
+  bool tensor_parallel() const { return (bool)reduce_; }
+
   // Returns [logits [R, V], final_hidden [T, H] or empty, captured hidden [T, H] per layer].
   std::vector<torch::Tensor> forward(torch::Tensor input_ids, torch::Tensor positions,
                                      torch::Tensor out_loc, torch::Tensor tok_req,
@@ -639,6 +655,8 @@ class CpuModel {
   bool gelu_ = false;
   std::vector<torch::Tensor> k_, v_;
   bool kv_half_ = false;
+  int64_t vocab_start_ = 0, vocab_full_ = 0;  // set_tensor_parallel
+  std::function<void(float*, int64_t, int64_t)> reduce_;
   // scratch, grown on demand
   std::vector<float> x_, xn_, qkv_, attn_, h_, fin_;
   ActBuffers act_;
@@ -698,8 +716,10 @@ std::vector<torch::Tensor> CpuModel::forward(
   const int64_t* loc = out_loc.data_ptr<int64_t>();
   const int64_t* rows = ptr_of<int64_t>(logits_rows);
   const int64_t max_pos = cos_.size(0);
+  const bool sharded = (bool)reduce_;
+  const int64_t vocab = sharded ? vocab_full_ : V_;
   for (int t = 0; t < T; ++t) {
-    TORCH_CHECK(ids[t] >= 0 && ids[t] < V_, "token id out of range: ", ids[t]);
+    TORCH_CHECK(ids[t] >= 0 && ids[t] < vocab, "token id out of range: ", ids[t]);
     TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position out of range: ", pos[t]);
   }
   // the longest key list one query row can see; every index checked against its array, so a
@@ -802,11 +822,27 @@ std::vector<torch::Tensor> CpuModel::forward(
   const float* cosp = cos_.data_ptr<float>();
   const float* sinp = sin_.data_ptr<float>();
   const int half = D_ / 2;
+  // barrier; one thread runs the ranks' collective on buf [T, H]; barrier
+  auto tp_barrier_reduce = [&](int tid, float* buf) {
+    tp.barrier(tid);
+    if (tid == 0) reduce_(buf, T, H_);
+    tp.barrier(tid);
+  };
 
   // x += in W^T, or (Gemma) x += rmsnorm(in W^T) (the product stored in xn first); then a
   // barrier
   auto residual_step = [&](const PackedLinear& w, const torch::Tensor& out_norm, const float* in,
                            int64_t ldin, int tid, int n, int r0, int r1) {
+    if (sharded) {  // this rank's partial product, summed over the ranks, then added
+      mm(w, T, in, ldin, xn, H_, EPI_STORE, tid, n);
+      tp_barrier_reduce(tid, xn);
+      if (out_norm.defined()) {
+        isa_->rmsnorm(xn, H_, out_norm.data_ptr<float>(), eps_, H_, xn, H_, r0, r1);
+      }
+      for (int64_t i = (int64_t)r0 * H_; i < (int64_t)r1 * H_; ++i) x[i] += xn[i];
+      tp.barrier(tid);
+      return;
+    }
     if (!out_norm.defined()) {
       mm(w, T, in, ldin, x, H_, EPI_ADD, tid, n);
       tp.barrier(tid);
@@ -835,9 +871,15 @@ std::vector<torch::Tensor> CpuModel::forward(
     } else {
       for (int t = r0; t < r1; ++t) {
         float* xt = x + (int64_t)t * H_;
-        embed_.row(ids[t], xt);
+        const int64_t row = ids[t] - vocab_start_;
+        if (row < 0 || row >= V_) {  // another rank's vocabulary row: it adds the embedding
+          std::memset(xt, 0, sizeof(float) * H_);
+          continue;
+        }
+        embed_.row(row, xt);
         if (embed_scale_ != 1.f) for (int i = 0; i < H_; ++i) xt[i] *= embed_scale_;
       }
+      if (sharded) tp_barrier_reduce(tid, x);
     }
     tp.barrier(tid);
     mark(0);
@@ -1191,6 +1233,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_rope_local", &CpuModel::set_rope_local)
       .def("set_rope", &CpuModel::set_rope)
       .def("set_kv", &CpuModel::set_kv)
+      .def("set_tensor_parallel", &CpuModel::set_tensor_parallel)
+      .def_property_readonly("tensor_parallel", &CpuModel::tensor_parallel)
       .def("forward", &CpuModel::forward, py::arg("input_ids"), py::arg("positions"),
            py::arg("out_loc"), py::arg("tok_req"), py::arg("tok_local"), py::arg("kv_indptr"),
            py::arg("kv_indices"), py::arg("prefix_len"), py::arg("extend_len"),
