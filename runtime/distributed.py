@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import time
 
 import torch
@@ -32,11 +33,19 @@ _I64 = ("input_ids", "positions", "out_loc")
 _I32_T = ("tok_req", "tok_local")
 
 
-class TpGroup:
-    """This process's place in the tensor-parallel group."""
+TP_COMMS = ("auto", "shm", "gloo")
+SHM_SLOT_BYTES = 4 << 20  # per rank and generation; larger collectives go in pieces
 
-    def __init__(self, rank: int, world: int, init_addr: str) -> None:
+
+class TpGroup:
+    """This process's place in the tensor-parallel group. `comm` "shm" (what "auto" means when
+    every rank is on this host) carries the collectives through a shared-memory segment
+    (kernels/cpu/csrc/shm_comm.h: ~10x faster than gloo over loopback here); "gloo" through
+    torch.distributed, which also spans hosts. The group itself always starts over gloo."""
+
+    def __init__(self, rank: int, world: int, init_addr: str, comm: str = "gloo") -> None:
         self.rank, self.world = rank, world
+        self.shm = None
         t0 = time.perf_counter()
         # an idle server sends no collective for hours: the followers' wait for the next
         # command must not time out, so the group's timeout is long (start-up is bounded by
@@ -44,8 +53,33 @@ class TpGroup:
         dist.init_process_group(
             "gloo", init_method=f"tcp://{init_addr}", rank=rank, world_size=world,
             timeout=datetime.timedelta(days=365))
-        logger.info("tensor-parallel rank %d of %d joined at %s in %.1fs", rank, world,
-                    init_addr, time.perf_counter() - t0)
+        if comm == "shm":
+            self.shm = self._open_shm(init_addr)
+        logger.info("tensor-parallel rank %d of %d joined at %s in %.1fs (collectives: %s)",
+                    rank, world, init_addr, time.perf_counter() - t0, comm)
+
+    def _open_shm(self, init_addr: str):
+        from kernels import cpu
+
+        name = torch.zeros(64, dtype=torch.uint8)
+        if self.leader:
+            text = f"/specserve-tp-{os.getpid()}-{init_addr.rsplit(':', 1)[1]}".encode()
+            name[:len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+            shm = cpu.load().ShmComm(text.decode(), 0, self.world, SHM_SLOT_BYTES)
+        dist.broadcast(name, src=0)
+        if not self.leader:
+            text = bytes(name.tolist()).rstrip(b"\0").decode()
+            shm = cpu.load().ShmComm(text, self.rank, self.world, SHM_SLOT_BYTES)
+        dist.barrier()
+        if self.leader:
+            shm.unlink()  # every rank has it mapped; nothing is left in /dev/shm at exit
+        return shm
+
+    def _broadcast(self, t: torch.Tensor) -> None:
+        if self.shm is not None:
+            self.shm.broadcast_(t)
+        else:
+            dist.broadcast(t, src=0)
 
     @property
     def leader(self) -> bool:
@@ -53,6 +87,9 @@ class TpGroup:
 
     def reduce(self, t: torch.Tensor) -> None:
         """Sum `t` over the ranks, in place, in rank order."""
+        if self.shm is not None:
+            self.shm.allreduce_(t)
+            return
         if self.world == 2:
             dist.all_reduce(t)
             return
@@ -73,9 +110,12 @@ class TpGroup:
         if shard.shape[1] < width:
             padded = torch.zeros(rows, width, dtype=shard.dtype)
             padded[:, :shard.shape[1]] = shard
-        parts = [torch.empty(rows, width, dtype=shard.dtype) for _ in range(self.world)] \
-            if self.leader else None
-        dist.gather(padded.contiguous(), parts, dst=0)
+        if self.shm is not None:
+            parts = self.shm.gather(padded.contiguous())
+        else:
+            parts = [torch.empty(rows, width, dtype=shard.dtype) for _ in range(self.world)] \
+                if self.leader else None
+            dist.gather(padded.contiguous(), parts, dst=0)
         if not self.leader:
             return None
         return torch.cat([p[:, :e - b] for p, (b, e) in zip(parts, vocab)], dim=1)
@@ -85,7 +125,7 @@ class TpGroup:
     def _header(self, values: list[int]) -> None:
         h = torch.zeros(_HEADER, dtype=torch.int64)
         h[:len(values)] = torch.tensor(values, dtype=torch.int64)
-        dist.broadcast(h, src=0)
+        self._broadcast(h)
 
     def send_forward(self, a: dict) -> None:
         """Rank 0: the arguments of one CpuModel.forward (see `recv`)."""
@@ -98,15 +138,15 @@ class TpGroup:
         self._header([OP_FORWARD, a["input_ids"].numel(), masks.numel(),
                       int(a["final_hidden"]), a["layer_begin"], a["layer_end"],
                       int(hidden is not None), a["logit_top"], *sizes])
-        dist.broadcast(torch.cat(ints), src=0)
+        self._broadcast(torch.cat(ints))
         if masks.numel():
-            dist.broadcast(masks.contiguous(), src=0)
+            self._broadcast(masks.contiguous())
         if hidden is not None:
-            dist.broadcast(hidden.contiguous().float(), src=0)
+            self._broadcast(hidden.contiguous().float())
 
     def send_move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         self._header([OP_MOVE_KV, src.numel()])
-        dist.broadcast(torch.cat([src.reshape(-1), dst.reshape(-1)]).to(torch.int64), src=0)
+        self._broadcast(torch.cat([src.reshape(-1), dst.reshape(-1)]).to(torch.int64))
 
     def send_stop(self) -> None:
         self._header([OP_STOP])
@@ -114,19 +154,19 @@ class TpGroup:
     def recv(self, hidden_size: int) -> tuple[int, dict]:
         """The others: the next command, as (op, arguments)."""
         h = torch.zeros(_HEADER, dtype=torch.int64)
-        dist.broadcast(h, src=0)
+        self._broadcast(h)
         v = h.tolist()
         op = v[0]
         if op == OP_MOVE_KV:
             buf = torch.empty(2 * v[1], dtype=torch.int64)
-            dist.broadcast(buf, src=0)
+            self._broadcast(buf)
             return op, {"src": buf[:v[1]], "dst": buf[v[1]:]}
         if op != OP_FORWARD:
             return op, {}
         t, n_masks, final_hidden, begin, end, has_hidden, logit_top = v[1:8]
         sizes = v[8:15]
         buf = torch.empty(5 * t + sum(sizes), dtype=torch.int64)
-        dist.broadcast(buf, src=0)
+        self._broadcast(buf)
         parts = list(torch.split(buf, [t] * 5 + sizes))
         a = dict(zip(_I64, parts[:3]))
         a.update({k: p.to(torch.int32) for k, p in zip(_I32_T, parts[3:5])})
@@ -137,11 +177,11 @@ class TpGroup:
                  layer_end=end, logit_top=logit_top)
         a["masks"] = torch.empty(n_masks, dtype=torch.uint8)
         if n_masks:
-            dist.broadcast(a["masks"], src=0)
+            self._broadcast(a["masks"])
         a["hidden_in"] = None
         if has_hidden:
             a["hidden_in"] = torch.empty(t, hidden_size, dtype=torch.float32)
-            dist.broadcast(a["hidden_in"], src=0)
+            self._broadcast(a["hidden_in"])
         return op, a
 
     def close(self) -> None:

@@ -161,6 +161,10 @@ class BaseServerArgs:
     dist_init_addr: str | None = _arg(
         None, "host:port where the tensor-parallel ranks meet (node 0 listens there); needed "
         "with --nnodes > 1, else a free loopback port")
+    tp_comm: str = _arg(
+        "auto", "how tensor-parallel ranks exchange partial sums: shm (a shared-memory segment, "
+        "ranks on one host), gloo (torch.distributed over TCP, also across hosts); auto: shm "
+        "with --nnodes 1, else gloo", ("auto", "shm", "gloo"))
     heap_trim_interval: float = _arg(
         30.0, "seconds between the model runner's returns of freed heap memory to the OS "
         "(glibc malloc_trim), which it also does once whenever it goes idle. The buffers a "
@@ -201,6 +205,10 @@ class BaseServerArgs:
             raise ValueError(f"--dist-init-addr must be HOST:PORT, got {init_addr!r}")
         if self.tp_size > 1 and not init_addr:
             init_addr = f"127.0.0.1:{_free_port()}"
+        if self.tp_comm == "shm" and self.nnodes > 1:
+            raise ValueError("--tp-comm shm needs every rank on one host (--nnodes 1)")
+        comm = self.tp_comm if self.tp_comm != "auto" else (
+            "shm" if self.nnodes == 1 else "gloo")
         model_dir = str(resolve_model_path(self.model_path))
         name = self.served_model_name or (
             "SmolLM2-135M-Instruct" if self.model_path in ("default", None)
@@ -210,7 +218,7 @@ class BaseServerArgs:
         chunk = self.chunked_prefill_size or (512 if self._on_cuda() else 256)
         return dataclasses.replace(
             self, model_path=model_dir, served_model_name=name, num_threads=threads,
-            chunked_prefill_size=chunk, dist_init_addr=init_addr,
+            chunked_prefill_size=chunk, dist_init_addr=init_addr, tp_comm=comm,
         )
 
     @property

@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("engine.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_generic.cpp", "ngram_trie.cpp")
-HEADERS = ("kernels.h", "pool.h")
+HEADERS = ("kernels.h", "pool.h", "shm_comm.h")
 # -ffp-contract=off: a*b+c stays two roundings unless the code asks for an FMA, so the float
 # steps of a kernel are the ones written (and the same for every row). Never -ffast-math.
 CFLAGS = ("-O3", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-Wno-unused-function")

@@ -49,6 +49,7 @@ class RunnerConfig:
     tp_size: int = 1
     tp_rank: int = 0
     dist_init_addr: str | None = None
+    tp_comm: str = "gloo"  # runtime/distributed.py TP_COMMS, resolved (shm or gloo)
 
 
 def resolve_kv_dtype(kv_cache_dtype: str, engine: str, dtype: torch.dtype) -> torch.dtype:
@@ -147,7 +148,7 @@ class ModelRunner:
             from runtime.model_loader.cpu_weights import tp_shard
 
             self.tp_shards = [tp_shard(mc, r, cfg.tp_size) for r in range(cfg.tp_size)]
-            self.tp = TpGroup(cfg.tp_rank, cfg.tp_size, cfg.dist_init_addr)
+            self.tp = TpGroup(cfg.tp_rank, cfg.tp_size, cfg.dist_init_addr, cfg.tp_comm)
             kv_heads = self.tp_shards[cfg.tp_rank].num_kv_heads
         self.kv_pool = KVPool(
             capacity, mc.num_hidden_layers, kv_heads, mc.head_dim, self.kv_dtype, self.device,

@@ -384,6 +384,7 @@ def runner_config(server_args, tp_rank: int = 0) -> RunnerConfig:
         activation_digits=server_args.activation_digits,
         num_threads=server_args.num_threads, kv_cache_dtype=server_args.kv_cache_dtype,
         tp_size=server_args.tp_size, tp_rank=tp_rank, dist_init_addr=server_args.dist_init_addr,
+        tp_comm=server_args.tp_comm,
     )
 
 

@@ -103,7 +103,10 @@ class CpuLlamaForCausalLM:
             self._configure_gemma3(cfg, packed, rotary)
         self.core.set_kv(kv_pool.k, kv_pool.v)
         if tp is not None:
-            self.core.set_tensor_parallel(shard.vocab[0], cfg.vocab_size, tp.reduce)
+            if tp.shm is not None:
+                self.core.set_tensor_parallel_shm(shard.vocab[0], cfg.vocab_size, tp.shm)
+            else:
+                self.core.set_tensor_parallel(shard.vocab[0], cfg.vocab_size, tp.reduce)
             if head is not None:  # the whole head, for rank 0's own (non-collective) calls
                 self._embed = head[0].to_ext(ext)
                 self._lm_head = self._embed if head[1] is head[0] else head[1].to_ext(ext)

@@ -97,21 +97,29 @@ def test_a_ranks_packed_weights_are_the_models_rows_and_columns(default_cfg):
     assert part.lm_head is part.embed  # tied, as the whole model's
 
 
-def _rank(rank: int, world: int, addr: str, out) -> None:
+def _rank(rank: int, world: int, addr: str, comm: str, out) -> None:
     from runtime.distributed import TpGroup
 
-    group = TpGroup(rank, world, addr)
+    group = TpGroup(rank, world, addr, comm)
     g = torch.Generator().manual_seed(rank)
     t = torch.randn(5, 7, generator=g) * 10 ** rank
     group.reduce(t)
+    big = torch.randn(1100, 1000, generator=g)  # above a shared slot (4 MiB): in pieces
+    group.reduce(big)
     widths = [(0, 16), (16, 32), (32, 40)][:world]
     b, e = widths[rank]
     logits = group.gather_vocab(torch.full((2, e - b), float(rank)), widths)
-    out.put((rank, t, logits))
+    cmd = torch.arange(1_500_000, dtype=torch.int64) if rank == 0 else \
+        torch.zeros(1_500_000, dtype=torch.int64)
+    group._broadcast(cmd)
+    out.put((rank, t, big, logits, bool(torch.equal(cmd, torch.arange(1_500_000)))))
     group.close()
 
 
-def test_collectives_sum_in_rank_order_and_gather_uneven_vocab_shards():
+@pytest.mark.parametrize("comm", ["gloo", "shm"])
+def test_collectives_sum_in_rank_order_and_gather_uneven_vocab_shards(comm):
+    if comm == "shm" and not cpu.available()[0]:
+        pytest.skip("the shared-memory collectives are in the CPU extension")
     world = 3
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -120,18 +128,21 @@ def test_collectives_sum_in_rank_order_and_gather_uneven_vocab_shards():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         addr = f"127.0.0.1:{s.getsockname()[1]}"
-    procs = [ctx.Process(target=_rank, args=(r, world, addr, out)) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, addr, comm, out)) for r in range(world)]
     for p in procs:
         p.start()
-    got = dict((r, (t, lg)) for r, t, lg in (out.get(timeout=120) for _ in range(world)))
+    got = {r: rest for r, *rest in (out.get(timeout=120) for _ in range(world))}
     for p in procs:
         p.join(30)
-    parts = [torch.randn(5, 7, generator=torch.Generator().manual_seed(r)) * 10 ** r
-             for r in range(world)]
-    want = (parts[0] + parts[1]) + parts[2]
+    gens = [torch.Generator().manual_seed(r) for r in range(world)]
+    parts = [torch.randn(5, 7, generator=gens[r]) * 10 ** r for r in range(world)]
+    bigs = [torch.randn(1100, 1000, generator=gens[r]) for r in range(world)]
     for r in range(world):
-        assert torch.equal(got[r][0], want), r  # same bits on every rank, rank order
-    logits = got[0][1]
+        t, big, _, cmd_ok = got[r]
+        assert torch.equal(t, (parts[0] + parts[1]) + parts[2]), r  # same bits, rank order
+        assert torch.equal(big, (bigs[0] + bigs[1]) + bigs[2]), r
+        assert cmd_ok, r
+    logits = got[0][2]
     assert logits.shape == (2, 40)
     assert torch.equal(logits[0], torch.tensor([0.0] * 16 + [1.0] * 16 + [2.0] * 8))
-    assert got[1][1] is None and got[2][1] is None
+    assert got[1][2] is None and got[2][2] is None

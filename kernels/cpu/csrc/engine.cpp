@@ -26,6 +26,7 @@
 
 #include "kernels.h"
 #include "pool.h"
+#include "shm_comm.h"
 
 namespace specserve {
 namespace {
@@ -592,6 +593,14 @@ class CpuModel {
       py::gil_scoped_acquire gil;
       reduce(torch::from_blob(p, {rows, cols}, torch::kFloat32));
     };
+  }
+  // The same with the ranks' sum through this host's shared segment (shm_comm.h), no Python.
+  void set_tensor_parallel_shm(int64_t vocab_start, int64_t vocab_full,
+                               std::shared_ptr<ShmComm> comm) {
+    TORCH_CHECK(vocab_start >= 0 && vocab_start + V_ <= vocab_full, "vocab shard");
+    vocab_start_ = vocab_start;
+    vocab_full_ = vocab_full;
+    reduce_ = [comm](float* p, int64_t rows, int64_t cols) { comm->allreduce(p, rows * cols); };
   }
   bool tensor_parallel() const { return (bool)reduce_; }
 
@@ -1204,6 +1213,32 @@ void register_ngram_trie(pybind11::module_& m);  // ngram_trie.cpp
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace specserve;
   namespace py = pybind11;
+  py::class_<ShmComm, std::shared_ptr<ShmComm>>(m, "ShmComm")
+      .def(py::init<const std::string&, int, int, int64_t>(), py::arg("name"), py::arg("rank"),
+           py::arg("world"), py::arg("cap_bytes"))
+      .def("unlink", &ShmComm::unlink)
+      .def_property_readonly("rank", &ShmComm::rank)
+      .def_property_readonly("world", &ShmComm::world)
+      .def("allreduce_", [](ShmComm& c, torch::Tensor x) {
+             TORCH_CHECK(x.is_contiguous() && x.dtype() == torch::kFloat32, "float32, contiguous");
+             py::gil_scoped_release nogil;
+             c.allreduce(x.data_ptr<float>(), x.numel());
+           })
+      .def("broadcast_", [](ShmComm& c, torch::Tensor x) {
+             TORCH_CHECK(x.is_contiguous(), "contiguous");
+             py::gil_scoped_release nogil;
+             c.broadcast(x.data_ptr(), x.numel() * (int64_t)x.element_size());
+           })
+      .def("gather", [](ShmComm& c, torch::Tensor x) {
+             // rank 0: [world, *x.shape]; the others: an empty tensor
+             TORCH_CHECK(x.is_contiguous(), "contiguous");
+             std::vector<int64_t> shape{c.rank() == 0 ? c.world() : 0};
+             for (int64_t d : x.sizes()) shape.push_back(d);
+             auto out = torch::empty(shape, x.options());
+             py::gil_scoped_release nogil;
+             c.gather(x.data_ptr(), x.numel() * (int64_t)x.element_size(), out.data_ptr());
+             return out;
+           });
   py::class_<PackedLinear>(m, "PackedLinear")
       .def(py::init<int, int, int, torch::Tensor, c10::optional<torch::Tensor>>(), py::arg("fmt"),
            py::arg("K"), py::arg("N"), py::arg("data"), py::arg("bias") = py::none())
@@ -1234,6 +1269,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_rope", &CpuModel::set_rope)
       .def("set_kv", &CpuModel::set_kv)
       .def("set_tensor_parallel", &CpuModel::set_tensor_parallel)
+      .def("set_tensor_parallel_shm", &CpuModel::set_tensor_parallel_shm)
       .def_property_readonly("tensor_parallel", &CpuModel::tensor_parallel)
       .def("forward", &CpuModel::forward, py::arg("input_ids"), py::arg("positions"),
            py::arg("out_loc"), py::arg("tok_req"), py::arg("tok_local"), py::arg("kv_indptr"),
