@@ -2,9 +2,10 @@
 leading rank sends the others.
 
 Rank 0 (the model-runner process) runs the scheduler's batches and the speculative worker; every
-other rank only follows: for each target forward rank 0 broadcasts the batch's index arrays
-(`send_forward`), every rank runs its shard, and the ranks meet in `reduce` after the embedding
-and each row-parallel projection, and in `gather_vocab` for the logits. KV moves of a
+other rank only follows: for each target forward rank 0 broadcasts the `ForwardBatch`
+(`send_forward`, from `ModelRunner.forward`), every rank runs its shard, and the ranks meet
+in `reduce` after the embedding and each row-parallel projection, and in `gather_vocab` for
+the logits. KV moves of a
 speculative commit are broadcast the same way (`send_move`), since each rank holds its own
 heads' KV.
 
@@ -24,13 +25,13 @@ import time
 import torch
 import torch.distributed as dist
 
+from runtime.forward_batch import ForwardBatch, ForwardMode
+
 logger = logging.getLogger(__name__)
 
 OP_FORWARD, OP_MOVE_KV, OP_STOP = 1, 2, 3
 _HEADER = 16
-# the int64 arrays of a forward, in order; their lengths are in the header
-_I64 = ("input_ids", "positions", "out_loc")
-_I32_T = ("tok_req", "tok_local")
+_MODES = list(ForwardMode)
 
 
 TP_COMMS = ("auto", "shm", "gloo")
@@ -38,25 +39,31 @@ SHM_SLOT_BYTES = 4 << 20  # per rank and generation; larger collectives go in pi
 
 
 class TpGroup:
-    """This process's place in the tensor-parallel group. `comm` "shm" (what "auto" means when
-    every rank is on this host) carries the collectives through a shared-memory segment
-    (kernels/cpu/csrc/shm_comm.h: ~10x faster than gloo over loopback here); "gloo" through
-    torch.distributed, which also spans hosts. The group itself always starts over gloo."""
+    """This process's place in the tensor-parallel group. On the CPU, `comm` "shm" (what
+    "auto" means when every rank is on this host) carries the collectives through a
+    shared-memory segment (kernels/cpu/csrc/shm_comm.h: ~10x faster than gloo over loopback
+    here), "gloo" through torch.distributed, which also spans hosts. On CUDA (`device`) the
+    sums and the logits go over NCCL and the commands over a gloo group beside it."""
 
-    def __init__(self, rank: int, world: int, init_addr: str, comm: str = "gloo") -> None:
+    def __init__(self, rank: int, world: int, init_addr: str, comm: str = "gloo",
+                 device: torch.device | str = "cpu") -> None:
         self.rank, self.world = rank, world
+        self.device = torch.device(device)
         self.shm = None
         t0 = time.perf_counter()
+        cuda = self.device.type == "cuda"
         # an idle server sends no collective for hours: the followers' wait for the next
         # command must not time out, so the group's timeout is long (start-up is bounded by
         # the caller's own watchdog)
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://{init_addr}", rank=rank, world_size=world,
-            timeout=datetime.timedelta(days=365))
-        if comm == "shm":
+        timeout = datetime.timedelta(days=365)
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{init_addr}",
+                                rank=rank, world_size=world, timeout=timeout)
+        self.cpu_group = dist.new_group(backend="gloo", timeout=timeout) if cuda else None
+        if comm == "shm" and not cuda:
             self.shm = self._open_shm(init_addr)
         logger.info("tensor-parallel rank %d of %d joined at %s in %.1fs (collectives: %s)",
-                    rank, world, init_addr, time.perf_counter() - t0, comm)
+                    rank, world, init_addr, time.perf_counter() - t0,
+                    "nccl" if cuda else "shm" if self.shm is not None else "gloo")
 
     def _open_shm(self, init_addr: str):
         from kernels import cpu
@@ -76,10 +83,11 @@ class TpGroup:
         return shm
 
     def _broadcast(self, t: torch.Tensor) -> None:
+        """Rank 0's CPU tensor `t` into every rank's."""
         if self.shm is not None:
             self.shm.broadcast_(t)
         else:
-            dist.broadcast(t, src=0)
+            dist.broadcast(t, src=0, group=self.cpu_group)
 
     @property
     def leader(self) -> bool:
@@ -88,7 +96,12 @@ class TpGroup:
     def reduce(self, t: torch.Tensor) -> None:
         """Sum `t` over the ranks, in place, in rank order."""
         if self.shm is not None:
-            self.shm.allreduce_(t)
+            if t.dtype == torch.float32:
+                self.shm.allreduce_(t)
+            else:  # (the torch engine in bf16 / fp16: summed in float32, rounded once)
+                wide = t.float()
+                self.shm.allreduce_(wide)
+                t.copy_(wide)
             return
         if self.world == 2:
             dist.all_reduce(t)
@@ -108,10 +121,13 @@ class TpGroup:
         rows = shard.shape[0]
         padded = shard
         if shard.shape[1] < width:
-            padded = torch.zeros(rows, width, dtype=shard.dtype)
+            padded = torch.zeros(rows, width, dtype=shard.dtype, device=shard.device)
             padded[:, :shard.shape[1]] = shard
         if self.shm is not None:
             parts = self.shm.gather(padded.contiguous())
+        elif self.cpu_group is not None:  # NCCL has all_gather, not gather
+            parts = [torch.empty_like(padded) for _ in range(self.world)]
+            dist.all_gather(parts, padded.contiguous())
         else:
             parts = [torch.empty(rows, width, dtype=shard.dtype) for _ in range(self.world)] \
                 if self.leader else None
@@ -127,32 +143,35 @@ class TpGroup:
         h[:len(values)] = torch.tensor(values, dtype=torch.int64)
         self._broadcast(h)
 
-    def send_forward(self, a: dict) -> None:
-        """Rank 0: the arguments of one CpuModel.forward (see `recv`)."""
-        masks, hidden = a["masks"], a["hidden_in"]
-        ints = [a[k].reshape(-1).to(torch.int64) for k in (*_I64, *_I32_T)]
-        ints += [a["kv_indptr"], a["kv_indices"], a["prefix_len"].to(torch.int64),
-                 a["extend_len"].to(torch.int64), a["mask_indptr"], a["logits_rows"],
-                 torch.tensor(a["capture"], dtype=torch.int64)]
-        sizes = [t.numel() for t in ints[5:]]
-        self._header([OP_FORWARD, a["input_ids"].numel(), masks.numel(),
-                      int(a["final_hidden"]), a["layer_begin"], a["layer_end"],
-                      int(hidden is not None), a["logit_top"], *sizes])
-        self._broadcast(torch.cat(ints))
-        if masks.numel():
-            self._broadcast(masks.contiguous())
-        if hidden is not None:
-            self._broadcast(hidden.contiguous().float())
+    def send_forward(self, batch: ForwardBatch, final_hidden: bool,
+                     layers: tuple[int, int] | None, hidden_in: torch.Tensor | None) -> None:
+        """Rank 0: one `ModelRunner.forward`'s arguments (see `recv`), before it runs them."""
+        masks = batch.custom_masks if batch.mode.uses_custom_mask else None
+        ints = [batch.input_ids, batch.positions, batch.out_cache_loc,
+                torch.tensor(batch.extend_lens + batch.prefix_lens + list(batch.capture_layers),
+                             dtype=torch.int64), batch.kv_indices, batch.logits_indices]
+        begin, end = layers if layers is not None else (0, -1)
+        self._header([OP_FORWARD, _MODES.index(batch.mode), batch.batch_size, batch.num_tokens,
+                      len(batch.capture_layers), batch.kv_indices.numel(),
+                      batch.logits_indices.numel(), int(final_hidden), int(layers is not None),
+                      begin, end, int(hidden_in is not None), batch.logit_top,
+                      int(masks is not None)])
+        self._broadcast(torch.cat([t.reshape(-1).to(torch.int64) for t in ints]))
+        if masks is not None:
+            self._broadcast(torch.cat([m.reshape(-1) for m in masks]).to(torch.uint8))
+        if hidden_in is not None:
+            self._broadcast(hidden_in.detach().to("cpu", torch.float32).contiguous())
 
     def send_move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         self._header([OP_MOVE_KV, src.numel()])
-        self._broadcast(torch.cat([src.reshape(-1), dst.reshape(-1)]).to(torch.int64))
+        self._broadcast(torch.cat([src.reshape(-1), dst.reshape(-1)]).to("cpu", torch.int64))
 
     def send_stop(self) -> None:
         self._header([OP_STOP])
 
     def recv(self, hidden_size: int) -> tuple[int, dict]:
-        """The others: the next command, as (op, arguments)."""
+        """The others: the next command, as (op, arguments): OP_FORWARD's are
+        `ModelRunner.forward`'s (batch, return_final_hidden, layers, hidden_in)."""
         h = torch.zeros(_HEADER, dtype=torch.int64)
         self._broadcast(h)
         v = h.tolist()
@@ -163,26 +182,30 @@ class TpGroup:
             return op, {"src": buf[:v[1]], "dst": buf[v[1]:]}
         if op != OP_FORWARD:
             return op, {}
-        t, n_masks, final_hidden, begin, end, has_hidden, logit_top = v[1:8]
-        sizes = v[8:15]
-        buf = torch.empty(5 * t + sum(sizes), dtype=torch.int64)
+        (mode, b, t, n_cap, n_kv, n_logits, final, has_layers, begin, end, has_hidden,
+         logit_top, has_masks) = v[1:14]
+        buf = torch.empty(3 * t + 2 * b + n_cap + n_kv + n_logits, dtype=torch.int64)
         self._broadcast(buf)
-        parts = list(torch.split(buf, [t] * 5 + sizes))
-        a = dict(zip(_I64, parts[:3]))
-        a.update({k: p.to(torch.int32) for k, p in zip(_I32_T, parts[3:5])})
-        kv_indptr, kv_indices, prefix_len, extend_len, mask_indptr, rows, capture = parts[5:]
-        a.update(kv_indptr=kv_indptr, kv_indices=kv_indices, prefix_len=prefix_len.to(torch.int32),
-                 extend_len=extend_len.to(torch.int32), mask_indptr=mask_indptr, logits_rows=rows,
-                 capture=capture.tolist(), final_hidden=bool(final_hidden), layer_begin=begin,
-                 layer_end=end, logit_top=logit_top)
-        a["masks"] = torch.empty(n_masks, dtype=torch.uint8)
-        if n_masks:
-            self._broadcast(a["masks"])
-        a["hidden_in"] = None
+        ids, pos, loc, lens, kv, rows = torch.split(buf, [t, t, t, 2 * b + n_cap, n_kv,
+                                                          n_logits])
+        lens = lens.tolist()
+        extend, prefix = lens[:b], lens[b:2 * b]
+        masks = None
+        if has_masks:
+            flat = torch.empty(sum(e * e for e in extend), dtype=torch.uint8)
+            self._broadcast(flat)
+            masks = [m.view(e, e).bool() for m, e in
+                     zip(torch.split(flat, [e * e for e in extend]), extend)]
+        hidden = None
         if has_hidden:
-            a["hidden_in"] = torch.empty(t, hidden_size, dtype=torch.float32)
-            self._broadcast(a["hidden_in"])
-        return op, a
+            hidden = torch.empty(t, hidden_size, dtype=torch.float32)
+            self._broadcast(hidden)
+        batch = ForwardBatch(mode=_MODES[mode], input_ids=ids, positions=pos, out_cache_loc=loc,
+                             extend_lens=extend, prefix_lens=prefix, kv_indices=kv,
+                             logits_indices=rows, custom_masks=masks,
+                             capture_layers=tuple(lens[2 * b:]), logit_top=logit_top)
+        return op, {"batch": batch, "return_final_hidden": bool(final),
+                    "layers": (begin, end) if has_layers else None, "hidden_in": hidden}
 
     def close(self) -> None:
         if dist.is_initialized():

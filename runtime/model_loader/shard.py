@@ -9,7 +9,11 @@ whole tiles of 16 rows and on whole quantization blocks of a row-parallel matrix
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+
+import torch
 
 from runtime.model_loader.config import ModelConfig
 
@@ -72,3 +76,43 @@ class TpShard:
     @property
     def vocab_size(self) -> int:
         return self.vocab[1] - self.vocab[0]
+
+
+def shard_config(cfg: ModelConfig, shard: TpShard) -> ModelConfig:
+    """The architecture of one rank's shard, as the torch engine's modules are built from it."""
+    return dataclasses.replace(cfg, num_attention_heads=shard.num_heads,
+                               num_key_value_heads=shard.num_kv_heads,
+                               intermediate_size=shard.intermediate_size,
+                               vocab_size=shard.vocab_size)
+
+
+HEAD_WEIGHTS = ("embed_tokens.weight", "lm_head.weight")
+
+
+def shard_weights(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig, shard: TpShard,
+                  whole: dict[str, torch.Tensor] | None = None,
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named checkpoint tensors cut to `shard` (for the torch engine's `load_weights`);
+    the whole embedding and LM head also go into `whole`, when given."""
+    d = cfg.head_dim
+    rows = {"q_proj": shard.q_heads, "k_proj": shard.kv_heads, "v_proj": shard.kv_heads}
+    for name, t in weights:
+        base = name.removeprefix("model.")
+        parts = base.split(".")
+        if base in HEAD_WEIGHTS:
+            if whole is not None:
+                whole[base] = t
+            t = t[shard.vocab[0]:shard.vocab[1]]
+        elif len(parts) == 5 and parts[0] == "layers" and int(parts[1]) < cfg.num_hidden_layers:
+            kind, leaf = parts[3], parts[4]
+            if kind in rows:
+                t = t[rows[kind][0] * d:rows[kind][1] * d]
+            elif kind in ("gate_proj", "up_proj"):
+                t = t[shard.intermediate[0]:shard.intermediate[1]]
+            elif kind in ("o_proj", "down_proj") and leaf == "bias":
+                t = t if shard.rank == 0 else torch.zeros_like(t)  # added once, by rank 0
+            elif kind == "o_proj":
+                t = t[:, shard.q_heads[0] * d:shard.q_heads[1] * d]
+            elif kind == "down_proj":
+                t = t[:, shard.intermediate[0]:shard.intermediate[1]]
+        yield name, t.contiguous()

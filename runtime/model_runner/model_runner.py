@@ -139,17 +139,19 @@ class ModelRunner:
             self.dtype = torch.float32  # activations; weights keep their packed format
         self.kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.engine, self.dtype)
         self.tp, self.tp_shards = None, None
-        kv_heads = mc.num_key_value_heads
+        kv_heads, heads = mc.num_key_value_heads, mc.num_attention_heads
         if cfg.tp_size > 1:
-            if self.engine != "cpu":
-                raise ValueError("--tp-size > 1 runs on the CPU engine (the torch engine is not "
-                                 "sharded)")
             from runtime.distributed import TpGroup
             from runtime.model_loader.cpu_weights import tp_shard
 
+            if self.device.type == "cuda":  # one GPU per rank of this host
+                self.device = torch.device("cuda", cfg.tp_rank % torch.cuda.device_count())
+                torch.cuda.set_device(self.device)
             self.tp_shards = [tp_shard(mc, r, cfg.tp_size) for r in range(cfg.tp_size)]
-            self.tp = TpGroup(cfg.tp_rank, cfg.tp_size, cfg.dist_init_addr, cfg.tp_comm)
+            self.tp = TpGroup(cfg.tp_rank, cfg.tp_size, cfg.dist_init_addr, cfg.tp_comm,
+                              self.device)
             kv_heads = self.tp_shards[cfg.tp_rank].num_kv_heads
+            heads = self.tp_shards[cfg.tp_rank].num_heads
         self.kv_pool = KVPool(
             capacity, mc.num_hidden_layers, kv_heads, mc.head_dim, self.kv_dtype, self.device,
         )
@@ -173,9 +175,20 @@ class ModelRunner:
                       f"{cfg.activation_digits}, KV {str(self.kv_dtype).removeprefix('torch.')}")
         else:
             model_class = Gemma3ForCausalLM if mc.is_gemma3 else LlamaForCausalLM
-            model = model_class(mc, self.device, self.dtype)
+            weights = iter_safetensors_weights(cfg.model_dir)
+            if self.tp is None:
+                model = model_class(mc, self.device, self.dtype)
+            else:
+                from runtime.model_loader.shard import shard_config, shard_weights
+
+                shard = self.tp_shards[cfg.tp_rank]
+                model = model_class(shard_config(mc, shard), self.device, self.dtype)
+                whole: dict[str, torch.Tensor] | None = {} if self.tp.leader else None
+                weights = shard_weights(weights, mc, shard, whole)
             model.to(device=self.device, dtype=self.dtype)
-            model.load_weights(iter_safetensors_weights(cfg.model_dir))
+            model.load_weights(weights)
+            if self.tp is not None:
+                self._shard_torch_model(model, whole)
             model.eval()
             packed = model.pack_weights() if cfg.pack_weights else 0
             self.model = model
@@ -183,13 +196,24 @@ class ModelRunner:
             backend = cfg.attention_backend
             detail = f"torch reference engine, {packed} linears prepacked"
         self.attn_backend = create_attention_backend(
-            backend, self.kv_pool, mc.num_attention_heads, mc.attention_scale
+            backend, self.kv_pool, heads, mc.attention_scale
         )
         logger.info(
             "model %s (%s, %d layers) on %s/%s, %d KV slots, %s, %.1fs to load",
             mc.model_dir, mc.architecture, mc.num_hidden_layers, self.device,
             str(self.dtype).removeprefix("torch."), capacity, detail, time.perf_counter() - t0,
         )
+
+    def _shard_torch_model(self, model, whole: dict[str, torch.Tensor] | None) -> None:
+        """Wire the torch engine's shard into the group; rank 0 keeps the whole embedding
+        and LM head for its drafters."""
+        embed = head = None
+        if whole is not None:
+            mc = self.model_config
+            embed = whole["embed_tokens.weight"].to(self.device, self.dtype)
+            tied = mc.tie_word_embeddings or "lm_head.weight" not in whole
+            head = embed if tied else whole["lm_head.weight"].to(self.device, self.dtype)
+        model.enable_tensor_parallel(self.tp, [s.vocab for s in self.tp_shards], embed, head)
 
     def _cpu_model(self, cfg: RunnerConfig):
         from runtime.layers.rotary import RotaryEmbedding
@@ -227,6 +251,8 @@ class ModelRunner:
         token's hidden state after layer E is the same in an early-exit draft pass and in the
         full pass: a verify pass may resume at E from the draft's hidden states, exactly."""
         batch.check()
+        if self.tp is not None and self.tp.leader:  # every rank runs it (tp_follower.py)
+            self.tp.send_forward(batch, return_final_hidden, layers, hidden_in)
         batch = batch.to(self.device)
         batch.attn_metadata = None
         self.attn_backend.init_forward_metadata(batch)

@@ -17,7 +17,7 @@ logger = logging.getLogger(__name__)
 
 def follow(runner: ModelRunner) -> int:
     """Run rank 0's commands until it stops; returns how many forwards ran."""
-    model, tp = runner.model, runner.tp
+    tp = runner.tp
     hidden = runner.model_config.hidden_size
     forwards = 0
     while True:
@@ -28,8 +28,9 @@ def follow(runner: ModelRunner) -> int:
                         str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             return forwards
         if op == OP_FORWARD:
-            out = model.core.forward(**a)
-            model.gather_logits(out[0], a["logit_top"])
+            if a["hidden_in"] is not None:
+                a["hidden_in"] = a["hidden_in"].to(runner.device, runner.dtype)
+            runner.forward(**a)
             forwards += 1
         elif op == OP_MOVE_KV:
             runner.kv_pool.move(a["src"], a["dst"])

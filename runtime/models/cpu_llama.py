@@ -59,9 +59,9 @@ class _DenseLMHead:
 
 
 class CpuLlamaForCausalLM:
-    """With `tp` (runtime/distributed.py), `packed` is this rank's shard (`shard`) and every
-    forward is a collective: rank 0 sends the batch to the other ranks (`TpFollower` runs
-    theirs), the ranks sum their partial projections and rank 0 gathers the logits. Rank 0's
+    """With `tp` (runtime/distributed.py), `packed` is this rank's shard (`shards[rank]`) and
+    every forward is a collective (every rank runs it: rank 0 sent the batch): the ranks sum
+    their partial projections and rank 0 gathers the logits (the others get None). Rank 0's
     drafters read the whole embedding and LM head (`head`), a local copy."""
 
     device = torch.device("cpu")
@@ -156,7 +156,6 @@ class CpuLlamaForCausalLM:
             stats = LogitStats(out[3], out[4], out[5]) if batch.logit_top >= 0 else None
             return ModelOutput(out[0], captured, out[1] if return_final_hidden else None, out[2],
                                stats)
-        self.tp.send_forward(args)
         out = self.core.forward(**args)
         logits, amax, stats = self.gather_logits(out[0], batch.logit_top)
         return ModelOutput(logits, dict(zip(capture, out[6:])),

@@ -22,7 +22,7 @@ from runtime.layers.linear import Linear
 from runtime.layers.norm import RMSNorm
 from runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from runtime.model_loader.config import ModelConfig
-from runtime.models.llama import LlamaForCausalLM, LlamaMLP, _param
+from runtime.models.llama import LlamaForCausalLM, LlamaMLP, _param, reduced
 
 
 class Gemma3Attention(nn.Module):
@@ -38,6 +38,7 @@ class Gemma3Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.reduce = None  # tensor parallel: sums o_proj's partial outputs over the ranks
 
     def forward(self, x, cos_sin, backend: AttentionBackend, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
@@ -50,7 +51,7 @@ class Gemma3Attention(nn.Module):
             out = backend.forward_window(q, k, v, self.layer_id, batch, self.window)
         else:  # every key is inside the window: plain causal / tree attention is the same
             out = backend.forward(q, k, v, self.layer_id, batch)
-        return self.o_proj(out.reshape(t, self.q_size))
+        return reduced(self.o_proj(out.reshape(t, self.q_size)), self.reduce)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -93,9 +94,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.rotary_local = RotaryEmbedding(cfg.head_dim, max_pos, cfg.rope_local_theta, None,
                                             device, dtype)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        scale = torch.tensor(self.config.embed_scale, dtype=self.embed_tokens.dtype)
-        return F.embedding(input_ids, self.embed_tokens) * scale
+    def embed_rows(self, input_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        scale = torch.tensor(self.config.embed_scale, dtype=table.dtype)
+        return F.embedding(input_ids, table) * scale
 
     def rope_tables(self, positions: torch.Tensor):
         return self.rotary.cos_sin(positions), self.rotary_local.cos_sin(positions)

@@ -58,6 +58,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.reduce = None  # tensor parallel: sums o_proj's partial outputs over the ranks
 
     def forward(
         self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
@@ -73,7 +74,7 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
         out = backend.forward(q, k, v, self.layer_id, batch)  # [T, num_heads, head_dim]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return reduced(self.o_proj(out.reshape(num_tokens, self.q_size)), self.reduce)
 
 
 class LlamaMLP(nn.Module):
@@ -86,10 +87,19 @@ class LlamaMLP(nn.Module):
         self.act = act
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.reduce = None  # tensor parallel: sums down_proj's partial outputs over the ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return reduced(self.down_proj(self.act(gate) * up), self.reduce)
+
+
+def reduced(partial: torch.Tensor, reduce) -> torch.Tensor:
+    """A row-parallel projection's output: summed over the tensor-parallel ranks, if any."""
+    if reduce is not None:
+        partial = partial.contiguous()
+        reduce(partial)
+    return partial
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -120,16 +130,62 @@ class LlamaForCausalLM(nn.Module):
             cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling, device, dtype
         )
 
+    tp = None  # runtime/distributed.py TpGroup, with `enable_tensor_parallel`
+
     def pack_weights(self) -> int:
         """Prepack every linear for the CPU fast path; returns how many were packed."""
-        return sum(m.pack() for m in self.modules() if isinstance(m, Linear))
+        packed = sum(m.pack() for m in self.modules() if isinstance(m, Linear))
+        if self.tp is not None and self._full_lm_head is not None:
+            packed += self._full_lm_head.pack()
+        return packed
+
+    def enable_tensor_parallel(self, tp, vocab: list[tuple[int, int]],
+                               full_embed: torch.Tensor | None,
+                               full_lm_head: torch.Tensor | None) -> None:
+        """This model holds rank `tp.rank`'s shard (runtime/model_loader/shard.py): sum the
+        row-parallel projections and the embedding over the ranks, gather the logits (rank 0
+        gets them, the others None). Rank 0's own `embed` / `compute_logits` (its drafters)
+        read the whole `full_embed` / `full_lm_head` [vocab, hidden]."""
+        self.tp = tp
+        self._vocab = vocab
+        for layer in self.layers:
+            layer.self_attn.reduce = tp.reduce
+            layer.mlp.reduce = tp.reduce
+        self._full_embed, self._full_lm_head = full_embed, None
+        if full_lm_head is not None:
+            head = Linear(full_lm_head.shape[1], full_lm_head.shape[0])
+            head.weight = nn.Parameter(full_lm_head, requires_grad=False)
+            # not a submodule: it is no checkpoint weight (load_weights' check) and no shard
+            object.__setattr__(self, "_full_lm_head", head)
+
+    def embed_rows(self, input_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, table)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.embed_tokens)
+        table = self._full_embed if self.tp is not None else self.embed_tokens
+        return self.embed_rows(input_ids, table)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] (already normed) → logits [n, vocab] float32."""
+        if self.tp is not None:
+            return self._full_lm_head(hidden).float()
         return self.lm_head(hidden).float()
+
+    def _forward_embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return self.embed(input_ids)
+        begin, end = self._vocab[self.tp.rank]
+        local = input_ids - begin
+        mine = (local >= 0) & (local < end - begin)
+        x = self.embed_rows(local.clamp(0, end - begin - 1), self.embed_tokens)
+        x = (x * mine.unsqueeze(-1).to(x.dtype)).contiguous()  # others' rows: theirs to add
+        self.tp.reduce(x)
+        return x
+
+    def _forward_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        if self.tp is None:
+            return self.compute_logits(hidden)
+        return self.tp.gather_vocab(self.lm_head(hidden).float().contiguous(), self._vocab)
 
     def rope_tables(self, positions: torch.Tensor):
         """What each layer's attention rotates q and k with (Gemma 3: a global and a local)."""
@@ -147,7 +203,7 @@ class LlamaForCausalLM(nn.Module):
         end = len(self.layers) if end < 0 else end
         assert 0 <= begin <= end <= len(self.layers), f"bad layer range {layers}"
         assert begin == 0 or hidden_in is not None, "layer_begin > 0 needs hidden_in"
-        x = self.embed(batch.input_ids) if hidden_in is None else hidden_in  # [T, hidden]
+        x = self._forward_embed(batch.input_ids) if hidden_in is None else hidden_in
         cos_sin = self.rope_tables(batch.positions)
         captured: dict[int, torch.Tensor] = {}
         for i in range(begin, end):
@@ -158,9 +214,9 @@ class LlamaForCausalLM(nn.Module):
             captured[end] = x
         if return_final_hidden:
             final = self.norm(x)
-            logits = self.compute_logits(final[batch.logits_indices])
+            logits = self._forward_logits(final[batch.logits_indices])
             return ModelOutput(logits, captured, final)
-        logits = self.compute_logits(self.norm(x[batch.logits_indices]))
+        logits = self._forward_logits(self.norm(x[batch.logits_indices]))
         return ModelOutput(logits, captured, None)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

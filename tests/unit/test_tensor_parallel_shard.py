@@ -112,7 +112,10 @@ def _rank(rank: int, world: int, addr: str, comm: str, out) -> None:
     cmd = torch.arange(1_500_000, dtype=torch.int64) if rank == 0 else \
         torch.zeros(1_500_000, dtype=torch.int64)
     group._broadcast(cmd)
-    out.put((rank, t, big, logits, bool(torch.equal(cmd, torch.arange(1_500_000)))))
+    # numpy, copied by value: a torch tensor would travel as a handle to this process's
+    # memory, gone once it exits
+    out.put((rank, t.numpy(), big.numpy(), None if logits is None else logits.numpy(),
+             bool(torch.equal(cmd, torch.arange(1_500_000)))))
     group.close()
 
 
@@ -131,7 +134,8 @@ def test_collectives_sum_in_rank_order_and_gather_uneven_vocab_shards(comm):
     procs = [ctx.Process(target=_rank, args=(r, world, addr, comm, out)) for r in range(world)]
     for p in procs:
         p.start()
-    got = {r: rest for r, *rest in (out.get(timeout=120) for _ in range(world))}
+    got = {r: [None if a is None else torch.from_numpy(a) for a in rest[:3]] + rest[3:]
+           for r, *rest in (out.get(timeout=120) for _ in range(world))}
     for p in procs:
         p.join(30)
     gens = [torch.Generator().manual_seed(r) for r in range(world)]
