@@ -143,6 +143,7 @@ class DataParallel:
                          for i, port in enumerate(free_port() for _ in range(args.dp_size))]
         self.router_proc: subprocess.Popen | None = None
         self.router: RouterClient | None = None
+        self.router_metrics_port = free_port()
         self.router_lock = threading.Lock()  # the exit watchers call the router too
         self.stop_signal: int | None = None
         self.http = httpx.Client(timeout=1)  # one client for every /health poll
@@ -158,15 +159,19 @@ class DataParallel:
             try:
                 self._start()
             except RuntimeError as exc:
-                logger.error("start-up failed: %s", exc)
-                return 1
+                if self.stop_signal is None:
+                    logger.error("start-up failed: %s", exc)
+                    return 1
             if self.stop_signal is not None:
+                logger.info("stopping (%s)", signal.Signals(self.stop_signal).name)
                 return 0
             a = self.args
             listed = ", ".join(f"{r.name} {r.url} (pid {r.proc.pid})" for r in self.replicas)
+            metrics = f"; router metrics http://127.0.0.1:{self.router_metrics_port}/metrics" \
+                if a.enable_metrics else ""
             logger.info("ready in %.1fs: http://%s:%d  sglang-router (cache_aware) in front of "
-                        "%d replicas, %d thread(s) each: %s", time.perf_counter() - t0,
-                        a.host, a.port, a.dp_size, a.threads_per_replica, listed)
+                        "%d replicas, %d thread(s) each: %s%s", time.perf_counter() - t0,
+                        a.host, a.port, a.dp_size, a.threads_per_replica, listed, metrics)
             return self._watch()
         finally:
             self._shutdown()
@@ -181,19 +186,21 @@ class DataParallel:
         of a request sent to it last 0.8 s (launch/router.py), the watchdog's look every
         0.5 s could come too late."""
         code = proc.wait()
-        took = None
         with self.router_lock:
             if self.stop_signal is None and r.in_router:
-                r.in_router = False
-                t0 = time.monotonic()
-                removed = self._try(self.router.remove, r.url)
-                took = (f"out of the router in {(time.monotonic() - t0) * 1e3:.0f} ms"
-                        if removed else "still in the router")
-        if took is not None:
-            logger.error("%s (pid %d) exited with code %s: %s, restarting it", r.name,
-                         proc.pid, code, took)
+                self._take_out(r, proc.pid, code)
         if self.stop_signal is None:
             reap_groups([proc], REAP_GRACE_S)
+
+    def _take_out(self, r: Replica, pid: int, code: int) -> None:
+        """Remove an exited replica from the router and say so (holding `router_lock`)."""
+        r.in_router = False
+        t0 = time.monotonic()
+        removed = self._try(self.router.remove, r.url)
+        took = (f"out of the router in {(time.monotonic() - t0) * 1e3:.0f} ms" if removed
+                else "still in the router")
+        logger.error("%s (pid %d) exited with code %s: %s, restarting it", r.name, pid, code,
+                     took)
 
     def _start(self) -> None:
         for r in self.replicas:
@@ -214,8 +221,8 @@ class DataParallel:
             return
         a = self.args
         self.router_proc = spawn(router_command(
-            [r.url for r in self.replicas], a.host, a.port, free_port(), a.api_key,
-            a.log_level), "router")
+            [r.url for r in self.replicas], a.host, a.port, self.router_metrics_port,
+            a.api_key, a.log_level), "router")
         self.router = RouterClient(f"http://{connect_host(a.host)}:{a.port}", a.api_key)
         self.router.wait_workers([r.url for r in self.replicas],
                                  lambda: self.router_proc.poll() is None and
@@ -253,9 +260,8 @@ class DataParallel:
         if r.proc is not None:  # exited since the last look
             r.proc.wait()
             with self.router_lock:
-                if r.in_router:  # it exited while being put back: its watcher came too soon
-                    r.in_router = False
-                    self._try(self.router.remove, r.url)
+                if r.in_router:  # before its exit watcher (or while being put back)
+                    self._take_out(r, r.proc.pid, r.proc.returncode)
             if r.serving:
                 r.serving, r.down_since, r.failed_starts, r.next_start = False, now, 0, now
             else:
