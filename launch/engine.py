@@ -26,5 +26,8 @@ class Engine(_Engine):
         unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise TypeError(f"Engine() got unknown argument(s) {unknown}")
+        if kwargs.get("dp_size", 1) != 1:
+            raise ValueError("dp_size > 1 serves replicas behind sglang-router: "
+                             "python -m launch_server --dp-size N")
         args = cls(**kwargs).resolve()
         super().__init__(args, speculation(args))

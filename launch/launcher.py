@@ -4,6 +4,8 @@ The launcher process is the tokenizer process: it runs the HTTP server (uvicorn 
 the `TokenizerManager`. A watchdog checks the children every 0.5 s; if one dies, requests in
 flight fail, /health turns 503, and the launcher exits non-zero within seconds, naming the dead
 process. SIGINT/SIGTERM stop uvicorn, then the children are terminated (killed after 3 s).
+With --dp-size N > 1 it runs N such servers behind sglang-router instead
+(launch/data_parallel.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 
 import uvicorn
 
+from launch.router import RouterUnavailable, require_router
 from launch.server_args import ServerArgs, parse_args, speculation
 from runtime.entrypoints.http_server import create_app
 from runtime.errors import SpecserveError
@@ -106,11 +109,17 @@ def serve(args: ServerArgs) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    given = parse_args(argv)
     try:
-        args = args.resolve()
-    except (ValueError, SpecserveError) as exc:
+        if given.dp_size > 1:
+            require_router()
+        args = given.resolve()
+    except (ValueError, SpecserveError, RouterUnavailable) as exc:
         # a bad flag or model path: one clear line, no traceback
         print(f"launch_server: error: {exc}", file=sys.stderr)
         sys.exit(2)
+    if args.dp_size > 1:
+        from launch.data_parallel import serve_data_parallel
+
+        sys.exit(serve_data_parallel(given, args))
     sys.exit(serve(args))

@@ -9,13 +9,16 @@ algorithm registers later (a plugin). argparse lives here only: flags, defaults,
 help come from the fields' metadata; the speculative options are grouped per algorithm in
 `--help` (a group per set of algorithms that take an option, so an algorithm's own flags sit
 together). `speculation(args)` is what the runtime's processes get of the speculative options.
+The launcher's own options (`--dp-size`, `--threads-per-replica`) are declared here too: the
+runtime's processes never see them.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import field
+import os
+from dataclasses import dataclass, field
 from typing import Any
 
 import speculative  # noqa: F401 - importing the package registers the algorithms
@@ -40,6 +43,43 @@ def _spec_field(help_text: str) -> Any:
                                          "group": "speculative"})
 
 
+def _dp_field(default: Any, help_text: str) -> Any:
+    return field(default=default, metadata={"help": help_text, "choices": None,
+                                            "group": "data parallelism"})
+
+
+@dataclass(frozen=True)
+class _DataParallel:
+    """The launcher's data-parallel options (launch/data_parallel.py)."""
+
+    dp_size: int = _dp_field(
+        1, "engine replicas behind sglang-router (pip install sglang-router): each replica is "
+        "a server of its own (scheduler, model runner, KV cache, prefix cache) on a loopback "
+        "port, the router listens on --host/--port and sends a request to the replica whose "
+        "prefix cache holds its prompt (cache_aware); a replica that dies is restarted. 1: one "
+        "server, no router (docs/scaling.md)")
+    threads_per_replica: int | None = _dp_field(
+        None, "with --dp-size > 1: torch threads of each replica's model runner (default: the "
+        "cores divided by --dp-size, at least 1)")
+
+    def _resolve_data_parallel(self) -> dict:
+        if self.dp_size < 1:
+            raise ValueError("--dp-size must be positive")
+        if self.dp_size == 1:
+            if self.threads_per_replica is not None:
+                raise ValueError("--threads-per-replica needs --dp-size > 1 (one server takes "
+                                 "--num-threads)")
+            return {}
+        if self.num_threads is not None:
+            raise ValueError("--num-threads is one server's; with --dp-size use "
+                             "--threads-per-replica")
+        if self.threads_per_replica is None:
+            return {"threads_per_replica": max(1, (os.cpu_count() or 1) // self.dp_size)}
+        if self.threads_per_replica < 1:
+            raise ValueError("--threads-per-replica must be positive")
+        return {}
+
+
 class _Speculative:
     """The speculative half of `ServerArgs` (a mixin of methods; the fields are made from the
     registry by `server_args_class`)."""
@@ -51,7 +91,7 @@ class _Speculative:
     def resolve(self):
         """A copy with "auto"/None values made concrete and every value checked: the
         algorithm's options (`Drafter.resolve_options`), then the server's."""
-        args = self
+        args = dataclasses.replace(self, **self._resolve_data_parallel())
         if self.speculative_config is not None:
             args = args._apply_speculative_config()
         if args.speculative_algorithm is not None:
@@ -100,10 +140,11 @@ def server_args_class() -> type:
                 "\"prompt_lookup_max\": 4}'; mapped onto the --speculative-* options")),
         ]
         cls = dataclasses.make_dataclass(
-            "ServerArgs", own + server_arg_fields(), bases=(_Speculative, BaseServerArgs),
-            frozen=True, namespace={
+            "ServerArgs", own + server_arg_fields(),
+            bases=(_Speculative, _DataParallel, BaseServerArgs), frozen=True, namespace={
                 "__module__": __name__,
-                "__doc__": "Server options + every speculative algorithm's options."})
+                "__doc__": "Server options + the launcher's + every speculative algorithm's "
+                           "options."})
         _built = (key, cls)
     return _built[1]
 
@@ -147,6 +188,21 @@ def build_parser() -> argparse.ArgumentParser:
         groups[group].add_argument(flag_name, type=kind, default=f.default, help=help_text,
                                    choices=meta.get("choices") if kind is str else None)
     return parser
+
+
+def to_argv(args) -> list[str]:
+    """The flags that `parse_args` reads back as `args` (those away from their defaults)."""
+    argv = []
+    for f in dataclasses.fields(args):
+        value = getattr(args, f.name)
+        if value == f.default:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, str(value)]
+    return argv
 
 
 def parse_args(argv: list[str] | None = None):

@@ -32,6 +32,24 @@ def die_with_parent(name: str | None = None) -> None:
             pass
 
 
+def pdeathsig_preexec(parent_pid: int) -> Callable[[], None] | None:
+    """A `subprocess.Popen(preexec_fn=...)` that makes the child (any program, ours or not) get
+    SIGKILL when the thread that started it dies, and exit at once if `parent_pid` is already
+    gone. libc is loaded here, in the parent: the function runs between fork and exec, where
+    loading a library could deadlock on a lock another thread held at the fork. None off Linux.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent_pid:  # the parent died before the line above
+            os._exit(1)
+
+    return preexec
+
+
 def thread_locks_for_progress_bars() -> None:
     """tqdm's first bar in a process creates a multiprocessing lock (a named semaphore) for
     bars shared across processes. A child is stopped by SIGTERM before that lock's finalizer

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -196,3 +197,93 @@ def test_tensor_parallel_ranks_split_the_cores_and_meet_on_loopback():
     assert args.num_threads == max(1, (os.cpu_count() or 1) // 2)
     two = ServerArgs(tp_size=4, nnodes=2, node_rank=1, dist_init_addr="10.0.0.1:5000").resolve()
     assert list(two.node_tp_ranks()) == [2, 3] and two.dist_init_addr == "10.0.0.1:5000"
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--dp-size", "0"], "--dp-size must be positive"),
+    (["--threads-per-replica", "2"], "--threads-per-replica needs --dp-size > 1"),
+    (["--dp-size", "2", "--num-threads", "2"], "with --dp-size use --threads-per-replica"),
+    (["--dp-size", "2", "--threads-per-replica", "0"], "--threads-per-replica must be positive"),
+])
+def test_bad_data_parallel_flags_exit_2_with_one_clear_line(argv, needle, capsys, monkeypatch):
+    _never_serve(monkeypatch)
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+def _never_serve(monkeypatch):
+    """A flag the launcher wrongly accepts must fail the test, not start replicas."""
+    import launch.data_parallel
+
+    def serve(*args):
+        raise AssertionError("the launcher accepted the flags and started serving")
+
+    monkeypatch.setattr(launch.data_parallel, "serve_data_parallel", serve)
+
+
+def test_dp_size_without_sglang_router_tells_how_to_install_it(monkeypatch, capsys):
+    import launch.router
+
+    _never_serve(monkeypatch)
+    monkeypatch.setattr(launch.router.importlib.util, "find_spec",
+                        lambda name: None if name == "sglang_router" else object())
+    with pytest.raises(SystemExit) as exc:
+        main(["--dp-size", "2"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("pip install sglang-router") and "\n" not in err
+
+
+def test_replica_threads_default_to_the_cores_shared_out(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert parse_args(["--dp-size", "3"]).resolve().threads_per_replica == 2
+    assert parse_args(["--dp-size", "16"]).resolve().threads_per_replica == 1
+    assert parse_args(["--dp-size", "2", "--threads-per-replica", "3"]).resolve() \
+        .threads_per_replica == 3
+    assert parse_args([]).resolve().threads_per_replica is None
+
+
+@pytest.mark.parametrize("argv", [
+    [],
+    ["--api-key", "k", "--max-running-requests", "8", "--disable-radix-cache",
+     "--heap-trim-interval", "2.5", "--speculative-algorithm", "NGRAM",
+     "--speculative-num-draft-tokens", "6"],
+    ["--speculative-config", '{"method": "ngram", "prompt_lookup_max": 4}',
+     "--schedule-policy", "lpm", "--chat-template", "chatml"],
+])
+def test_to_argv_is_what_parse_args_reads_back(argv):
+    from launch.server_args import to_argv
+
+    args = parse_args(argv)
+    assert parse_args(to_argv(args)) == args
+
+
+def test_an_option_on_by_default_turned_off_comes_back_as_its_no_flag():
+    from launch.server_args import to_argv
+
+    on = [f.name for f in dataclasses.fields(server_args_class()) if f.default is True]
+    assert on, "no option is on by default"
+    flag = on[0].replace("_", "-")
+    args = parse_args([f"--no-{flag}"])
+    assert to_argv(args) == [f"--no-{flag}"] and parse_args(to_argv(args)) == args
+
+
+def test_a_replica_gets_the_users_flags_its_port_and_threads_not_the_launchers():
+    from launch.data_parallel import replica_argv
+
+    given = parse_args(["--dp-size", "2", "--host", "0.0.0.0", "--port", "8000", "--api-key",
+                        "k", "--enable-metrics"])
+    argv = replica_argv(given, threads=3, port=41234)
+    assert argv[1:3] == ["-m", "launch_server"]
+    assert parse_args(argv[3:]) == dataclasses.replace(
+        given, dp_size=1, host="127.0.0.1", port=41234, num_threads=3)
+
+
+def test_the_engine_refuses_dp_size():
+    from launch.engine import Engine
+
+    with pytest.raises(ValueError, match="--dp-size"):
+        Engine(dp_size=2)
