@@ -73,6 +73,10 @@ class _DataParallel:
         if self.num_threads is not None:
             raise ValueError("--num-threads is one server's; with --dp-size use "
                              "--threads-per-replica")
+        if self.nnodes > 1 or self.dist_init_addr:
+            raise ValueError("--dp-size replicas run on this host, each its own tensor-parallel "
+                             "group on a loopback port: --nnodes and --dist-init-addr are for "
+                             "one server (several hosts: docs/scaling.md)")
         if self.threads_per_replica is None:
             return {"threads_per_replica": max(1, (os.cpu_count() or 1) // self.dp_size)}
         if self.threads_per_replica < 1:

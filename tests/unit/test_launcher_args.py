@@ -35,6 +35,8 @@ from launch.server_args import (
     (["--tp-size", "2", "--dist-init-addr", "localhost"], "must be HOST:PORT"),
     (["--tp-size", "2", "--nnodes", "2", "--node-rank", "2", "--dist-init-addr", "h:1"],
      "--node-rank must be in 0..1"),
+    (["--dp-size", "2", "--tp-size", "2", "--dist-init-addr", "h:1"],
+     "--nnodes and --dist-init-addr are for one server"),
 ])
 def test_bad_flags_exit_2_with_one_clear_line(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:
