@@ -23,6 +23,9 @@ draft at this batch size (the server-wide estimate, `prior`, which new requests 
 below break-even) the drafter does not pay on the current traffic: requests stop probing on
 their own and one server-wide probe (the request idle longest) runs every `global_interval`
 steps, doubling the same way; steps far from any probe then run without the drafter (`idle`).
+A probe costs more than a drafting step (a draft model first catches up every position since
+it last drafted), so after one that did not pay, the next waits long enough that probes take
+at most PROBE_SHARE of the decode time, by the probes' measured extra time (`probe_s`).
 
 What the drafter is decides the rest (speculative/base.py, `Drafter.tree_sizes`): the caps (a
 request decoding alone may go deeper), whether it sizes its own trees by its node estimates
@@ -87,6 +90,8 @@ PROBE_EVERY = 16  # a kept-back request's first probe interval (x batch size)
 MAX_PROBE_INTERVAL = 512
 WARM_STEPS = 8  # steps before a server-wide probe that run the drafter (fresh head state)
 COST_WEIGHT = 0.2  # EMA weight of a step's measured times
+PROBE_SHARE = 0.02  # of the decode time, the most that probes which do not pay may take
+MAX_COST_INTERVAL = 4096  # (steps) the longest wait that PROBE_SHARE may impose
 FORCED_NODES = 8  # slots of a constrained request, at least (grammar-forced tokens)
 # a self-sized drafter's request drafts while it expects at least this many accepted drafts
 # per step, whatever the measured cost says (the cost is unknown until drafting steps ran)
@@ -173,6 +178,8 @@ class SpecController:
         # timing), and a drafting request's extra seconds beyond its verify rows (EMA)
         self.t1: float | None = curve.t1_s
         self.draft_s: float | None = None
+        # a probe step's seconds beyond a plain step of the same batch (EMA over probes)
+        self.probe_s: float | None = None
 
     def reset(self) -> None:
         """Forget what was learned about the traffic (flush_cache); measured costs stay."""
@@ -286,7 +293,7 @@ class SpecController:
     def observe(self, states: Sequence[ReqSpec], infos: Sequence[dict], step_s: float) -> None:
         """A decode step's outcome: per request its `drafted` and `accepted` drafts; the step's
         time teaches the costs (plain steps t1, drafting steps the extra per drafting request)."""
-        rows, drafting = len(states), 0
+        rows, drafting, outcomes = len(states), 0, []
         for st, info in zip(states, infos):
             drafted, accepted = info["drafted"], info["accepted"]
             rows += drafted
@@ -301,17 +308,34 @@ class SpecController:
             if self.sizes.self_sized and st.out != "sure":
                 self.self_sized_nodes += COST_WEIGHT * (drafted - self.self_sized_nodes)
             if st.out:
-                self._learn_outcome(st, accepted >= self.bar(len(states), 1 + drafted))
+                outcomes.append((st, accepted >= self.bar(len(states), 1 + drafted)))
+        if any(st.out in ("global", "probe") for st, _ in outcomes) and self.t1 is not None:
+            extra = max(0.0, step_s - self.t1 * self.curve(len(states)))
+            self.probe_s = extra if self.probe_s is None else (
+                self.probe_s + COST_WEIGHT * (extra - self.probe_s))
+        for st, paid in outcomes:
+            self._learn_outcome(st, paid, len(states))
         self._measure(len(states), rows, drafting, step_s)
 
-    def _learn_outcome(self, st: ReqSpec, paid: bool) -> None:
-        """A probe or a sure draft that paid resets its interval; one that did not doubles it."""
+    def cost_interval(self, batch_size: int) -> int:
+        """Steps between probes that do not pay, at least, so that they take at most
+        PROBE_SHARE of the decode time (0 until a probe was timed)."""
+        if not self.probe_s or not self.t1:
+            return 0
+        plain = self.t1 * self.curve(batch_size)
+        return min(MAX_COST_INTERVAL, int(self.probe_s / (PROBE_SHARE * plain)))
+
+    def _learn_outcome(self, st: ReqSpec, paid: bool, batch_size: int) -> None:
+        """A probe or a sure draft that paid resets its interval; one that did not doubles it,
+        and waits at least as long as PROBE_SHARE allows for the probes' cost."""
         if st.out == "global":
-            self.global_interval = PROBE_EVERY if paid else min(2 * self.global_interval,
-                                                                MAX_PROBE_INTERVAL)
+            self.global_interval = PROBE_EVERY if paid else max(
+                min(2 * self.global_interval, MAX_PROBE_INTERVAL), self.cost_interval(batch_size))
         elif st.out == "probe":
-            st.interval = PROBE_EVERY if paid else min(2 * (st.interval or PROBE_EVERY),
-                                                       MAX_PROBE_INTERVAL)
+            # (each of the batch's requests probes once per interval x batch size steps)
+            st.interval = PROBE_EVERY if paid else max(
+                min(2 * (st.interval or PROBE_EVERY), MAX_PROBE_INTERVAL),
+                self.cost_interval(batch_size))
         elif paid:
             st.sure_interval = 0
         else:  # sure drafts that fail (a penalty that forbids copying) wait, doubling

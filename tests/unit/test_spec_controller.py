@@ -12,6 +12,7 @@ from runtime.verify_cost import VERIFY_COST, VerifyCost
 from speculative.controller import (
     MAX_PROBE_INTERVAL,
     PROBE_EVERY,
+    PROBE_SHARE,
     WARM_STEPS,
     ReqSpec,
     SpecController,
@@ -208,6 +209,28 @@ def test_a_drafter_that_does_not_pay_probes_once_per_server_interval():
     assert c.global_interval == PROBE_EVERY
 
 
+def test_probes_that_cost_much_wait_so_that_they_take_at_most_their_share():
+    """A probe step of a draft model catches up every position since it last drafted: here
+    40 plain steps' time. After the first probe is timed, probes that do not pay come so
+    rarely that they take at most PROBE_SHARE of the decode time; cheap probes keep the
+    doubling schedule (the test above)."""
+    c = ctl(4)
+    c.prior, c.t1 = [0.0, 50.0], 0.004
+    st = ReqSpec(0.0, 10.0)
+    plain = c.t1 * c.curve(1)
+    steps, extra, probes = 20_000, 40 * plain, []
+    for step in range(steps):
+        plan = c.plan([st])
+        probing = plan.sizes[0] > 1
+        probes += [step] if probing else []
+        c.observe([st], [outcome(3, 0) if probing else outcome(0, 0)],
+                  plain + (extra if probing else 0.0))
+        c.prior = [0.0, 50.0]
+    assert c.probe_s == pytest.approx(extra, rel=0.05)
+    assert min(b - a for a, b in zip(probes[1:], probes[2:])) >= 0.95 * c.cost_interval(1)
+    assert len(probes) * extra / (steps * plain) <= PROBE_SHARE + 0.005, probes
+
+
 def test_steps_far_from_any_probe_are_idle():
     c = ctl(4)
     c.prior = [0.0, 50.0]
@@ -281,5 +304,5 @@ def test_probe_intervals_are_bounded():
     c.prior = [50.0, 1.0]
     st = ReqSpec(0.0, 10.0, interval=MAX_PROBE_INTERVAL)
     st.out = "probe"
-    c._learn_outcome(st, False)
+    c._learn_outcome(st, False, 1)
     assert st.interval == MAX_PROBE_INTERVAL
