@@ -6,7 +6,6 @@ import contextlib
 import json
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import time
@@ -16,6 +15,8 @@ from typing import Any
 
 import httpx
 import torch
+
+from runtime.proc_utils import free_port  # noqa: F401 - the benchmarks' import
 
 
 def median_time(fn: Callable[[], Any], reps: int, warmup: int = 1) -> float:
@@ -63,13 +64,6 @@ def write_json(path: str | Path, data: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2))
     return path
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300,

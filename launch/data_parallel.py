@@ -22,7 +22,6 @@ import dataclasses
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -33,7 +32,7 @@ import httpx
 
 from launch.router import RouterClient, connect_host, router_command
 from launch.server_args import to_argv
-from runtime.proc_utils import pdeathsig_preexec, setup_logging
+from runtime.proc_utils import free_port, pdeathsig_preexec, setup_logging
 
 logger = logging.getLogger("specserve")
 logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per /health poll otherwise
@@ -94,12 +93,6 @@ def reap_groups(procs: list[subprocess.Popen], grace_s: float) -> None:
         if late:
             return
         time.sleep(0.05)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -10,19 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 from dataclasses import dataclass, field
 from typing import Any
 
 from kernels.cpu import ACTIVATION_DIGITS, DEFAULT_ACTIVATION_DIGITS
 from runtime.constrained import GRAMMAR_BACKENDS
+from runtime.proc_utils import free_port
 from runtime.tool_calls import TOOL_CALL_PARSERS
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _arg(default: Any, help: str, choices: tuple | None = None) -> Any:
@@ -204,7 +198,7 @@ class BaseServerArgs:
         if init_addr and (":" not in init_addr or not init_addr.rsplit(":", 1)[1].isdigit()):
             raise ValueError(f"--dist-init-addr must be HOST:PORT, got {init_addr!r}")
         if self.tp_size > 1 and not init_addr:
-            init_addr = f"127.0.0.1:{_free_port()}"
+            init_addr = f"127.0.0.1:{free_port()}"
         if self.tp_comm == "shm" and self.nnodes > 1:
             raise ValueError("--tp-comm shm needs every rank on one host (--nnodes 1)")
         comm = self.tp_comm if self.tp_comm != "auto" else (
