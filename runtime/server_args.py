@@ -144,10 +144,10 @@ class BaseServerArgs:
     num_threads: int | None = _arg(None, "torch threads in the model-runner process (default: "
                                    "all cores)")
     tp_size: int = _arg(
-        1, "tensor parallelism: split the model over this many processes (ranks; CPU engine, "
-        "torch.distributed gloo): attention by KV heads, the MLP by columns, the vocabulary "
-        "by rows; each rank has --num-threads threads (default: the cores over the ranks on "
-        "this node)")
+        1, "tensor parallelism: split the model over this many processes (ranks): attention "
+        "by KV heads, the MLP by columns, the vocabulary by rows (docs/scaling.md); each rank "
+        "has --num-threads threads (default: the cores over the ranks on this node), or one "
+        "GPU on CUDA")
     nnodes: int = _arg(1, "hosts the --tp-size ranks span (each runs this command with its "
                        "--node-rank; ranks are split evenly)")
     node_rank: int = _arg(0, "this host's index among --nnodes; 0 serves HTTP, the others "
