@@ -1,13 +1,13 @@
-"""Tensor parallelism's collectives (torch.distributed: gloo on the CPU) and the commands the
-leading rank sends the others.
+"""Tensor parallelism's collectives (a shared-memory segment on one host, else
+torch.distributed: gloo on the CPU, NCCL on CUDA) and the commands the leading rank sends the
+others.
 
 Rank 0 (the model-runner process) runs the scheduler's batches and the speculative worker; every
 other rank only follows: for each target forward rank 0 broadcasts the `ForwardBatch`
 (`send_forward`, from `ModelRunner.forward`), every rank runs its shard, and the ranks meet
 in `reduce` after the embedding and each row-parallel projection, and in `gather_vocab` for
-the logits. KV moves of a
-speculative commit are broadcast the same way (`send_move`), since each rank holds its own
-heads' KV.
+the logits. KV moves of a speculative commit are broadcast the same way (`send_move`), since
+each rank holds its own heads' KV.
 
 `reduce` sums in a fixed rank order, so a row's result does not depend on which rows share its
 forward (or on how a collective chunks the tensor): with 2 ranks the sum is one commutative
@@ -33,8 +33,6 @@ OP_FORWARD, OP_MOVE_KV, OP_STOP = 1, 2, 3
 _HEADER = 16
 _MODES = list(ForwardMode)
 
-
-TP_COMMS = ("auto", "shm", "gloo")
 SHM_SLOT_BYTES = 4 << 20  # per rank and generation; larger collectives go in pieces
 
 

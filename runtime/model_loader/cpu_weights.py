@@ -157,12 +157,12 @@ def _cols(w: _Weight, begin: int, end: int) -> _Weight:
                                else np.ascontiguousarray(w.native[:, begin:end]))
 
 
-def tp_shard(cfg: ModelConfig, rank: int, world: int) -> TpShard:
-    """Rank `rank`'s part of the model (runtime/model_loader/shard.py), its splits on the
-    blocks of the checkpoint's formats (K-quant super-blocks hold 256 weights)."""
+def tp_shards(cfg: ModelConfig, world: int) -> list[TpShard]:
+    """Every tensor-parallel rank's part of the model (runtime/model_loader/shard.py), its
+    splits on the blocks of the checkpoint's formats (K-quant super-blocks hold 256 weights)."""
     types = set(_Source(Path(cfg.model_dir)).block_types.values())
-    kquant = any(Fmt.parse(t).is_kquant for t in types)
-    return TpShard.plan(cfg, rank, world, 256 if kquant else 32)
+    block = 256 if any(Fmt.parse(t).is_kquant for t in types) else 32
+    return [TpShard.plan(cfg, r, world, block) for r in range(world)]
 
 
 def _tile_major(parts: list[_Weight]) -> tuple[Fmt, np.ndarray]:

@@ -44,12 +44,12 @@ class RunnerConfig:
     activation_digits: int = DEFAULT_ACTIVATION_DIGITS
     num_threads: int | None = None  # CPU engine threads (default: torch's)
     kv_cache_dtype: str = "auto"  # auto | float32 | float16 (float16: the CPU engine only)
-    # tensor parallelism (CPU engine): this process is rank `tp_rank` of `tp_size`, the group
-    # meeting at `dist_init_addr` (host:port); rank 0 serves, the others follow
+    # tensor parallelism: this process is rank `tp_rank` of `tp_size`, the group meeting at
+    # `dist_init_addr` (host:port); rank 0 serves, the others follow
     tp_size: int = 1
     tp_rank: int = 0
     dist_init_addr: str | None = None
-    tp_comm: str = "gloo"  # runtime/distributed.py TP_COMMS, resolved (shm or gloo)
+    tp_comm: str = "gloo"  # shm or gloo (resolved --tp-comm, runtime/distributed.py)
 
 
 def resolve_kv_dtype(kv_cache_dtype: str, engine: str, dtype: torch.dtype) -> torch.dtype:
@@ -142,12 +142,12 @@ class ModelRunner:
         kv_heads, heads = mc.num_key_value_heads, mc.num_attention_heads
         if cfg.tp_size > 1:
             from runtime.distributed import TpGroup
-            from runtime.model_loader.cpu_weights import tp_shard
+            from runtime.model_loader.cpu_weights import tp_shards
 
             if self.device.type == "cuda":  # one GPU per rank of this host
                 self.device = torch.device("cuda", cfg.tp_rank % torch.cuda.device_count())
                 torch.cuda.set_device(self.device)
-            self.tp_shards = [tp_shard(mc, r, cfg.tp_size) for r in range(cfg.tp_size)]
+            self.tp_shards = tp_shards(mc, cfg.tp_size)
             self.tp = TpGroup(cfg.tp_rank, cfg.tp_size, cfg.dist_init_addr, cfg.tp_comm,
                               self.device)
             kv_heads = self.tp_shards[cfg.tp_rank].num_kv_heads
@@ -166,7 +166,6 @@ class ModelRunner:
             backend = "cpu"
             if self.tp is not None:
                 shard = self.tp_shards[cfg.tp_rank]
-                backend = "cpu"
                 logger.info("tensor-parallel rank %d/%d: KV heads %s, query heads %s, MLP "
                             "columns %s, vocabulary rows %s", cfg.tp_rank, cfg.tp_size,
                             shard.kv_heads, shard.q_heads, shard.intermediate, shard.vocab)

@@ -150,14 +150,12 @@ class CpuLlamaForCausalLM:
             capture=capture, final_hidden=return_final_hidden, layer_begin=begin,
             layer_end=end, hidden_in=hidden_in, logit_top=batch.logit_top,
         )
-        if self.tp is None:
-            out = self.core.forward(**args)
-            captured = dict(zip(capture, out[6:]))
-            stats = LogitStats(out[3], out[4], out[5]) if batch.logit_top >= 0 else None
-            return ModelOutput(out[0], captured, out[1] if return_final_hidden else None, out[2],
-                               stats)
         out = self.core.forward(**args)
-        logits, amax, stats = self.gather_logits(out[0], batch.logit_top)
+        if self.tp is None:
+            logits, amax = out[0], out[2]
+            stats = LogitStats(out[3], out[4], out[5]) if batch.logit_top >= 0 else None
+        else:
+            logits, amax, stats = self.gather_logits(out[0], batch.logit_top)
         return ModelOutput(logits, dict(zip(capture, out[6:])),
                            out[1] if return_final_hidden else None, amax, stats)
 
