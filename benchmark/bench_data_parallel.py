@@ -6,7 +6,7 @@
 Three servers run at once (started and stopped here):
 - `one`: `python -m launch_server --num-threads <cores>`, the baseline of both parts;
 - `routed`: sglang-router in front of `one`, with the command line `--dp-size` gives its
-  router (launch/router.py);
+  router (specserve/launch/router.py);
 - `dp`: `python -m launch_server --dp-size 2` (two replicas of cores/2 threads, its router).
 
 After a warm-up run each (not timed): router overhead at each `--latency-concurrency` (1
@@ -47,8 +47,8 @@ from benchmark.common import (
     write_json,
 )
 from benchmark.sweep_serving import _flush, server
-from corpora.datasets import load_bench_tokenizer, sample_requests
-from launch.router import router_command
+from specserve.corpora.datasets import load_bench_tokenizer, sample_requests
+from specserve.launch.router import router_command
 
 
 def cpu_model() -> str:

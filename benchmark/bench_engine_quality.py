@@ -22,13 +22,13 @@ import torch
 from tqdm import tqdm
 
 from benchmark.common import format_table, machine_info, parse_engine_spec, write_json
-from corpora.datasets import chat_prompt_ids, sample_requests
-from runtime.forward_batch import ForwardBatch, ForwardMode
-from runtime.model_loader.default_model import resolve_model_path
-from runtime.model_loader.tokenizer import load_tokenizer
-from runtime.model_runner.local_generator import LocalGenerator
-from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
-from runtime.sampling.sampling_params import SamplingParams
+from specserve.corpora.datasets import chat_prompt_ids, sample_requests
+from specserve.runtime.forward_batch import ForwardBatch, ForwardMode
+from specserve.runtime.model_loader.default_model import resolve_model_path
+from specserve.runtime.model_loader.tokenizer import load_tokenizer
+from specserve.runtime.model_runner.local_generator import LocalGenerator
+from specserve.runtime.model_runner.model_runner import ModelRunner, RunnerConfig
+from specserve.runtime.sampling.sampling_params import SamplingParams
 
 NEAR_TIE = 1e-4
 

@@ -33,9 +33,9 @@ import torch
 from tqdm import tqdm
 
 from benchmark.common import format_table, machine_info, median_time, write_json
-from kernels import cpu
-from kernels.cpu.packing import Fmt, pack_blocks, quantize
-from runtime.model_loader.default_model import resolve_model_path
+from specserve.kernels import cpu
+from specserve.kernels.cpu.packing import Fmt, pack_blocks, quantize
+from specserve.runtime.model_loader.default_model import resolve_model_path
 
 EPI_STORE, EPI_SILU_MUL = 0, 2
 

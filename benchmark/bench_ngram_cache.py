@@ -10,15 +10,14 @@ separately. Draft modes: `tree` = `draft(tail)` -> DraftTree, as the NGRAM draft
 `keyed` = `draft(tail, key=key)` (suffix nodes reused from the extend); `lists` =
 `draft_lists(tail)` (plain lists, no tensors); `drafter` = the whole `NgramDrafter` as the
 model runner drives it (`observe` then `propose`, with the own-context drafts of short matches,
-`speculative/ngram_context.py`); `suffix` = the whole `SuffixDrafter` (SUFFIX: its own suffix
-tree over the context, depth 24, and the global tree over the outputs, observe then propose;
-rows at every `--context-lens`, one new token per step, reported under match "SUFFIX").
-`keyed`, `lists` and `drafter` run at `--aux-context`.
-`--evict-capacity` adds rows with a small capacity, so every step also evicts.
-`hit %` = steps whose tree has the true next token as a child of the root. `step p99 cpu` is the
-p99 of the thread's CPU time for extend + draft: on a shared machine the wall-clock tail also
-holds time slices lost to other processes (the 4 ms scheduler tick shows up there).
-Prints a table last and writes JSON (`--output`).
+`specserve/speculative/ngram_context.py`); `suffix` = the whole `SuffixDrafter` (SUFFIX: its own
+suffix tree over the context, depth 24, and the global tree over the outputs, observe then propose;
+rows at every `--context-lens`, one new token per step, reported under match "SUFFIX"). `keyed`,
+`lists` and `drafter` run at `--aux-context`. `--evict-capacity` adds rows with a small capacity, so
+every step also evicts. `hit %` = steps whose tree has the true next token as a child of the root.
+`step p99 cpu` is the p99 of the thread's CPU time for extend + draft: on a shared machine the
+wall-clock tail also holds time slices lost to other processes (the 4 ms scheduler tick shows up
+there). Prints a table last and writes JSON (`--output`).
 """
 
 from __future__ import annotations
@@ -30,11 +29,11 @@ import statistics
 import time
 
 from benchmark.common import format_table, machine_info, write_json
-from runtime.sampling.sampling_params import SamplingParams
-from speculative.base import RunnerReq, SpecConfig
-from speculative.drafters.ngram import NgramDrafter
-from speculative.drafters.suffix import SuffixDrafter
-from speculative.ngram_cache import NgramCache, NgramConfig
+from specserve.runtime.sampling.sampling_params import SamplingParams
+from specserve.speculative.base import RunnerReq, SpecConfig
+from specserve.speculative.drafters.ngram import NgramDrafter
+from specserve.speculative.drafters.suffix import SuffixDrafter
+from specserve.speculative.ngram_cache import NgramCache, NgramConfig
 
 
 def ints(text: str) -> list[int]:

@@ -33,12 +33,12 @@ from benchmark.common import (
     parse_engine_spec,
     write_json,
 )
-from kernels.cpu import DEFAULT_ACTIVATION_DIGITS
-from runtime.model_loader.default_model import resolve_model_path
-from runtime.model_runner.local_generator import GenerateTimings, LocalGenerator
-from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
-from runtime.sampling.sampling_params import SamplingParams
-from runtime.verify_cost import measure_verify_times
+from specserve.kernels.cpu import DEFAULT_ACTIVATION_DIGITS
+from specserve.runtime.model_loader.default_model import resolve_model_path
+from specserve.runtime.model_runner.local_generator import GenerateTimings, LocalGenerator
+from specserve.runtime.model_runner.model_runner import ModelRunner, RunnerConfig
+from specserve.runtime.sampling.sampling_params import SamplingParams
+from specserve.runtime.verify_cost import measure_verify_times
 
 
 def ints(text: str) -> list[int]:
@@ -72,7 +72,8 @@ def bench_decode(runner: ModelRunner, bs: int, args) -> dict:
 
 
 def bench_verify_curve(runner: ModelRunner, args) -> list[dict]:
-    """The curve the server measures at start-up (runtime/verify_cost.py), with more reps."""
+    """The curve the server measures at start-up (specserve/runtime/verify_cost.py), with more
+    reps."""
     times = measure_verify_times(runner, args.verify_prefix, tuple(args.verify_ns),
                                  args.verify_reps, warmup=2)
     base = times[min(times)]
@@ -124,7 +125,8 @@ def main(argv: list[str] | None = None) -> dict:
               "engines": [], "hf": None}
     for spec in tqdm(args.engines.split(","), desc="engines"):
         fmt, digits, isa, kv = parse_engine_spec(spec)
-        # the CPU engine reads its instruction set when it is built (kernels/cpu: pick_isa)
+        # the CPU engine reads its instruction set when it is built (specserve/kernels/cpu:
+        # pick_isa)
         saved_isa = os.environ.get("SPECSERVE_CPU_ISA")
         if isa:
             os.environ["SPECSERVE_CPU_ISA"] = isa

@@ -53,13 +53,13 @@ from benchmark.common import (
     wait_healthy,
     write_json,
 )
-from corpora.datasets import DATASETS, load_bench_tokenizer, sample_requests
-from runtime.model_loader.default_model import (
+from specserve.corpora.datasets import DATASETS, load_bench_tokenizer, sample_requests
+from specserve.runtime.model_loader.default_model import (
     embedded_gguf_path,
     packaged_gguf_path,
     resolve_model_path,
 )
-from runtime.tokenizer.chat_templates import read_template
+from specserve.runtime.tokenizer.chat_templates import read_template
 
 logger = logging.getLogger(__name__)
 DEFAULT_LLAMACPP_BIN = Path.home() / ".cache" / "llamacpp-peer" / "build" / "bin"
@@ -94,8 +94,8 @@ def llamacpp_bench(bin_dir: Path, gguf: Path, threads: int, n: int, reps: int) -
 
 
 def ours_decode(model_dir: str, engine: str, threads: int, n: int, reps: int) -> dict:
-    from kernels.cpu import DEFAULT_ACTIVATION_DIGITS
-    from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
+    from specserve.kernels.cpu import DEFAULT_ACTIVATION_DIGITS
+    from specserve.runtime.model_runner.model_runner import ModelRunner, RunnerConfig
 
     fmt, _, digits = engine.partition(":")
     runner = ModelRunner(RunnerConfig(

@@ -48,7 +48,7 @@ from benchmark.bench_serving import (
 from benchmark.common import format_table, machine_info, stop_children_on_sigterm, write_json
 from benchmark.serving_metrics import compute_metrics
 from benchmark.sweep_serving import _flush, parse_config, server
-from corpora.datasets import load_bench_tokenizer, sample_requests
+from specserve.corpora.datasets import load_bench_tokenizer, sample_requests
 
 
 async def _background(client: httpx.AsyncClient, calls: list, counter: dict[str, int],

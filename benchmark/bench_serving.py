@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from benchmark.common import machine_info, write_json
 from benchmark.serving_metrics import RequestRecord, compute_metrics, format_report
-from corpora.datasets import (
+from specserve.corpora.datasets import (
     DATASETS,
     SPLITS,
     BenchRequest,

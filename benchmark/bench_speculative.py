@@ -84,7 +84,7 @@ from benchmark.spec_metrics import (
     summary_table,
 )
 from benchmark.spec_runner import EngineTarget, HttpTarget, Target, render_prompts, run_requests
-from corpora.datasets import (
+from specserve.corpora.datasets import (
     SPLITS,
     BenchRequest,
     DatasetError,
@@ -184,7 +184,7 @@ def measure(
 
 # ---- engine mode -----------------------------------------------------------------------------
 def start_engine(args: argparse.Namespace, cfg: SpecRunConfig) -> Any:
-    from launch.engine import Engine
+    from specserve.launch.engine import Engine
 
     t0 = time.perf_counter()
     engine = Engine(model_path=args.model_path, log_level="warning",
@@ -471,7 +471,7 @@ def parse_temperatures(text: str) -> list[float]:
 
 def validate_configs(args: argparse.Namespace) -> list[SpecRunConfig]:
     """Parse `--configs` and check every one against ServerArgs before minutes are spent."""
-    from launch.server_args import ServerArgs
+    from specserve.launch.server_args import ServerArgs
 
     configs = parse_spec_configs(args.configs or ["NGRAM"])
     for cfg in configs:
@@ -488,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.report:
         return report(args.report)
-    from runtime.model_loader.default_model import resolve_model_path
+    from specserve.runtime.model_loader.default_model import resolve_model_path
 
     model_dir = str(resolve_model_path(args.model_path))
     try:

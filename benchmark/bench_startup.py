@@ -1,9 +1,9 @@
 """How long a server takes to start, then to answer its first one-token request, for each
-configuration, rounds interleaved. `--via engine` (default): `launch.Engine(...)` from the call
-to ready (the model runner loaded, the verify-cost curve timed for a speculative configuration,
-both tokenizers loaded). `--via launcher`: what a user of `python -m launch_server` waits for,
-from starting the interpreter to the first 200 from /health (polled every 50 ms), the request
-over HTTP, and SIGTERM to exit.
+configuration, rounds interleaved. `--via engine` (default): `specserve.launch.Engine(...)` from the
+call to ready (the model runner loaded, the verify-cost curve timed for a speculative configuration,
+both tokenizers loaded). `--via launcher`: what a user of `python -m launch_server` waits for, from
+starting the interpreter to the first 200 from /health (polled every 50 ms), the request over HTTP,
+and SIGTERM to exit.
 
     python -m benchmark.bench_startup --algorithms none SUFFIX EAGLE3 --rounds 3
     python -m benchmark.bench_startup --via launcher --algorithms none SUFFIX --rounds 3
@@ -36,7 +36,7 @@ from benchmark.common import (
 
 
 def start_once(algorithm: str | None, model_path: str | None) -> dict[str, float]:
-    from launch import Engine
+    from specserve.launch import Engine
 
     kw = {"speculative_algorithm": algorithm} if algorithm else {}
     if model_path:
@@ -81,10 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--model-path", default=None)
     p.add_argument("--via", choices=("engine", "launcher"), default="engine",
-                   help="launch.Engine in this process, or `python -m launch_server` (HTTP)")
+                   help="specserve.launch.Engine in this process, or `python -m launch_server` "
+                   "(HTTP)")
     p.add_argument("--output", default="results/bench_startup.json")
     args = p.parse_args(argv)
-    from kernels import cpu
+    from specserve.kernels import cpu
 
     cpu.available()  # build (or find) the extension before anything is timed
     algos = [None if a.lower() == "none" else a for a in args.algorithms]

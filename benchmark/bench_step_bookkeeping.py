@@ -31,9 +31,9 @@ import torch
 from tqdm import tqdm
 
 from benchmark.common import format_table, machine_info, write_json
-from runtime.forward_batch import ForwardBatch, ForwardMode
-from runtime.layers.attention.cpu import plan
-from speculative.tree import DraftTree
+from specserve.runtime.forward_batch import ForwardBatch, ForwardMode
+from specserve.runtime.layers.attention.cpu import plan
+from specserve.speculative.tree import DraftTree
 
 
 def ints(text: str) -> list[int]:
@@ -75,11 +75,11 @@ def bookkeeping(inp: dict, mode: str) -> None:
 
 def scheduler_step_us(batch: int, context: int, reps: int, sweep: np.ndarray) -> float:
     """Median us of the scheduler's own work per decode step at `batch` requests."""
-    from corpora.datasets import load_bench_tokenizer
-    from runtime.messages import BatchResult, GenerateReq
-    from runtime.sampling.sampling_params import SamplingParams
-    from runtime.scheduler.scheduler import Scheduler, SchedulerConfig
-    from runtime.scheduler.stop import StopChecker
+    from specserve.corpora.datasets import load_bench_tokenizer
+    from specserve.runtime.messages import BatchResult, GenerateReq
+    from specserve.runtime.sampling.sampling_params import SamplingParams
+    from specserve.runtime.scheduler.scheduler import Scheduler, SchedulerConfig
+    from specserve.runtime.scheduler.stop import StopChecker
 
     inside = [0.0]
 

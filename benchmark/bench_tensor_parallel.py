@@ -1,6 +1,6 @@
 """What tensor parallelism costs on this machine: decode ms per step and prompt (prefill) time
 at `--tp-size 1` and `--tp-size N` on the same cores (each rank gets cores / N threads), through
-`launch.Engine`, rounds interleaved; optionally a speculative method at each size.
+`specserve.launch.Engine`, rounds interleaved; optionally a speculative method at each size.
 
     python -m benchmark.bench_tensor_parallel --tp-sizes 1 2 --rounds 3
     python -m benchmark.bench_tensor_parallel --tp-sizes 1 2 --algorithms none NGRAM
@@ -26,7 +26,7 @@ from benchmark.common import format_table, machine_info, write_json
 
 def measure(tp: int, comm: str, algorithm: str | None, steps: int, prompt_len: int,
             batches: list[int]) -> dict[str, float]:
-    from launch import Engine
+    from specserve.launch import Engine
 
     kw = {"speculative_algorithm": algorithm} if algorithm else {}
     if tp > 1:

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import torch
 
-from runtime.proc_utils import free_port  # noqa: F401 - the benchmarks' import
+from specserve.runtime.proc_utils import free_port  # noqa: F401 - the benchmarks' import
 
 
 def median_time(fn: Callable[[], Any], reps: int, warmup: int = 1) -> float:

@@ -28,10 +28,10 @@ import httpx
 
 from benchmark.bench_peers import DEFAULT_LLAMACPP_BIN, gguf_file, peer_env
 from benchmark.common import format_table, machine_info, stop_server, wait_healthy, write_json
-from corpora import rewrite_prompts
-from corpora.datasets import _in_split, load_sharegpt
-from runtime.model_loader.default_model import resolve_model_path
-from runtime.model_loader.tokenizer import load_tokenizer
+from specserve.corpora import rewrite_prompts
+from specserve.corpora.datasets import _in_split, load_sharegpt
+from specserve.runtime.model_loader.default_model import resolve_model_path
+from specserve.runtime.model_loader.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = completion_prompts(args.num_prompts, args.seed, args.split, tok,
                                  args.max_prompt_tokens)
 
-    from launch.engine import Engine
+    from specserve.launch.engine import Engine
 
     params = {"temperature": 0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True}
     ours = []

@@ -28,9 +28,9 @@ import time
 import torch
 
 from benchmark.common import format_table, machine_info, write_json
-from runtime.forward_batch import ForwardBatch, ForwardMode
-from runtime.model_loader.default_model import resolve_model_path
-from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
+from specserve.runtime.forward_batch import ForwardBatch, ForwardMode
+from specserve.runtime.model_loader.default_model import resolve_model_path
+from specserve.runtime.model_runner.model_runner import ModelRunner, RunnerConfig
 
 PHASES = ("embed", "attn_norm", "qkv", "rope_kv", "attention", "o_proj", "mlp_norm", "gate_up",
           "down", "final_norm", "lm_head")

@@ -29,7 +29,12 @@ from tqdm import tqdm
 from benchmark.common import format_table, write_json
 from benchmark.spec_metrics import parse_spec_config
 from benchmark.spec_runner import render_prompts
-from corpora.datasets import SPLITS, chat_prompt_ids, load_bench_tokenizer, sample_requests
+from specserve.corpora.datasets import (
+    SPLITS,
+    chat_prompt_ids,
+    load_bench_tokenizer,
+    sample_requests,
+)
 
 WARMUP_PROMPTS = 2
 
@@ -37,15 +42,15 @@ WARMUP_PROMPTS = 2
 def serve(label: str, server_args: dict, prompts: list[tuple[list[int], int]],
           threads: int, concurrency: int = 1, warmup: int = WARMUP_PROMPTS,
           logprobs: int | None = None, penalty: float = 1.0) -> dict:
-    from launch.server_args import ServerArgs, speculation
-    from runtime.messages import GenerateReq
-    from runtime.model_loader.tokenizer import load_tokenizer
-    from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
-    from runtime.model_runner.runner_process import RunnerWorker, single_torch_thread
-    from runtime.sampling.logprobs import LogprobOptions
-    from runtime.sampling.sampling_params import SamplingParams
-    from runtime.scheduler.scheduler import Scheduler, SchedulerConfig
-    from runtime.scheduler.stop import StopChecker
+    from specserve.launch.server_args import ServerArgs, speculation
+    from specserve.runtime.messages import GenerateReq
+    from specserve.runtime.model_loader.tokenizer import load_tokenizer
+    from specserve.runtime.model_runner.model_runner import ModelRunner, RunnerConfig
+    from specserve.runtime.model_runner.runner_process import RunnerWorker, single_torch_thread
+    from specserve.runtime.sampling.logprobs import LogprobOptions
+    from specserve.runtime.sampling.sampling_params import SamplingParams
+    from specserve.runtime.scheduler.scheduler import Scheduler, SchedulerConfig
+    from specserve.runtime.scheduler.stop import StopChecker
 
     torch.set_num_threads(threads)
     args = ServerArgs(**server_args).resolve()

@@ -9,20 +9,19 @@ policies without the model.
 Greedy speculation is exact: every config outputs the baseline's tokens, and which drafts get
 accepted depends only on those tokens. So the baseline records of a `bench_speculative` JSON
 (prompts re-sampled from its own arguments) are enough to replay, at batch 1 and in order, what
-the real `NgramDrafter` and the speculation controller (speculative/controller.py: its plan,
-probes, sure drafts and deep-draft caps, fed the modelled step times) would do: tokens per
-verify step exactly, and a modelled speedup = decode steps / sum of verify costs, each step
-costing T(n)/T(1) of a decode step for an n-node tree (`--cost-curve`) plus `--step-overhead`
-when it drafted. Next to it, a
-copy oracle's tokens per step: the same node count as one chain, placed with hindsight where the
-request's own context continues the answer longest (`replay`). Tune on the
+the real `NgramDrafter` and the speculation controller (specserve/speculative/controller.py: its
+plan, probes, sure drafts and deep-draft caps, fed the modelled step times) would do: tokens per
+verify step exactly, and a modelled speedup = decode steps / sum of verify costs, each step costing
+T(n)/T(1) of a decode step for an n-node tree (`--cost-curve`) plus `--step-overhead` when it
+drafted. Next to it, a copy oracle's tokens per step: the same node count as one chain, placed with
+hindsight where the request's own context continues the answer longest (`replay`). Tune on the
 `train` split; measure the winner on `heldout` with `bench_speculative`.
 
 `--configs` are NGRAM or SUFFIX configs written as for `bench_speculative`
 (`SUFFIX[:key=value,...]`, keys are `speculative_<key>` server flags), resolved like the server
 resolves them. The cost curve (`--cost-curve`: `cpu` / `torch`, the stored tables of
-`runtime/verify_cost.py`, or n:ratio points) both prices the steps and is the curve a drafter
-that sizes its trees by cost (SUFFIX) plans with, as the worker hands it over.
+`specserve/runtime/verify_cost.py`, or n:ratio points) both prices the steps and is the curve a
+drafter that sizes its trees by cost (SUFFIX) plans with, as the worker hands it over.
 """
 
 from __future__ import annotations
@@ -39,16 +38,16 @@ from tqdm import tqdm
 from benchmark.common import format_table, write_json
 from benchmark.spec_metrics import parse_spec_config
 from benchmark.spec_runner import render_prompts
-from corpora.datasets import chat_prompt_ids, load_bench_tokenizer, sample_requests
-from launch.server_args import ServerArgs
-from runtime.verify_cost import VERIFY_COST, VerifyCost
-from speculative.base import ALGORITHMS, SpecConfig, create_drafter
-from speculative.controller import SpecController
-from speculative.ngram_context import ContextIndex
+from specserve.corpora.datasets import chat_prompt_ids, load_bench_tokenizer, sample_requests
+from specserve.launch.server_args import ServerArgs
+from specserve.runtime.verify_cost import VERIFY_COST, VerifyCost
+from specserve.speculative.base import ALGORITHMS, SpecConfig, create_drafter
+from specserve.speculative.controller import SpecController
+from specserve.speculative.ngram_context import ContextIndex
 
 # T(n)/T(1) of an n-node TARGET_VERIFY forward against a decode step: the CPU engine's stored
-# curve (runtime/verify_cost.py); between points linear. Until 2026-11-23 (the torch engine)
-# the default was "1:1.0,4:1.08,8:1.27,16:1.55,32:2.3". Pass your own with --cost-curve.
+# curve (specserve/runtime/verify_cost.py); between points linear. Until 2026-11-23 (the torch
+# engine) the default was "1:1.0,4:1.08,8:1.27,16:1.55,32:2.3". Pass your own with --cost-curve.
 DEFAULT_CURVE = "cpu"
 MATCH_BUCKETS = 13  # by-match statistics for m = 1..11 and 12+ (0 never drafts)
 CALIBRATION_BUCKETS = 10  # drafted nodes by their estimated probability, in tenths
@@ -100,9 +99,9 @@ def replay(items: list[tuple[list[int], list[int]]], spec: SpecConfig, max_draft
     a reference at equal verify cost, not a policy: it shows how much of the output the context
     holds within reach of each step. (Not a strict bound: a tree can beat one chain, and the
     trie also holds other requests' text.)"""
-    from runtime.sampling.sampling_params import SamplingParams
-    from speculative.base import RunnerReq
-    from speculative.verify import verify_greedy
+    from specserve.runtime.sampling.sampling_params import SamplingParams
+    from specserve.speculative.base import RunnerReq
+    from specserve.speculative.verify import verify_greedy
 
     drafter = create_drafter(spec, runner=None)
     rows = tuple(int(n) for n in curve[0])

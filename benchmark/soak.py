@@ -38,7 +38,7 @@ import httpx
 
 from benchmark.common import machine_info, stop_children_on_sigterm, write_json
 from benchmark.sweep_serving import server
-from corpora.datasets import chat_prompt_ids, load_bench_tokenizer, sample_requests
+from specserve.corpora.datasets import chat_prompt_ids, load_bench_tokenizer, sample_requests
 
 KINDS = ("greedy", "sampled", "abort", "disconnect")
 WEIGHTS = (0.55, 0.25, 0.1, 0.1)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from benchmark.common import format_table
-from launch.server_args import ServerArgs
+from specserve.launch.server_args import ServerArgs
 
 SPEC_PREFIX = "speculative_"
 BASELINE_LABEL = "baseline"

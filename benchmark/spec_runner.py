@@ -16,7 +16,7 @@ import httpx
 from tqdm import tqdm
 
 from benchmark.spec_metrics import SpecRecord
-from corpora.datasets import BenchRequest
+from specserve.corpora.datasets import BenchRequest
 
 logger = logging.getLogger("bench_speculative")
 

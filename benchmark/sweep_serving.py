@@ -54,7 +54,7 @@ from benchmark.common import (
     wait_healthy,
     write_json,
 )
-from corpora.datasets import load_bench_tokenizer, sample_requests
+from specserve.corpora.datasets import load_bench_tokenizer, sample_requests
 
 ROOT = Path(__file__).resolve().parents[1]
 

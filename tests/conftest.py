@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: see runtime/__init__.py
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: see specserve/__init__.py
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -18,7 +18,7 @@ def pytest_sessionstart(session):
     stops with the build's report, unless SPECSERVE_ALLOW_NO_CPU_EXT=1 allowed running without
     it: only then do the tests that need it skip and the lossless checks excuse the torch
     engine's near-ties (tests/helpers/near_tie.py)."""
-    from kernels import cpu
+    from specserve.kernels import cpu
 
     try:
         cpu.load()
@@ -30,7 +30,7 @@ def pytest_sessionstart(session):
 def _skip_without_the_extension():
     """A hook wrapper's body: under SPECSERVE_ALLOW_NO_CPU_EXT=1, a test that needs the missing
     extension (it raised CpuExtensionUnavailable) is skipped, saying why."""
-    from kernels import cpu
+    from specserve.kernels import cpu
 
     try:
         return (yield)

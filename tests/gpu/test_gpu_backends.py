@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.forward_batch import ForwardMode
-from runtime.layers.attention import TorchNativeBackend
+from specserve.runtime.forward_batch import ForwardMode
+from specserve.runtime.layers.attention import TorchNativeBackend
 from tests.unit.test_attention_torch_native import make_case
 
 
@@ -21,11 +21,11 @@ def _to_cuda(pool, batch, *tensors):
 def _backend_class(name):
     if name == "flashinfer":
         pytest.importorskip("flashinfer")
-        from runtime.layers.attention.flashinfer_backend import FlashInferAttentionBackend
+        from specserve.runtime.layers.attention.flashinfer_backend import FlashInferAttentionBackend
 
         return FlashInferAttentionBackend
     pytest.importorskip("triton")
-    from runtime.layers.attention.triton_backend import TritonAttentionBackend
+    from specserve.runtime.layers.attention.triton_backend import TritonAttentionBackend
 
     return TritonAttentionBackend
 
@@ -53,7 +53,7 @@ def test_cuda_backend_equals_torch_native(backend, mode, bsz, seed, dtype, atol)
 @pytest.mark.parametrize("algo", [None, "NGRAM", "EAGLE3"])
 def test_greedy_output_identical_across_backends(algo, backend):
     _backend_class(backend)
-    from launch import Engine
+    from specserve.launch import Engine
 
     prompts = ["The capital of France is", "def fib(n):", "List three colors:"]
     params = {"max_new_tokens": 32, "temperature": 0}

@@ -1,6 +1,6 @@
 """`--tp-size 2` on two GPUs: NCCL carries the partial sums and the logits, gloo the commands
-(runtime/distributed.py); greedy output equals one GPU's but for near-ties of the bf16 sums.
-Needs two CUDA devices."""
+(specserve/runtime/distributed.py); greedy output equals one GPU's but for near-ties of the bf16
+sums. Needs two CUDA devices."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_two_gpus_serve_what_one_serves():
-    from launch import Engine
+    from specserve.launch import Engine
 
     with Engine(log_level="warning", device="cuda") as one:
         ids = [one.tm.tokenize(p) for p in PROMPTS]

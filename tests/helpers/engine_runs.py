@@ -1,4 +1,4 @@
-"""Running a prompt set through an `Engine` (launch/engine.py) the ways the equality tests
+"""Running a prompt set through an `Engine` (specserve/launch/engine.py) the ways the equality tests
 compare."""
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import msgspec
 
-from launch.server_args import ServerArgs
-from runtime.messages import (
+from specserve.launch.server_args import ServerArgs
+from specserve.runtime.messages import (
     TO_SCHEDULER,
     AbortReq,
     FlushCacheReq,
@@ -30,7 +30,7 @@ from runtime.messages import (
     TokenOut,
     TraceStep,
 )
-from runtime.tokenizer.tokenizer_manager import TokenizerManager
+from specserve.runtime.tokenizer.tokenizer_manager import TokenizerManager
 from tests.helpers.tiny_models import EOS_ID, TINY_VOCAB_SIZE, write_tiny_tokenizer_files
 
 REPLY_TEXT = "Hello, world! café naïve 日本語 the quick brown fox jumps over the lazy dog"
@@ -179,7 +179,7 @@ def fake_logprob(token: int) -> float:
 
 
 def fake_logprobs(tokens: list[int], top: int, prefix: str = "") -> dict:
-    """A runtime/sampling/logprobs.py payload: each token is its position's most likely,
+    """A specserve/runtime/sampling/logprobs.py payload: each token is its position's most likely,
     followed by the next ids, each one nat less likely."""
     out: dict = {prefix + "lp": [fake_logprob(t) for t in tokens]}
     if top:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import xgrammar as xgr
 
-from runtime.forward_batch import ForwardBatch, ForwardMode
+from specserve.runtime.forward_batch import ForwardBatch, ForwardMode
 
 
 def xgrammar_compiler(tokenizer, vocab_size: int, eos: list[int]) -> xgr.GrammarCompiler:
@@ -45,7 +45,7 @@ class LLGuidanceReference:
         from llguidance import LLMatcher
         from llguidance.gbnf_to_lark import any_to_lark
 
-        from runtime.constrained.llguidance_backend import json_options, strict_schema
+        from specserve.runtime.constrained.llguidance_backend import json_options, strict_schema
 
         if kind == "json_schema":
             g = LLMatcher.grammar_from_json_schema(

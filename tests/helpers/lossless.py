@@ -21,9 +21,9 @@ import fcntl
 import json
 from pathlib import Path
 
-from corpora.datasets import sample_requests
-from runtime.model_loader.default_model import resolve_model_path
-from runtime.model_loader.tokenizer import load_tokenizer
+from specserve.corpora.datasets import sample_requests
+from specserve.runtime.model_loader.default_model import resolve_model_path
+from specserve.runtime.model_loader.tokenizer import load_tokenizer
 from tests.helpers.engine_runs import run_concurrent, second_while_first_runs
 from tests.helpers.near_tie import NearTieJudge
 from tests.helpers.schemas import schema_prompts
@@ -114,7 +114,7 @@ def strong_prompts(prompts: list[list[int]], outputs: list[list[int]], logprobs:
 def plain_reference() -> dict:
     """52 held-out prompts and plain decoding's greedy outputs with top-2 logprobs, the strong
     prompts among them and their seeded outputs."""
-    from launch import Engine
+    from specserve.launch import Engine
 
     tok = load_tokenizer(resolve_model_path(None))
     reqs = sample_requests("rewrite", 26, tok, seed=7, max_new_tokens=48, split="heldout")
@@ -165,7 +165,7 @@ def check_spec_equals_plain(algo: str, ref: dict, full: bool = False) -> None:
     plain decoding's exactly (on the torch engine a greedy near-tie is excused, never on the
     CPU engine), and drafts were accepted. With no draft path, EAGLE3 / STANDALONE / EARLY_EXIT
     / MEDUSA run the draft networks shipped in assets/ for the default model."""
-    from launch import Engine
+    from specserve.launch import Engine
 
     picked = list(range(len(ref["prompts"]))) if full else ref["strong"]
     prompts = [ref["prompts"][i] for i in picked]

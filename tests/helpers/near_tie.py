@@ -1,16 +1,16 @@
 """The one accepted excuse for two outputs of the same request to differ: a near-tie at the first
 difference — and only on the torch reference engine, which is not batch-invariant.
 
-The CPU engine (the default wherever its extension builds: kernels/cpu) is batch-invariant, so
-greedy and seeded outputs with and without speculation, at any batch size, must be identical:
-no excuse at all. The torch engine computes a row differently at different batch shapes (a
-verify pass of N rows and a decode step of one disagree in the last bits: docs/architecture.md).
-Where the target's top two candidates are within TIE_EPS, either is a correct choice, so its
-greedy (and seeded) outputs may part there. The excuse is narrow:
+The CPU engine (the default wherever its extension builds: specserve/kernels/cpu) is
+batch-invariant, so greedy and seeded outputs with and without speculation, at any batch size, must
+be identical: no excuse at all. The torch engine computes a row differently at different batch
+shapes (a verify pass of N rows and a decode step of one disagree in the last bits:
+docs/architecture.md). Where the target's top two candidates are within TIE_EPS, either is a correct
+choice, so its greedy (and seeded) outputs may part there. The excuse is narrow:
 - the two differing tokens must BE the top two at the first difference (recomputed here with an
   in-process runner on prompt + common prefix, penalties applied as the request had them);
 - for seeded sampling the "scores" are the perturbed ones the draw takes the argmax of,
-  log p + G(seed, position) (runtime/sampling/seeded.py), and the gap is scaled by 1/T;
+  log p + G(seed, position) (specserve/runtime/sampling/seeded.py), and the gap is scaled by 1/T;
 - every excused prompt is counted: `NearTieJudge.report()` says how many, and warns.
 
 ALLOW_NEAR_TIES is the switch: False whenever the default engine is the exact CPU engine (or
@@ -27,17 +27,17 @@ import warnings
 
 import torch
 
-from runtime.forward_batch import ForwardBatch, ForwardMode
-from runtime.model_loader.default_model import resolve_model_path
-from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
-from runtime.sampling.penalties import apply_penalties
-from runtime.sampling.sampler import SamplingBatchInfo, process_logits
-from runtime.sampling.sampling_params import SamplingParams
-from runtime.sampling.seeded import gumbel_noise
+from specserve.runtime.forward_batch import ForwardBatch, ForwardMode
+from specserve.runtime.model_loader.default_model import resolve_model_path
+from specserve.runtime.model_runner.model_runner import ModelRunner, RunnerConfig
+from specserve.runtime.sampling.penalties import apply_penalties
+from specserve.runtime.sampling.sampler import SamplingBatchInfo, process_logits
+from specserve.runtime.sampling.sampling_params import SamplingParams
+from specserve.runtime.sampling.seeded import gumbel_noise
 
 
 def _default_engine_is_exact() -> bool:
-    from runtime.model_runner.model_runner import resolve_engine
+    from specserve.runtime.model_runner.model_runner import resolve_engine
 
     return resolve_engine("auto", torch.device("cpu")) == "cpu"
 

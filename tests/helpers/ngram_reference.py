@@ -1,4 +1,4 @@
-"""A small Python n-gram trie: the reference that the C++ trie (`speculative.ngram_cache.
+"""A small Python n-gram trie: the reference that the C++ trie (`specserve.speculative.ngram_cache.
 NgramCache`) is checked against (tests/unit/test_ngram_reference.py). Test code only: nothing
 drafts from it.
 
@@ -17,13 +17,13 @@ import heapq
 from collections import deque
 from collections.abc import Hashable, Iterator, Sequence
 
-from speculative.ngram_cache import (
+from specserve.speculative.ngram_cache import (
     CONFIDENT_MATCH,
     NgramConfig,
     bfs_breadths,
     tree_size_for_match,
 )
-from speculative.ngram_context import grow_best_first
+from specserve.speculative.ngram_context import grow_best_first
 
 
 class _Node:
@@ -38,7 +38,8 @@ class _Node:
 
 
 class ReferenceTrie:
-    """The n-gram trie's semantics (module docstring of speculative/ngram_cache.py), unbounded."""
+    """The n-gram trie's semantics (module docstring of specserve/speculative/ngram_cache.py),
+    unbounded."""
 
     def __init__(self, cfg: NgramConfig) -> None:
         self.cfg, self.depth = cfg, cfg.max_trie_depth

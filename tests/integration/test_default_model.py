@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.model_loader import (
+from specserve.runtime.model_loader import (
     ModelConfig,
     apply_chat_template,
     embedded_gguf_path,
@@ -23,7 +23,7 @@ from runtime.model_loader import (
     load_tokenizer,
     resolve_model_path,
 )
-from runtime.model_loader.gguf_convert import COMPLETE_MARKER
+from specserve.runtime.model_loader.gguf_convert import COMPLETE_MARKER
 
 pytestmark = pytest.mark.slow
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from corpora.datasets import sample_requests
-from runtime.model_loader.default_model import resolve_model_path
-from runtime.model_loader.tokenizer import load_tokenizer
+from specserve.corpora.datasets import sample_requests
+from specserve.runtime.model_loader.default_model import resolve_model_path
+from specserve.runtime.model_loader.tokenizer import load_tokenizer
 from tests.helpers.engine_runs import run_concurrent
 
 pytestmark = pytest.mark.slow
@@ -23,7 +23,7 @@ GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
 def run():
     """(prompts, first outputs with output logprobs and 3 alternatives, the same prompts
     extended by their outputs and scored from where the output began, stop-cut outputs)."""
-    from launch import Engine
+    from specserve.launch import Engine
 
     tok = load_tokenizer(resolve_model_path(None))
     reqs = sample_requests("rewrite", 3, tok, seed=11, max_new_tokens=24, split="heldout")

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.forward_batch import ForwardBatch, ForwardMode
-from runtime.model_loader.default_model import resolve_model_path
-from runtime.model_loader.tokenizer import apply_chat_template, load_tokenizer
-from runtime.model_runner.local_generator import LocalGenerator
-from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
-from runtime.sampling.sampling_params import SamplingParams
+from specserve.runtime.forward_batch import ForwardBatch, ForwardMode
+from specserve.runtime.model_loader.default_model import resolve_model_path
+from specserve.runtime.model_loader.tokenizer import apply_chat_template, load_tokenizer
+from specserve.runtime.model_runner.local_generator import LocalGenerator
+from specserve.runtime.model_runner.model_runner import ModelRunner, RunnerConfig
+from specserve.runtime.sampling.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from launch import Engine
-from runtime.errors import InvalidRequestError
+from specserve.launch import Engine
+from specserve.runtime.errors import InvalidRequestError
 
 pytestmark = pytest.mark.slow
 
@@ -86,10 +86,10 @@ def test_engine_generate_batch_stream_async_and_shutdown():
 def test_an_engine_script_exits_cleanly_without_leaked_semaphore_warnings(tmp_path):
     """A script that starts and stops an Engine ends with nothing on stderr about leaked
     semaphores (a progress bar's default process-shared lock would be left behind by SIGTERM;
-    runtime/proc_utils.py: thread_locks_for_progress_bars)."""
+    specserve/runtime/proc_utils.py: thread_locks_for_progress_bars)."""
     script = tmp_path / "use_engine.py"
     script.write_text(textwrap.dedent("""
-        from launch import Engine
+        from specserve.launch import Engine
 
         if __name__ == "__main__":
             with Engine(log_level="warning") as engine:

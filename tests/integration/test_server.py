@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
-from runtime.model_loader.default_model import resolve_model_path
-from runtime.model_loader.tokenizer import apply_chat_template, load_tokenizer
+from specserve.runtime.model_loader.default_model import resolve_model_path
+from specserve.runtime.model_loader.tokenizer import apply_chat_template, load_tokenizer
 from tests.helpers.near_tie import NearTieJudge
 from tests.helpers.server_proc import ServerProcess, children_of, pid_alive
 

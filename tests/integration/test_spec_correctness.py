@@ -1,4 +1,4 @@
-"""Lossless speculation on the default model through `Engine` (launch/engine.py, real
+"""Lossless speculation on the default model through `Engine` (specserve/launch/engine.py, real
 processes): speculation changes no request's output — penalised requests (a prompt that repeats
 itself under a repetition penalty, and frequency / presence penalties), greedy and
 seeded-sampled; 50 seeded sampled prompts at batch 1 and concurrency 8 (`make test-all`; every
@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from corpora.datasets import sample_requests
-from runtime.model_loader.default_model import resolve_model_path
-from runtime.model_loader.tokenizer import load_tokenizer
+from specserve.corpora.datasets import sample_requests
+from specserve.runtime.model_loader.default_model import resolve_model_path
+from specserve.runtime.model_loader.tokenizer import load_tokenizer
 from tests.helpers.engine_runs import alone_then_eight, run_concurrent
 from tests.helpers.near_tie import NearTieJudge
 
@@ -33,7 +33,7 @@ ALGOS = ("NGRAM", "EAGLE3")  # EAGLE3: the head shipped for the default model
 @pytest.fixture(scope="module")
 def engines():
     """Engines started on first use (plain, NGRAM, EAGLE3), shut down after the module."""
-    from launch import Engine
+    from specserve.launch import Engine
 
     started = {}
 
@@ -100,7 +100,7 @@ def test_repeating_prompt_with_penalties_is_identical_with_and_without_speculati
 @pytest.fixture(scope="module")
 def seeded_prompts():
     """50 held-out chat prompts (25 rewrite, 25 ShareGPT), each with its own seed."""
-    from runtime.model_loader.tokenizer import apply_chat_template
+    from specserve.runtime.model_loader.tokenizer import apply_chat_template
 
     tok = load_tokenizer(resolve_model_path(None))
     reqs = sample_requests("rewrite", 25, tok, seed=11, max_new_tokens=24, split="heldout")

@@ -11,9 +11,9 @@ import random
 
 import pytest
 
-from runtime.model_runner.runner_process import RunnerWorker
-from speculative.base import SpecConfig, create_drafter
-from speculative.worker import SpeculativeWorker
+from specserve.runtime.model_runner.runner_process import RunnerWorker
+from specserve.speculative.base import SpecConfig, create_drafter
+from specserve.speculative.worker import SpeculativeWorker
 from tests.helpers.lossless import GROUPS, check_spec_equals_plain
 from tests.unit.test_scheduler import Harness, reference, tiny  # noqa: F401
 

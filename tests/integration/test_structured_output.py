@@ -18,9 +18,9 @@ import jsonschema
 import openai
 import pytest
 
-from runtime.model_loader.default_model import resolve_model_path
-from runtime.model_loader.tokenizer import apply_chat_template, load_tokenizer
-from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
+from specserve.runtime.model_loader.default_model import resolve_model_path
+from specserve.runtime.model_loader.tokenizer import apply_chat_template, load_tokenizer
+from specserve.runtime.model_runner.model_runner import ModelRunner, RunnerConfig
 from tests.helpers.grammar_reference import (
     LLGuidanceReference,
     compile_spec,
@@ -217,7 +217,7 @@ def test_speculation_gives_plain_constrained_output(algo, prompts, reference, ba
     """Ten schema prompts, eight at a time, beside two unconstrained copy-heavy requests: every
     constrained output is the plain reference token for token, and constrained requests drafted
     (their drafter's tokens and the grammar's forced ones) and had drafts accepted."""
-    from launch import Engine
+    from specserve.launch import Engine
     from tests.helpers.engine_runs import run_concurrent
 
     copy = "Repeat exactly: the quick brown fox jumps over the lazy dog. " * 3

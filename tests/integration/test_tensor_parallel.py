@@ -1,17 +1,17 @@
 """`--tp-size 2`: two ranks (processes) over torch.distributed gloo on loopback, each holding
-half the default model (runtime/model_loader/shard.py). Greedy output equals `--tp-size 1` on
-24 held-out prompts but for near-ties, counted (a row-parallel projection's sum is split in two
-and rounds differently); and NGRAM and EAGLE-3 at `--tp-size 2` equal plain decoding at
-`--tp-size 2` token for token, greedy and seeded, with no exemption (the sharded engine is still
+half the default model (specserve/runtime/model_loader/shard.py). Greedy output equals `--tp-size 1`
+on 24 held-out prompts but for near-ties, counted (a row-parallel projection's sum is split in two
+and rounds differently); and NGRAM and EAGLE-3 at `--tp-size 2` equal plain decoding at `--tp-size
+2` token for token, greedy and seeded, with no exemption (the sharded engine is still
 batch-invariant: a verify row is a decode row), with drafts accepted."""
 
 from __future__ import annotations
 
 import pytest
 
-from corpora.datasets import sample_requests
-from runtime.model_loader.default_model import resolve_model_path
-from runtime.model_loader.tokenizer import load_tokenizer
+from specserve.corpora.datasets import sample_requests
+from specserve.runtime.model_loader.default_model import resolve_model_path
+from specserve.runtime.model_loader.tokenizer import load_tokenizer
 from tests.helpers.engine_runs import run_concurrent
 
 pytestmark = pytest.mark.slow
@@ -38,7 +38,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 @pytest.fixture(scope="module")
 def runs():
-    from launch import Engine
+    from specserve.launch import Engine
 
     tok = load_tokenizer(resolve_model_path(None))
     reqs = sample_requests("rewrite", 12, tok, seed=11, max_new_tokens=32, split="heldout")
@@ -89,7 +89,7 @@ def test_tp2_greedy_equals_tp1_but_for_counted_near_ties(runs):
 
 @pytest.mark.parametrize("algo", ["NGRAM", "EAGLE3"])
 def test_speculation_at_tp2_equals_plain_tp2(runs, algo):
-    from launch import Engine
+    from specserve.launch import Engine
 
     prompts, n = runs["prompts"], len(runs["prompts"])
     # fixed trees: every step drafts and verifies (the controller would stop drafting a
@@ -114,7 +114,7 @@ def test_two_nodes_on_loopback_serve_what_one_node_serves(runs):
     import sys
 
     from benchmark.common import free_port
-    from launch import Engine
+    from specserve.launch import Engine
 
     addr = f"127.0.0.1:{free_port()}"
     dist = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr]
@@ -137,7 +137,7 @@ def test_the_torch_engine_shards_the_same_way(runs):
     greedy output equals its --tp-size 1 output but for near-ties, and NGRAM drafts are
     accepted at --tp-size 2 (the torch engine is not batch-invariant, so speculation is
     judged by the CPU engine's tests above)."""
-    from launch import Engine
+    from specserve.launch import Engine
 
     prompts = runs["prompts"][:8]
     kw = {"log_level": "warning", "weight_format": "torch"}

@@ -20,7 +20,7 @@ PARAMS = {"max_new_tokens": 6, "temperature": 0}
 
 
 def _outputs(**kw) -> tuple[list, dict]:
-    from launch import Engine
+    from specserve.launch import Engine
 
     with Engine(log_level="warning", weight_format="torch", **kw) as eng:
         outs = [eng.generate(p, sampling_params=PARAMS)["output_ids"] for p in PROMPTS]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.forward_batch import ForwardBatch, ForwardMode
-from runtime.layers.attention import TorchNativeBackend
-from runtime.layers.attention.torch_native import slot_run
-from runtime.mem_cache import KVPool, TokenSlotAllocator
+from specserve.runtime.forward_batch import ForwardBatch, ForwardMode
+from specserve.runtime.layers.attention import TorchNativeBackend
+from specserve.runtime.layers.attention.torch_native import slot_run
+from specserve.runtime.mem_cache import KVPool, TokenSlotAllocator
 
 
 def random_parents(n: int, gen: torch.Generator) -> list[int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from benchmark.bench_gemm import model_shapes
-from kernels import cpu
+from specserve.kernels import cpu
 
 OK, WHY = cpu.available()
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from benchmark.bench_priority import _calls, build_parser, report
-from corpora.datasets import load_bench_tokenizer, sample_requests
+from specserve.corpora.datasets import load_bench_tokenizer, sample_requests
 
 
 def test_every_request_carries_its_priority_and_ignores_eos():

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from benchmark import bench_serving
 from benchmark.bench_serving import BenchConfig, run_benchmark
 from benchmark.serving_metrics import RequestRecord, compute_metrics
-from corpora.datasets import BenchRequest
+from specserve.corpora.datasets import BenchRequest
 
 TTFT_S, ITL_S = 0.2, 0.05
 TOL_S = 0.15  # scheduling slack on a loaded 2-core machine

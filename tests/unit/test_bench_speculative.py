@@ -25,7 +25,7 @@ from benchmark.spec_metrics import (
     summary_table,
 )
 from benchmark.spec_runner import fill_record, render_prompts, run_requests, sampling_params
-from corpora.datasets import BenchRequest
+from specserve.corpora.datasets import BenchRequest
 from tests.helpers.live_server import live_server
 
 

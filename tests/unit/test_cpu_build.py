@@ -1,5 +1,6 @@
-"""`python -m kernels.cpu.build` (the Makefile's set-up step): a failed build exits non-zero with
-what failed, the compiler's last lines and how to proceed, unless SPECSERVE_ALLOW_NO_CPU_EXT=1."""
+"""`python -m specserve.kernels.cpu.build` (the Makefile's set-up step): a failed build exits
+non-zero with what failed, the compiler's last lines and how to proceed, unless
+SPECSERVE_ALLOW_NO_CPU_EXT=1."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kernels import cpu
-from kernels.cpu import build
+from specserve.kernels import cpu
+from specserve.kernels.cpu import build
 
 
 def _fail(monkeypatch, exc: cpu.CpuExtensionUnavailable) -> None:
@@ -79,5 +80,6 @@ def test_the_test_run_stops_without_the_extension_unless_allowed() -> None:
 
     stopped = run()
     assert stopped.returncode == pytest.ExitCode.USAGE_ERROR
-    assert "the CPU extension (kernels/cpu/csrc) is unavailable" in stopped.stdout + stopped.stderr
+    said = stopped.stdout + stopped.stderr
+    assert "the CPU extension (specserve/kernels/cpu/csrc) is unavailable" in said
     assert run(**{cpu.ALLOW_NO_CPU_EXT: "1"}).returncode == 0

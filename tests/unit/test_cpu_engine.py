@@ -1,7 +1,8 @@
-"""The CPU engine end to end (runtime/models/cpu_llama.py over kernels/cpu): the same logits as
-the torch reference engine on the same weights (a quantized GGUF's blocks against their
-dequantized float32 copy; every architecture's HF checkpoint), and a token's logits bit-identical
-whether it is prefilled, decoded, verified inside a draft tree, or batched with other requests."""
+"""The CPU engine end to end (specserve/runtime/models/cpu_llama.py over specserve/kernels/cpu): the
+same logits as the torch reference engine on the same weights (a quantized GGUF's blocks against
+their dequantized float32 copy; every architecture's HF checkpoint), and a token's logits
+bit-identical whether it is prefilled, decoded, verified inside a draft tree, or batched with other
+requests."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import cpu
-from runtime.forward_batch import ForwardBatch, ForwardMode
-from runtime.model_loader.gguf_convert import convert_gguf
-from runtime.model_runner import model_runner as mr
-from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
+from specserve.kernels import cpu
+from specserve.runtime.forward_batch import ForwardBatch, ForwardMode
+from specserve.runtime.model_loader.gguf_convert import convert_gguf
+from specserve.runtime.model_runner import model_runner as mr
+from specserve.runtime.model_runner.model_runner import ModelRunner, RunnerConfig
 from tests.helpers.tiny_models import write_tiny_gguf, write_tiny_model
 
 OK, WHY = cpu.available()
@@ -90,7 +91,7 @@ def test_fp16_kv_keeps_every_forward_exact_and_stays_close_to_fp32_kv(gguf_dirs)
 
 
 def test_kv_cache_dtype_is_checked():
-    from runtime.model_runner.model_runner import resolve_kv_dtype
+    from specserve.runtime.model_runner.model_runner import resolve_kv_dtype
 
     assert resolve_kv_dtype("auto", "cpu", torch.float32) == torch.float32
     assert resolve_kv_dtype("float16", "cpu", torch.float32) == torch.float16

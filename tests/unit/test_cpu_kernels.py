@@ -1,4 +1,4 @@
-"""The CPU engine's kernels (kernels/cpu): each equals a float64 reference within a stated
+"""The CPU engine's kernels (specserve/kernels/cpu): each equals a float64 reference within a stated
 tolerance, and each is batch-invariant: a row's output is bit-identical for every M in 1..64,
 alone or in any batch, on 1, 2 or 3 threads, on every instruction set this CPU runs."""
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import cpu
-from kernels.cpu.packing import (
+from specserve.kernels import cpu
+from specserve.kernels.cpu.packing import (
     Fmt,
     finish,
     float_bits,

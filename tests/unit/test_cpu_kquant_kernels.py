@@ -11,9 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import cpu
-from kernels.cpu.packing import Fmt, finish, gguf_rows, interleave_tiles, pack_blocks, quantize
-from kernels.cpu.packing import tile_major as tile_major_of
+from specserve.kernels import cpu
+from specserve.kernels.cpu.packing import (
+    Fmt,
+    finish,
+    gguf_rows,
+    interleave_tiles,
+    pack_blocks,
+    quantize,
+)
+from specserve.kernels.cpu.packing import tile_major as tile_major_of
 from tests.helpers.tiny_models import gguf_blocks
 from tests.unit.test_cpu_kernels import (
     DIGIT_TOL,

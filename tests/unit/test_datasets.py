@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from corpora import extraction_prompts, rewrite_prompts, schema_prompts
-from corpora.datasets import (
+from specserve.corpora import extraction_prompts, rewrite_prompts, schema_prompts
+from specserve.corpora.datasets import (
     DatasetError,
     load_sharegpt,
     sample_requests,

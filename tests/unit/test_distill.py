@@ -1,9 +1,9 @@
-"""The draft distiller (`python -m speculative.train --algorithm STANDALONE | EARLY_EXIT`) on a
-tiny target: a draft of every target layer IS the target (so the trainable draft computes the
+"""The draft distiller (`python -m specserve.speculative.train --algorithm STANDALONE | EARLY_EXIT`)
+on a tiny target: a draft of every target layer IS the target (so the trainable draft computes the
 target's function); distillation lowers the KL and resumes from its checkpoint; the exported HF
-directory serves with the logits the trainable draft computes; the shipped-asset form
-(without the target's tensors) materializes back into the same directory; the exported exit
-adapter computes what the trainable one does."""
+directory serves with the logits the trainable draft computes; the shipped-asset form (without the
+target's tensors) materializes back into the same directory; the exported exit adapter computes what
+the trainable one does."""
 
 from __future__ import annotations
 
@@ -14,18 +14,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from runtime.forward_batch import ForwardBatch, ForwardMode
-from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
-from speculative.models.draft_asset import is_draft_asset, materialize, pack_draft_asset
-from speculative.models.exit_adapter import load_exit_adapter
-from speculative.train.capture import CaptureConfig, FeatureStore, capture
-from speculative.train.distill import (
+from specserve.runtime.forward_batch import ForwardBatch, ForwardMode
+from specserve.runtime.model_runner.model_runner import ModelRunner, RunnerConfig
+from specserve.speculative.models.draft_asset import is_draft_asset, materialize, pack_draft_asset
+from specserve.speculative.models.exit_adapter import load_exit_adapter
+from specserve.speculative.train.capture import CaptureConfig, FeatureStore, capture
+from specserve.speculative.train.distill import (
     DistillConfig,
     DraftModelTrainer,
     ExitAdapterTrainer,
     chain_accept_from_hits,
 )
-from speculative.train.trainer import read_log
+from specserve.speculative.train.trainer import read_log
 from tests.unit.test_train_eagle3 import _fake_regen, target  # noqa: F401 - fixture
 
 
@@ -124,7 +124,7 @@ def test_distil_a_draft_model_resume_export_and_serve(target, captured, tmp_path
 
     # q8_0 (the shipped form): half the bytes, and the floats it materializes to round back to
     # exactly the blocks the bfloat16 weights give (the CPU engine's q8_0 draft is unchanged)
-    from kernels.cpu.packing import Fmt, quantize
+    from specserve.kernels.cpu.packing import Fmt, quantize
 
     q8 = pack_draft_asset(draft, tmp_path / "asset_q8", target=str(model_dir), q8_0=True)
     size = (q8 / "model.safetensors").stat().st_size

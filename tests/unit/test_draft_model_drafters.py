@@ -14,17 +14,21 @@ import json
 import pytest
 import torch
 
-from launch.server_args import ServerArgs
-from runtime.forward_batch import ForwardBatch, ForwardMode
-from runtime.messages import AbortReq
-from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
-from runtime.model_runner.runner_process import RunnerWorker
-from speculative.base import RunnerReq, SpecConfig, TargetRows, create_drafter
-from speculative.drafters.standalone import DraftModelError
-from speculative.models.exit_adapter import AdapterShape, export_exit_adapter, load_exit_adapter
-from speculative.models.vocab_head import write_draft_vocab
-from speculative.train.draft_init import init_draft_from_target, spread_layers
-from speculative.worker import SpeculativeWorker
+from specserve.launch.server_args import ServerArgs
+from specserve.runtime.forward_batch import ForwardBatch, ForwardMode
+from specserve.runtime.messages import AbortReq
+from specserve.runtime.model_runner.model_runner import ModelRunner, RunnerConfig
+from specserve.runtime.model_runner.runner_process import RunnerWorker
+from specserve.speculative.base import RunnerReq, SpecConfig, TargetRows, create_drafter
+from specserve.speculative.drafters.standalone import DraftModelError
+from specserve.speculative.models.exit_adapter import (
+    AdapterShape,
+    export_exit_adapter,
+    load_exit_adapter,
+)
+from specserve.speculative.models.vocab_head import write_draft_vocab
+from specserve.speculative.train.draft_init import init_draft_from_target, spread_layers
+from specserve.speculative.worker import SpeculativeWorker
 from tests.helpers.tiny_models import write_tiny_model
 from tests.unit.test_scheduler import Harness, prompts, reference
 from tests.unit.test_spec_sampling_distribution import (  # noqa: F401 - fixtures
@@ -249,7 +253,7 @@ def test_steps_skipped_while_off_leave_the_drafts_right(target, truth, algo):
     two steps in three idle: output is still plain decoding's, and a draft equal to the target
     is still accepted everywhere, so the draft KV of the positions decoded in skipped steps is
     caught up before it is read."""
-    from runtime.speculation import StepPlan
+    from specserve.runtime.speculation import StepPlan
 
     ps, ref = truth
     h, drafter = harness(target, make_cfg(algo, target, draft="same"), max_running_requests=4,

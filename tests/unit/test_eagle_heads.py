@@ -9,11 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from runtime.errors import ModelLoadError
-from runtime.forward_batch import ForwardBatch, ForwardMode
-from runtime.layers.linear import onednn_bf16_available
-from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
-from speculative.models import Eagle3Head, EagleHead, load_draft_head, save_eagle3_head
+from specserve.runtime.errors import ModelLoadError
+from specserve.runtime.forward_batch import ForwardBatch, ForwardMode
+from specserve.runtime.layers.linear import onednn_bf16_available
+from specserve.runtime.model_runner.model_runner import ModelRunner, RunnerConfig
+from specserve.speculative.models import Eagle3Head, EagleHead, load_draft_head, save_eagle3_head
 from tests.helpers.eagle_checkpoints import (
     read_checkpoint,
     target_tensors,
@@ -310,7 +310,7 @@ def test_eagle3_save_then_load_round_trips_the_public_layout(tmp_path, target_di
         else:  # AVX2-only: no oneDNN bf16 path, the head stays fp32
             assert bf.pack_weights(torch.bfloat16) == 0
         # q8_0 blocks on the CPU engine's kernels (the CPU default for draft heads)
-        from kernels import cpu
+        from specserve.kernels import cpu
 
         if cpu.available()[0]:
             q8 = load(saved, runner)

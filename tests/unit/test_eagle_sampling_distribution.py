@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.model_runner.runner_process import RunnerWorker
-from speculative.base import SpecConfig, create_drafter
-from speculative.worker import SpeculativeWorker
+from specserve.runtime.model_runner.runner_process import RunnerWorker
+from specserve.speculative.base import SpecConfig, create_drafter
+from specserve.speculative.worker import SpeculativeWorker
 from tests.helpers.eagle_checkpoints import write_eagle1_checkpoint, write_eagle3_checkpoint
 from tests.unit.test_scheduler import Harness
 from tests.unit.test_spec_sampling_distribution import (  # noqa: F401 - fixtures

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from speculative.eagle_tree import SampledTree, TopKTree, level_widths, topk_children
+from specserve.speculative.eagle_tree import SampledTree, TopKTree, level_widths, topk_children
 
 V = 6
 

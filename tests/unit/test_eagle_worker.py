@@ -10,14 +10,14 @@ import random
 import pytest
 import torch
 
-from launch.server_args import ServerArgs
-from runtime.forward_batch import ForwardBatch, ForwardMode
-from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
-from runtime.model_runner.runner_process import RunnerWorker
-from speculative.base import SpecConfig, create_drafter
-from speculative.drafters.eagle import Eagle3Drafter, EagleDrafter
-from speculative.models.base import HeadOutput
-from speculative.worker import SpeculativeWorker
+from specserve.launch.server_args import ServerArgs
+from specserve.runtime.forward_batch import ForwardBatch, ForwardMode
+from specserve.runtime.model_runner.model_runner import ModelRunner, RunnerConfig
+from specserve.runtime.model_runner.runner_process import RunnerWorker
+from specserve.speculative.base import SpecConfig, create_drafter
+from specserve.speculative.drafters.eagle import Eagle3Drafter, EagleDrafter
+from specserve.speculative.models.base import HeadOutput
+from specserve.speculative.worker import SpeculativeWorker
 from tests.helpers.eagle_checkpoints import write_eagle1_checkpoint, write_eagle3_checkpoint
 from tests.helpers.tiny_models import write_tiny_model
 from tests.unit.test_scheduler import Harness, prompts, reference
@@ -118,7 +118,7 @@ def eagle_harness(target, ckpt, algo, *, hints=None, steps=3, topk=4, n=8, **sch
 def force_sizes(h, sizes_of) -> None:
     """The harness's controller plans as before, then `sizes_of(states, plan_sizes)` decides
     each request's tree nodes (the step neither idle nor off)."""
-    from runtime.speculation import StepPlan
+    from specserve.runtime.speculation import StepPlan
 
     ctl = h.sched.spec
 
@@ -377,7 +377,7 @@ def test_runs_split_by_a_gap_go_through_the_head_in_one_batch_as_one_after_anoth
     next draft runs the closed runs and the open one as entries of one batch. The head KV and
     state that gives are those of the runs going through the head one after another, and the
     gap's positions are never written."""
-    from speculative.base import TargetRows
+    from specserve.speculative.base import TargetRows
 
     cfg = SpecConfig(algo, 8, draft_model_path=str(heads[algo]), num_steps=3, eagle_topk=4)
     drafter = create_drafter(cfg, target[1])

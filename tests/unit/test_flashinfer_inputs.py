@@ -1,7 +1,8 @@
-"""FlashInfer's inputs built from our batches (runtime/layers/attention/flashinfer_inputs.py):
-attention computed from exactly those arrays, by FlashInfer's documented semantics, equals the
-torch_native backend on random batches and trees; the packed mask is FlashInfer's
-segment_packbits layout; the wrapper parameters we pass exist where flashinfer imports."""
+"""FlashInfer's inputs built from our batches
+(specserve/runtime/layers/attention/flashinfer_inputs.py): attention computed from exactly those
+arrays, by FlashInfer's documented semantics, equals the torch_native backend on random batches and
+trees; the packed mask is FlashInfer's segment_packbits layout; the wrapper parameters we pass exist
+where flashinfer imports."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import inspect
 import pytest
 import torch
 
-from runtime.forward_batch import ForwardMode
-from runtime.layers.attention import TorchNativeBackend
-from runtime.layers.attention.flashinfer_inputs import (
+from specserve.runtime.forward_batch import ForwardMode
+from specserve.runtime.layers.attention import TorchNativeBackend
+from specserve.runtime.layers.attention.flashinfer_inputs import (
     attention_from_flashinfer_inputs,
     build_flashinfer_inputs,
     segment_packbits,
@@ -102,8 +103,8 @@ def test_flashinfer_wrapper_parameters_exist_where_it_imports():
 
 
 def test_flashinfer_backend_refuses_the_cpu_with_a_clear_error():
-    from runtime.errors import SpecserveError
-    from runtime.layers.attention.flashinfer_backend import FlashInferAttentionBackend
+    from specserve.runtime.errors import SpecserveError
+    from specserve.runtime.layers.attention.flashinfer_backend import FlashInferAttentionBackend
 
     pool, *_ = make_case(ForwardMode.DECODE, 1, 0)
     with pytest.raises(SpecserveError, match="CUDA only"):

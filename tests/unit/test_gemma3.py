@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import cpu
-from runtime.model_loader.config import ModelConfig
+from specserve.kernels import cpu
+from specserve.runtime.model_loader.config import ModelConfig
 from tests.helpers.tiny_models import write_tiny_model
 from tests.unit.test_cpu_engine import PROMPT, every_kind_of_forward, prefill_logits, runner
 from tests.unit.test_cpu_kernels import isas
@@ -57,7 +57,7 @@ def test_both_engines_give_transformers_logits(gemma_dir, engine):
 def test_the_torch_engines_decode_rows_see_the_window(gemma_dir):
     """Decode steps past the window attend to its last 8 positions only (torch_native's
     window mask), as a prefill of the whole prompt does."""
-    from runtime.forward_batch import ForwardBatch, ForwardMode
+    from specserve.runtime.forward_batch import ForwardBatch, ForwardMode
 
     r = runner(gemma_dir, "torch")
     full = prefill_logits(r, LONG).logits

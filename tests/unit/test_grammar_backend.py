@@ -13,21 +13,21 @@ import zlib
 import pytest
 import torch
 
-from runtime.constrained import GrammarSpec, create_backend, grammar_of
-from runtime.constrained.base import GrammarCompileError
-from runtime.constrained.compiler import GrammarCompiler
-from runtime.constrained.runner_grammars import (
+from specserve.runtime.constrained import GrammarSpec, create_backend, grammar_of
+from specserve.runtime.constrained.base import GrammarCompileError
+from specserve.runtime.constrained.compiler import GrammarCompiler
+from specserve.runtime.constrained.runner_grammars import (
     FORBIDDEN_LOGPROB,
     RunnerGrammars,
     finite_logprobs,
     mask_output,
 )
-from runtime.constrained.spec import MAX_GRAMMAR_BYTES
-from runtime.errors import InvalidRequestError
-from runtime.model_loader.tokenizer import load_tokenizer
-from runtime.models.llama import ModelOutput
-from runtime.sampling.logprobs import LogitStats, logprob_rows
-from runtime.sampling.sampling_params import SamplingParams
+from specserve.runtime.constrained.spec import MAX_GRAMMAR_BYTES
+from specserve.runtime.errors import InvalidRequestError
+from specserve.runtime.model_loader.tokenizer import load_tokenizer
+from specserve.runtime.models.llama import ModelOutput
+from specserve.runtime.sampling.logprobs import LogitStats, logprob_rows
+from specserve.runtime.sampling.sampling_params import SamplingParams
 from tests.helpers.tiny_models import EOS_ID, TINY_VOCAB_SIZE, write_tiny_tokenizer_files
 
 SCHEMA = json.dumps({"type": "object", "properties": {"n": {"type": "integer"}},
@@ -192,7 +192,7 @@ def test_a_compile_past_the_timeout_is_a_400_and_stays_refused(backend):
 
 
 def test_a_grammar_that_compiles_too_large_is_refused(backend, monkeypatch):
-    import runtime.constrained.compiler as mod
+    import specserve.runtime.constrained.compiler as mod
 
     monkeypatch.setattr(mod, "MAX_COMPILED_BYTES", 100)
     compiler = GrammarCompiler(lambda: backend)
@@ -240,7 +240,7 @@ def test_forbidden_alternatives_get_vllms_finite_logprob():
 
 
 def test_llguidance_schemas_follow_xgrammars_strict_mode():
-    from runtime.constrained.llguidance_backend import strict_schema
+    from specserve.runtime.constrained.llguidance_backend import strict_schema
 
     schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {}},
                                                "b": {"type": "object"}},

@@ -16,18 +16,18 @@ import jsonschema
 import pytest
 import torch
 
-from runtime.constrained import GrammarSpec, create_backend
-from runtime.constrained.compiler import GrammarCompiler
-from runtime.constrained.runner_grammars import RunnerGrammars
-from runtime.messages import AbortReq, GenerateReq
-from runtime.model_loader.tokenizer import load_tokenizer
-from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
-from runtime.model_runner.runner_process import RunnerWorker
-from runtime.sampling.logprobs import LogprobOptions
-from runtime.sampling.sampling_params import SamplingParams
-from speculative.base import SpecConfig, create_drafter
-from speculative.controller import TreeSizes
-from speculative.worker import SpeculativeWorker
+from specserve.runtime.constrained import GrammarSpec, create_backend
+from specserve.runtime.constrained.compiler import GrammarCompiler
+from specserve.runtime.constrained.runner_grammars import RunnerGrammars
+from specserve.runtime.messages import AbortReq, GenerateReq
+from specserve.runtime.model_loader.tokenizer import load_tokenizer
+from specserve.runtime.model_runner.model_runner import ModelRunner, RunnerConfig
+from specserve.runtime.model_runner.runner_process import RunnerWorker
+from specserve.runtime.sampling.logprobs import LogprobOptions
+from specserve.runtime.sampling.sampling_params import SamplingParams
+from specserve.speculative.base import SpecConfig, create_drafter
+from specserve.speculative.controller import TreeSizes
+from specserve.speculative.worker import SpeculativeWorker
 from tests.helpers.grammar_reference import (
     LLGuidanceReference,
     compile_spec,
@@ -139,7 +139,7 @@ def test_sampled_constrained_output_is_valid_and_seeded_output_reproducible(tiny
 
 
 def test_logprobs_are_the_masked_distributions_and_penalties_apply(tiny, env):  # noqa: F811
-    from runtime.messages import TokenOut
+    from specserve.runtime.messages import TokenOut
 
     p = prompts(1, seed=43)[0]
     h = harness(tiny, env)
@@ -174,7 +174,7 @@ def test_logprobs_are_the_masked_distributions_and_penalties_apply(tiny, env):  
 
 
 def _full(ids):
-    from runtime.forward_batch import ForwardBatch, ForwardMode
+    from specserve.runtime.forward_batch import ForwardBatch, ForwardMode
 
     return ForwardBatch.build(ForwardMode.EXTEND, [ids], [torch.arange(1, len(ids) + 1)], [0])
 
@@ -260,7 +260,7 @@ def test_speculation_gives_plain_constrained_output(tiny, env, algo):  # noqa: F
 
 
 def test_a_grammar_that_cannot_load_ends_its_request_only(tiny, env):  # noqa: F811
-    from runtime.messages import GrammarPayload
+    from specserve.runtime.messages import GrammarPayload
 
     h = harness(tiny, env)
     p = SamplingParams(temperature=0.0, max_new_tokens=8, regex="[a-z]+")

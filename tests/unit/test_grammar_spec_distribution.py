@@ -8,7 +8,7 @@ step — is rejected by the same statistic.
 The grammar is a toy token automaton (`ToyGrammar`): after token a, the tokens it allows are a
 fixed set depending on a, and after some tokens exactly one token is allowed (forced), so the
 masks differ from node to node along a path and forced chains appear. It implements the
-runtime's `Matcher` interface (runtime/constrained/base.py), which is all the worker uses.
+runtime's `Matcher` interface (specserve/runtime/constrained/base.py), which is all the worker uses.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from runtime.constrained.base import GrammarBackend, Matcher
-from runtime.messages import GenerateReq, GrammarPayload
-from runtime.model_runner.runner_process import RunnerWorker
-from runtime.sampling.sampling_params import SamplingParams
-from runtime.verify_cost import VerifyCost
-from speculative.base import SpecConfig
-from speculative.worker import SpeculativeWorker
+from specserve.runtime.constrained.base import GrammarBackend, Matcher
+from specserve.runtime.messages import GenerateReq, GrammarPayload
+from specserve.runtime.model_runner.runner_process import RunnerWorker
+from specserve.runtime.sampling.sampling_params import SamplingParams
+from specserve.runtime.verify_cost import VerifyCost
+from specserve.speculative.base import SpecConfig
+from specserve.speculative.worker import SpeculativeWorker
 from tests.unit.test_scheduler import Harness
 from tests.unit.test_spec_sampling_distribution import (  # noqa: F401
     PARAMS,
@@ -169,8 +169,8 @@ def test_negative_control_masks_of_the_requests_state_are_rejected(tiny_vocab, j
                                                                    monkeypatch):
     """BUG on purpose: every node of a tree masked with the root's state (the request's), as a
     verifier that masks a tree like one step would."""
-    import speculative.worker as worker_mod
-    from runtime.constrained.tree_masks import constrain_tree
+    import specserve.speculative.worker as worker_mod
+    from specserve.runtime.constrained.tree_masks import constrain_tree
 
     def root_state_masks(matcher, tokens, parents):
         kept, masks, ended = constrain_tree(matcher, tokens, parents)

@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 
-from launch.server_args import ServerArgs
-from runtime.proc_utils import HeapTrimmer, _glibc_malloc_trim
+from specserve.launch.server_args import ServerArgs
+from specserve.runtime.proc_utils import HeapTrimmer, _glibc_malloc_trim
 
 
 class Clock:
@@ -78,7 +78,7 @@ def test_glibc_trim_returns_freed_heap_pages():
         libc = ctypes.CDLL("libc.so.6")
         libc.malloc.restype = ctypes.c_void_p
         libc.free.argtypes = [ctypes.c_void_p]
-        from runtime.proc_utils import HeapTrimmer, rss_mb
+        from specserve.runtime.proc_utils import HeapTrimmer, rss_mb
 
         libc.free(libc.malloc(16 << 20))
         blocks = []

@@ -9,7 +9,7 @@ import dataclasses
 import httpx
 import pytest
 
-from runtime.entrypoints.http_server import create_app
+from specserve.runtime.entrypoints.http_server import create_app
 from tests.helpers.fake_tm import CONTEXT_LENGTH, MODEL_NAME, make_fake_tm
 from tests.helpers.live_server import live_server
 

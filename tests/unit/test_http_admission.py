@@ -12,9 +12,9 @@ import time
 import httpx
 import pytest
 
-from launch.server_args import ServerArgs
-from runtime.entrypoints.http_server import create_app
-from runtime.errors import InvalidRequestError, QueueFullError
+from specserve.launch.server_args import ServerArgs
+from specserve.runtime.entrypoints.http_server import create_app
+from specserve.runtime.errors import InvalidRequestError, QueueFullError
 from tests.helpers.fake_tm import make_fake_tm
 from tests.helpers.live_server import live_server, wait_for
 

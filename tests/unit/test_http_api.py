@@ -10,8 +10,8 @@ import json
 import httpx
 import pytest
 
-from runtime.entrypoints.http_server import create_app
-from runtime.entrypoints.streaming import SSEResponse
+from specserve.runtime.entrypoints.http_server import create_app
+from specserve.runtime.entrypoints.streaming import SSEResponse
 from tests.helpers.fake_tm import CONTEXT_LENGTH, MODEL_NAME, fake_logprob, make_fake_tm
 from tests.helpers.live_server import live_server, wait_for
 

@@ -11,9 +11,9 @@ import re
 import httpx
 import pytest
 
-from runtime.entrypoints.http_server import create_app
-from runtime.entrypoints.playground import ASSETS, STATIC
-from runtime.entrypoints.streaming import StreamCursor
+from specserve.runtime.entrypoints.http_server import create_app
+from specserve.runtime.entrypoints.playground import ASSETS, STATIC
+from specserve.runtime.entrypoints.streaming import StreamCursor
 from tests.helpers.fake_tm import make_fake_tm
 from tests.helpers.live_server import live_server
 

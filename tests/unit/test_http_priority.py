@@ -9,8 +9,8 @@ import contextlib
 import httpx
 import pytest
 
-from runtime.entrypoints.http_server import create_app
-from runtime.errors import QueueFullError
+from specserve.runtime.entrypoints.http_server import create_app
+from specserve.runtime.errors import QueueFullError
 from tests.helpers.fake_tm import make_fake_tm
 from tests.helpers.live_server import live_server
 

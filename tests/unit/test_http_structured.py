@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 
-from runtime.constrained.compiler import GrammarCompiler
-from runtime.entrypoints.http_server import create_app
+from specserve.runtime.constrained.compiler import GrammarCompiler
+from specserve.runtime.entrypoints.http_server import create_app
 from tests.helpers import fake_tm
 from tests.helpers.fake_tm import MODEL_NAME, REPLY_TEXT, make_fake_tm
 from tests.helpers.live_server import live_server

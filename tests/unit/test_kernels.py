@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import registry
-from kernels.registry import KernelNotFoundError, OpRegistry
-from speculative.tree import DraftTree, pack_trees
-from speculative.verify import QMode, verify_greedy_batch, verify_stochastic_batch
+from specserve.kernels import registry
+from specserve.kernels.registry import KernelNotFoundError, OpRegistry
+from specserve.speculative.tree import DraftTree, pack_trees
+from specserve.speculative.verify import QMode, verify_greedy_batch, verify_stochastic_batch
 
 REFERENCE_OPS = (
     "build_tree_masks",
@@ -26,7 +26,7 @@ def test_get_falls_back_to_the_torch_reference_on_cpu() -> None:
     for name in REFERENCE_OPS:
         assert "torch" in ops[name]
         fn = registry.get(name, "cpu")
-        assert fn.__module__ == "kernels.reference"
+        assert fn.__module__ == "specserve.kernels.reference"
         assert registry.get(name, torch.device("cpu"), backend="torch") is fn
 
 

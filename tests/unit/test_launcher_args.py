@@ -5,9 +5,9 @@ import os
 
 import pytest
 
-from kernels import cpu
-from launch.launcher import main
-from launch.server_args import (
+from specserve.kernels import cpu
+from specserve.launch.launcher import main
+from specserve.launch.server_args import (
     ServerArgs,
     build_parser,
     parse_args,
@@ -61,7 +61,7 @@ def test_every_flag_is_documented_and_defaults_come_from_the_dataclass():
 def test_eagle3_on_the_default_model_uses_the_shipped_head(tmp_path):
     import json
 
-    from speculative.drafters.eagle import DEFAULT_EAGLE3_HEAD
+    from specserve.speculative.drafters.eagle import DEFAULT_EAGLE3_HEAD
 
     args = ServerArgs(speculative_algorithm="EAGLE3").resolve()
     assert args.speculative_draft_model_path == str(DEFAULT_EAGLE3_HEAD)
@@ -92,7 +92,7 @@ def test_ngram_deep_drafts_default_to_twice_the_tree_size():
 
 def controller_of(args):
     """The scheduler's speculation controller for these resolved args (the stored curve)."""
-    from runtime.verify_cost import stored_verify_cost
+    from specserve.runtime.verify_cost import stored_verify_cost
 
     return speculation(args).create_controller(stored_verify_cost("cpu"))
 
@@ -138,7 +138,7 @@ def test_ngram_own_context_is_on_by_default_and_one_flag_turns_it_off():
 def test_draft_matmul_dtype_resolves_per_device_and_cpu(monkeypatch):
     import torch
 
-    import speculative.drafters.eagle as eagle
+    import specserve.speculative.drafters.eagle as eagle
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert eagle.draft_matmul_dtype("float32", cpu) == torch.float32
@@ -150,7 +150,7 @@ def test_draft_matmul_dtype_resolves_per_device_and_cpu(monkeypatch):
     assert eagle.draft_matmul_dtype("bfloat16", cuda) == torch.float32  # nothing is prepacked
     assert eagle.draft_matmul_dtype("q4_0", cpu) == "q4_0"
     assert eagle.draft_matmul_dtype("q8_0", cuda) == torch.float32
-    from kernels import cpu as cpu_ext
+    from specserve.kernels import cpu as cpu_ext
 
     if cpu_ext.available()[0]:  # auto: q8_0 blocks on the CPU engine's kernels
         assert eagle.draft_matmul_dtype("auto", cpu) == "q8_0"
@@ -170,7 +170,7 @@ def test_draft_matmul_dtype_resolves_per_device_and_cpu(monkeypatch):
 
 
 def test_an_option_on_by_default_has_a_no_flag_and_other_algorithms_start_untouched():
-    from launch.server_args import parse_args
+    from specserve.launch.server_args import parse_args
 
     # LOOKAHEAD's pool of context n-grams is on by default: --no-... turns it off
     on = parse_args(["--speculative-algorithm", "LOOKAHEAD"]).resolve()
@@ -218,19 +218,19 @@ def test_bad_data_parallel_flags_exit_2_with_one_clear_line(argv, needle, capsys
 
 def _never_serve(monkeypatch):
     """A flag the launcher wrongly accepts must fail the test, not start replicas."""
-    import launch.data_parallel
+    import specserve.launch.data_parallel
 
     def serve(*args):
         raise AssertionError("the launcher accepted the flags and started serving")
 
-    monkeypatch.setattr(launch.data_parallel, "serve_data_parallel", serve)
+    monkeypatch.setattr(specserve.launch.data_parallel, "serve_data_parallel", serve)
 
 
 def test_dp_size_without_sglang_router_tells_how_to_install_it(monkeypatch, capsys):
-    import launch.router
+    import specserve.launch.router
 
     _never_serve(monkeypatch)
-    monkeypatch.setattr(launch.router.importlib.util, "find_spec",
+    monkeypatch.setattr(specserve.launch.router.importlib.util, "find_spec",
                         lambda name: None if name == "sglang_router" else object())
     with pytest.raises(SystemExit) as exc:
         main(["--dp-size", "2"])
@@ -257,14 +257,14 @@ def test_replica_threads_default_to_the_cores_shared_out(monkeypatch):
      "--schedule-policy", "lpm", "--chat-template", "chatml"],
 ])
 def test_to_argv_is_what_parse_args_reads_back(argv):
-    from launch.server_args import to_argv
+    from specserve.launch.server_args import to_argv
 
     args = parse_args(argv)
     assert parse_args(to_argv(args)) == args
 
 
 def test_an_option_on_by_default_turned_off_comes_back_as_its_no_flag():
-    from launch.server_args import to_argv
+    from specserve.launch.server_args import to_argv
 
     on = [f.name for f in dataclasses.fields(server_args_class()) if f.default is True]
     assert on, "no option is on by default"
@@ -274,7 +274,7 @@ def test_an_option_on_by_default_turned_off_comes_back_as_its_no_flag():
 
 
 def test_a_replica_gets_the_users_flags_its_port_and_threads_not_the_launchers():
-    from launch.data_parallel import replica_argv
+    from specserve.launch.data_parallel import replica_argv
 
     given = parse_args(["--dp-size", "2", "--host", "0.0.0.0", "--port", "8000", "--api-key",
                         "k", "--enable-metrics"])
@@ -285,7 +285,7 @@ def test_a_replica_gets_the_users_flags_its_port_and_threads_not_the_launchers()
 
 
 def test_the_engine_refuses_dp_size():
-    from launch.engine import Engine
+    from specserve.launch.engine import Engine
 
     with pytest.raises(ValueError, match="--dp-size"):
         Engine(dp_size=2)

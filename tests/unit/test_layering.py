@@ -1,13 +1,13 @@
 """Imports run down the layers only, and no module imports itself back through others.
 
-Packages, top to bottom: `launch` (wires the system: server args with the speculative options,
-the engine, the launcher) and `benchmark` (tools on top); `speculative` (drafters, the worker,
-the controller, trainers), which may use the runtime's shared types; `runtime` (the serving
-machinery, which reaches speculation only through `runtime/speculation.py`'s interfaces, handed
-a `Speculation` by the launcher); `corpora` (data); `kernels` (ops and the CPU engine), which
-imports nothing of ours. Inside `runtime`, the model's layers and models sit below the runner,
-scheduler and front end. Every import counts, function-level (lazy) ones included; imports under
-`if TYPE_CHECKING:` are for type checkers only and do not.
+Packages (rooms of `specserve.`), top to bottom: `launch` (wires the system: server args with the
+speculative options, the engine, the launcher) and `benchmark` (tools on top); `speculative`
+(drafters, the worker, the controller, trainers), which may use the runtime's shared types;
+`runtime` (the serving machinery, which reaches speculation only through `runtime/speculation.py`'s
+interfaces, handed a `Speculation` by the launcher); `corpora` (data); `kernels` (ops and the CPU
+engine), which imports nothing of ours. Inside `runtime`, the model's layers and models sit below
+the runner, scheduler and front end. Every import counts, function-level (lazy) ones included;
+imports under `if TYPE_CHECKING:` are for type checkers only and do not.
 """
 
 from __future__ import annotations
@@ -18,21 +18,21 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-OURS = ("launch", "benchmark", "speculative", "runtime", "corpora", "kernels")
+NS = "specserve"
+OURS = ("benchmark", NS)
+_ROOMS = ("launch", "speculative", "runtime", "corpora", "kernels")
+_LAUNCH, _SPEC, _RT, _CORPORA, _KERNELS = (f"{NS}.{room}" for room in _ROOMS)
+_RT_FRONT = tuple(f"{_RT}.{m}" for m in ("model_runner", "scheduler", "tokenizer", "entrypoints"))
 # package -> the packages (or runtime sub-packages) it must not import
 FORBIDDEN = {
-    "kernels": ("launch", "benchmark", "speculative", "runtime", "corpora"),
-    "corpora": ("launch", "benchmark", "speculative"),
-    "runtime": ("launch", "benchmark", "speculative"),
-    "speculative": ("launch", "benchmark"),
-    "runtime.layers": ("runtime.model_runner", "runtime.scheduler", "runtime.tokenizer",
-                       "runtime.entrypoints", "runtime.engine", "runtime.processes"),
-    "runtime.models": ("runtime.model_runner", "runtime.scheduler", "runtime.tokenizer",
-                       "runtime.entrypoints", "runtime.engine", "runtime.processes"),
-    "runtime.mem_cache": ("runtime.model_runner", "runtime.scheduler", "runtime.tokenizer",
-                          "runtime.entrypoints", "runtime.layers", "runtime.models"),
-    "runtime.sampling": ("runtime.model_runner", "runtime.scheduler", "runtime.tokenizer",
-                         "runtime.entrypoints", "runtime.layers", "runtime.models"),
+    _KERNELS: (_LAUNCH, "benchmark", _SPEC, _RT, _CORPORA),
+    _CORPORA: (_LAUNCH, "benchmark", _SPEC),
+    _RT: (_LAUNCH, "benchmark", _SPEC),
+    _SPEC: (_LAUNCH, "benchmark"),
+    f"{_RT}.layers": (*_RT_FRONT, f"{_RT}.engine", f"{_RT}.processes"),
+    f"{_RT}.models": (*_RT_FRONT, f"{_RT}.engine", f"{_RT}.processes"),
+    f"{_RT}.mem_cache": (*_RT_FRONT, f"{_RT}.layers", f"{_RT}.models"),
+    f"{_RT}.sampling": (*_RT_FRONT, f"{_RT}.layers", f"{_RT}.models"),
 }
 
 
@@ -139,26 +139,27 @@ def test_no_import_cycles_lazy_ones_included():
 def test_the_checker_sees_a_back_import_added_on_purpose(tmp_path, monkeypatch):
     """The negative control: a runtime module that imports speculative lazily, inside a
     function, and a pair of modules importing each other, are both caught."""
-    bad = ROOT / "runtime" / "_layering_probe.py"
+    bad = ROOT / NS / "runtime" / "_layering_probe.py"
     monkeypatch.setattr(Path, "read_text", _reading({
-        bad: "def f():\n    from speculative.worker import SpeculativeWorker\n",
+        bad: "def f():\n    from specserve.speculative.worker import SpeculativeWorker\n",
     }))
-    mods = {**_our_modules(), "runtime._layering_probe": bad}
-    assert _violations("runtime", FORBIDDEN["runtime"], mods) == [
-        "runtime/_layering_probe.py imports speculative.worker"]
-    a, b = ROOT / "kernels" / "_probe_a.py", ROOT / "kernels" / "_probe_b.py"
+    mods = {**_our_modules(), f"{_RT}._layering_probe": bad}
+    assert _violations(_RT, FORBIDDEN[_RT], mods) == [
+        "specserve/runtime/_layering_probe.py imports specserve.speculative.worker"]
+    a, b = ROOT / NS / "kernels" / "_probe_a.py", ROOT / NS / "kernels" / "_probe_b.py"
     monkeypatch.setattr(Path, "read_text", _reading({
-        a: "import kernels._probe_b\n", b: "def g():\n    import kernels._probe_a\n"}))
-    cycles = import_cycles({"kernels._probe_a": a, "kernels._probe_b": b})
-    assert cycles and set(cycles[0]) == {"kernels._probe_a", "kernels._probe_b"}
+        a: "import specserve.kernels._probe_b\n",
+        b: "def g():\n    import specserve.kernels._probe_a\n"}))
+    cycles = import_cycles({f"{_KERNELS}._probe_a": a, f"{_KERNELS}._probe_b": b})
+    assert cycles and set(cycles[0]) == {f"{_KERNELS}._probe_a", f"{_KERNELS}._probe_b"}
 
 
 def test_type_checking_imports_do_not_count(tmp_path):
     f = tmp_path / "x.py"
     f.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                 "    from launch.server_args import ServerArgs\nimport os\n")
+                 "    from specserve.launch.server_args import ServerArgs\nimport os\n")
     assert imported_modules(f) == ["typing.TYPE_CHECKING", "os"] or \
-        "launch.server_args" not in " ".join(imported_modules(f))
+        "specserve.launch.server_args" not in " ".join(imported_modules(f))
 
 
 def _reading(fake: dict[Path, str]):

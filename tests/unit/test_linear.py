@@ -1,4 +1,4 @@
-"""runtime/layers/linear: the oneDNN prepacked paths against F.linear."""
+"""specserve/runtime/layers/linear: the oneDNN prepacked paths against F.linear."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime.layers import linear
-from runtime.layers.linear import (
+from specserve.runtime.layers import linear
+from specserve.runtime.layers.linear import (
     Linear,
     cpu_has_native_bf16,
     onednn_bf16_available,
@@ -47,10 +47,10 @@ def test_packed_fp32_equals_dense_and_bf16_is_close(bias, rows):
 def test_bf16_pack_without_a_onednn_bf16_path_keeps_the_dense_fp32_layer(monkeypatch):
     """An AVX2-only CPU: oneDNN refuses to reorder a bf16 weight, so pack() says no and the
     layer keeps computing in fp32 (and a draft asked for bfloat16 falls back to float32)."""
-    from speculative.drafters.eagle import draft_matmul_dtype
+    from specserve.speculative.drafters.eagle import draft_matmul_dtype
 
     monkeypatch.setattr(linear, "onednn_bf16_available", lambda: False)
-    monkeypatch.setattr("speculative.drafters.eagle.onednn_bf16_available", lambda: False)
+    monkeypatch.setattr("specserve.speculative.drafters.eagle.onednn_bf16_available", lambda: False)
     gen = torch.Generator().manual_seed(7)
     lin = Linear(64, 32, bias=True)
     lin.weight.data = torch.randn(32, 64, generator=gen)
@@ -87,7 +87,7 @@ def test_native_bf16_detection_reads_the_cpu_flags():
 @pytest.mark.parametrize("rows", [1, 5])
 def test_block_formats_on_the_cpu_kernels_are_close(fmt, tol, rows):
     """Draft heads' q8_0 / q4_0 path (the CPU extension's kernels, int8 activations)."""
-    from kernels import cpu
+    from specserve.kernels import cpu
 
     if not cpu.available()[0]:
         pytest.skip("CPU extension unavailable")

@@ -8,14 +8,14 @@ import math
 import pytest
 import torch
 
-from runtime.errors import InvalidRequestError
-from runtime.messages import GenerateReq, TokenOut
-from runtime.model_runner.runner_process import RunnerWorker
-from runtime.sampling import logprobs as lp
-from runtime.sampling.logprobs import LogprobOptions, logprob_rows
-from runtime.sampling.sampling_params import SamplingParams
-from speculative.base import SpecConfig, create_drafter
-from speculative.worker import SpeculativeWorker
+from specserve.runtime.errors import InvalidRequestError
+from specserve.runtime.messages import GenerateReq, TokenOut
+from specserve.runtime.model_runner.runner_process import RunnerWorker
+from specserve.runtime.sampling import logprobs as lp
+from specserve.runtime.sampling.logprobs import LogprobOptions, logprob_rows
+from specserve.runtime.sampling.sampling_params import SamplingParams
+from specserve.speculative.base import SpecConfig, create_drafter
+from specserve.speculative.worker import SpeculativeWorker
 from tests.unit.test_scheduler import Harness, prompts, tiny  # noqa: F401
 
 
@@ -48,7 +48,7 @@ def test_the_engines_stats_give_the_same_logprobs_as_log_softmax():
     """logprob_rows from the CPU engine's per-row log-sum-exp and top entries (LogitStats)
     agrees with log_softmax + topk to float rounding, with the same alternatives in the same
     order; rows are picked by index; a row whose lse is NaN takes the torch way."""
-    ext = pytest.importorskip("kernels.cpu").load()
+    ext = pytest.importorskip("specserve.kernels.cpu").load()
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(6, 3000, generator=g) * 3
     logits[4, 10] = logits[4, 2000] = 20.0  # a tie at the top

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.forward_batch import ForwardBatch, ForwardMode
-from runtime.model_runner.runner_process import RunnerWorker
-from speculative.base import SpecConfig, create_drafter
-from speculative.drafters.lookahead import _Request, lookahead_tree_size
-from speculative.tree import DraftTree
-from speculative.worker import SpeculativeWorker
+from specserve.runtime.forward_batch import ForwardBatch, ForwardMode
+from specserve.runtime.model_runner.runner_process import RunnerWorker
+from specserve.speculative.base import SpecConfig, create_drafter
+from specserve.speculative.drafters.lookahead import _Request, lookahead_tree_size
+from specserve.speculative.tree import DraftTree
+from specserve.speculative.worker import SpeculativeWorker
 from tests.integration.test_spec_lossless import copy_heavy_prompts
 from tests.unit.test_scheduler import Harness, reference, tiny  # noqa: F401
 
@@ -189,7 +189,7 @@ def test_tiny_model_lookahead_greedy_equals_plain(tiny, concurrency):  # noqa: F
 
 
 def test_lookahead_sizes_its_tree_from_w_n_g():
-    from launch.server_args import ServerArgs
+    from specserve.launch.server_args import ServerArgs
 
     args = ServerArgs(speculative_algorithm="LOOKAHEAD", speculative_lookahead_window=5,
                       speculative_lookahead_ngram=4, speculative_lookahead_guess_set=2).resolve()

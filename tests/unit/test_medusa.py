@@ -10,13 +10,13 @@ import json
 import pytest
 import torch
 
-from runtime.model_runner.local_generator import LocalGenerator
-from runtime.model_runner.runner_process import RunnerWorker
-from runtime.sampling.sampling_params import SamplingParams
-from speculative.base import RunnerReq, SpecConfig, create_drafter
-from speculative.drafters.medusa import MedusaDrafter, parse_choices
-from speculative.models.medusa import MedusaError, MedusaHeads, load_medusa, save_medusa
-from speculative.worker import SpeculativeWorker
+from specserve.runtime.model_runner.local_generator import LocalGenerator
+from specserve.runtime.model_runner.runner_process import RunnerWorker
+from specserve.runtime.sampling.sampling_params import SamplingParams
+from specserve.speculative.base import RunnerReq, SpecConfig, create_drafter
+from specserve.speculative.drafters.medusa import MedusaDrafter, parse_choices
+from specserve.speculative.models.medusa import MedusaError, MedusaHeads, load_medusa, save_medusa
+from specserve.speculative.worker import SpeculativeWorker
 from tests.integration.test_spec_lossless import copy_heavy_prompts
 from tests.unit.test_scheduler import Harness, reference, tiny  # noqa: F401
 
@@ -117,7 +117,7 @@ def test_the_tree_follows_the_choices(tiny, tmp_path):  # noqa: F811
         final_hidden = torch.randn(3, json.loads((tiny[0] / "config.json").read_text())[
             "hidden_size"])
 
-    from speculative.base import TargetRows
+    from specserve.speculative.base import TargetRows
 
     d.draft_extend([TargetRows("r", 0, torch.arange(3), torch.tensor([0, 1, 2]), [5, 6, 7],
                                [4, 5, 6])], Out)
@@ -177,8 +177,8 @@ def test_tiny_model_medusa_equals_plain_with_drafts_accepted(tiny, tmp_path, con
 
 
 def test_medusa_needs_heads_and_sizes_its_tree_from_the_choices(tmp_path):
-    from launch.server_args import ServerArgs
-    from speculative.drafters.medusa import DEFAULT_MEDUSA_HEADS
+    from specserve.launch.server_args import ServerArgs
+    from specserve.speculative.drafters.medusa import DEFAULT_MEDUSA_HEADS
 
     with pytest.raises(ValueError, match="MEDUSA needs --speculative-draft-model-path"):
         ServerArgs(model_path=str(tmp_path), speculative_algorithm="MEDUSA").resolve()

@@ -1,7 +1,7 @@
-"""The Medusa trainer (`python -m speculative.train --algorithm MEDUSA`) on a tiny target: the
-heads learn (soft cross-entropy falls), resume from their checkpoint, export in the tied public
-layout, and the exported heads compute what the trainable ones do and draft in the server's
-MEDUSA drafter."""
+"""The Medusa trainer (`python -m specserve.speculative.train --algorithm MEDUSA`) on a tiny target:
+the heads learn (soft cross-entropy falls), resume from their checkpoint, export in the tied public
+layout, and the exported heads compute what the trainable ones do and draft in the server's MEDUSA
+drafter."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import json
 import pytest
 import torch
 
-from speculative.base import RunnerReq, SpecConfig, TargetRows, create_drafter
-from speculative.models.medusa import load_medusa
-from speculative.train.capture import CaptureConfig, capture
-from speculative.train.distill import TRAINERS
+from specserve.speculative.base import RunnerReq, SpecConfig, TargetRows, create_drafter
+from specserve.speculative.models.medusa import load_medusa
+from specserve.speculative.train.capture import CaptureConfig, capture
+from specserve.speculative.train.distill import TRAINERS
 from tests.unit.test_distill import _cfg
 from tests.unit.test_train_eagle3 import _fake_regen, target  # noqa: F401 - fixture
 
@@ -69,8 +69,8 @@ def test_train_medusa_heads_resume_export_and_draft(target, captured_final, tmp_
 def test_medusa_tree_greedy_construction_and_cost_choice():
     import numpy as np
 
-    from runtime.verify_cost import VerifyCost
-    from speculative.train.medusa_tree import choose, grow_tree
+    from specserve.runtime.verify_cost import VerifyCost
+    from specserve.speculative.train.medusa_tree import choose, grow_tree
 
     acc = np.array([[0.6, 0.2, 0.1], [0.5, 0.1, 0.05]])
     order = grow_tree(acc, 5)
@@ -89,9 +89,9 @@ def test_medusa_tree_greedy_construction_and_cost_choice():
 
 
 def test_medusa_tree_rank_accuracy_on_captured_run(target, captured_final, tmp_path):  # noqa: F811
-    from speculative.models.medusa import MedusaHeads
-    from speculative.train.capture import FeatureStore
-    from speculative.train.medusa_tree import rank_accuracy
+    from specserve.speculative.models.medusa import MedusaHeads
+    from specserve.speculative.train.capture import FeatureStore
+    from specserve.speculative.train.medusa_tree import rank_accuracy
 
     _, runner = target
     mc = runner.model_config

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from runtime.mem_cache import KVPool, OutOfSlotsError, ReqToTokenTable, TokenSlotAllocator
+from specserve.runtime.mem_cache import KVPool, OutOfSlotsError, ReqToTokenTable, TokenSlotAllocator
 
 
 def test_allocator_free_count_returns_to_capacity_after_random_alloc_free():

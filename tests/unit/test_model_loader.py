@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from runtime.errors import ModelLoadError
-from runtime.model_loader import (
+from specserve.runtime.errors import ModelLoadError
+from specserve.runtime.model_loader import (
     ModelConfig,
     apply_chat_template,
     convert_gguf,
@@ -23,7 +23,7 @@ from runtime.model_loader import (
     resolve_model_path,
     unpermute_qk,
 )
-from runtime.model_loader.gguf_convert import COMPLETE_MARKER
+from specserve.runtime.model_loader.gguf_convert import COMPLETE_MARKER
 from tests.helpers.tiny_models import (
     CHATML_TEMPLATE,
     TINY_VOCAB_SIZE,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.forward_batch import ForwardBatch, ForwardMode
-from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
+from specserve.runtime.forward_batch import ForwardBatch, ForwardMode
+from specserve.runtime.model_runner.model_runner import ModelRunner, RunnerConfig
 from tests.helpers.tiny_models import write_tiny_model
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]

@@ -14,16 +14,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from runtime.errors import ModelLoadError
-from runtime.forward_batch import ForwardBatch, ForwardMode
-from runtime.model_runner.local_generator import LocalGenerator
-from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
-from runtime.model_runner.runner_process import RunnerWorker
-from runtime.sampling.sampling_params import SamplingParams
-from speculative.base import SpecConfig, create_drafter
-from speculative.drafters.eagle import MtpDrafter
-from speculative.models.mtp_head import load_mtp_head
-from speculative.worker import SpeculativeWorker
+from specserve.runtime.errors import ModelLoadError
+from specserve.runtime.forward_batch import ForwardBatch, ForwardMode
+from specserve.runtime.model_runner.local_generator import LocalGenerator
+from specserve.runtime.model_runner.model_runner import ModelRunner, RunnerConfig
+from specserve.runtime.model_runner.runner_process import RunnerWorker
+from specserve.runtime.sampling.sampling_params import SamplingParams
+from specserve.speculative.base import SpecConfig, create_drafter
+from specserve.speculative.drafters.eagle import MtpDrafter
+from specserve.speculative.models.mtp_head import load_mtp_head
+from specserve.speculative.worker import SpeculativeWorker
 from tests.helpers.tiny_models import write_tiny_model
 from tests.integration.test_spec_lossless import copy_heavy_prompts
 from tests.unit.test_eagle_worker import Steered, hints_of

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.model_runner.local_generator import LocalGenerator
-from runtime.sampling.sampling_params import SamplingParams
+from specserve.runtime.model_runner.local_generator import LocalGenerator
+from specserve.runtime.sampling.sampling_params import SamplingParams
 from tests.helpers import near_tie
 from tests.helpers.near_tie import NearTieJudge, decision_scores
 from tests.unit.test_scheduler import tiny  # noqa: F401

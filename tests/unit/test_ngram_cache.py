@@ -1,5 +1,5 @@
-"""The n-gram trie (`speculative.ngram_cache.NgramCache`, C++): counting, recency orders, BFS
-and PROB trees, tree sizing, LRU eviction within capacity, corpus loading. Its drafts against a
+"""The n-gram trie (`specserve.speculative.ngram_cache.NgramCache`, C++): counting, recency orders,
+BFS and PROB trees, tree sizing, LRU eviction within capacity, corpus loading. Its drafts against a
 Python reference on random operations: test_ngram_reference.py."""
 
 from __future__ import annotations
@@ -11,7 +11,12 @@ from collections import Counter
 
 import pytest
 
-from speculative.ngram_cache import NgramCache, NgramConfig, bfs_breadths, tree_size_for_match
+from specserve.speculative.ngram_cache import (
+    NgramCache,
+    NgramConfig,
+    bfs_breadths,
+    tree_size_for_match,
+)
 
 
 def _cache(**kw) -> NgramCache:

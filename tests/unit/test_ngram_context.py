@@ -1,13 +1,18 @@
-"""speculative/ngram_context: own-context drafts for short matches, and the drafter using them."""
+"""specserve/speculative/ngram_context: own-context drafts for short matches, and the drafter using
+them."""
 
 from __future__ import annotations
 
 import random
 
-from runtime.sampling.sampling_params import SamplingParams
-from speculative.base import RunnerReq, SpecConfig
-from speculative.drafters.ngram import NgramDrafter
-from speculative.ngram_context import OWN_CONTEXT_MAX_MATCH, ContextIndex, own_context_tree
+from specserve.runtime.sampling.sampling_params import SamplingParams
+from specserve.speculative.base import RunnerReq, SpecConfig
+from specserve.speculative.drafters.ngram import NgramDrafter
+from specserve.speculative.ngram_context import (
+    OWN_CONTEXT_MAX_MATCH,
+    ContextIndex,
+    own_context_tree,
+)
 
 
 def _index(tokens: list[int]) -> ContextIndex:
@@ -107,7 +112,7 @@ def test_the_trie_counts_a_request_before_it_drafts_and_all_of_it_when_it_ends()
     """Counting is lazy: nothing while a request only decodes; before a draft, its whole
     history so far (the same counts as one insert of it); at release, the rest. A request
     that never drafted leaves no n-grams."""
-    from speculative.ngram_cache import NgramCache
+    from specserve.speculative.ngram_cache import NgramCache
 
     rng = random.Random(5)
     history = [rng.randrange(50) for _ in range(40)]

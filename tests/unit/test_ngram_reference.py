@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from speculative.ngram_cache import NgramCache, NgramConfig
+from specserve.speculative.ngram_cache import NgramCache, NgramConfig
 from tests.helpers.ngram_reference import ReferenceTrie
 
 

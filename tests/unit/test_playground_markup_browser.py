@@ -24,7 +24,7 @@ REPLY = ('<script>window.pwned = 1</script><img src=x onerror="window.pwned = 2"
 
 @pytest.fixture(scope="module")
 def page_url(tmp_path_factory):
-    from runtime.entrypoints.http_server import create_app
+    from specserve.runtime.entrypoints.http_server import create_app
 
     tm, sched = make_fake_tm(tmp_path_factory.mktemp("tok"))
     sched.reply_ids = tm.tokenize(REPLY) + [EOS_ID]

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from benchmark.profile_cpu_engine import PHASES
-from kernels import cpu
+from specserve.kernels import cpu
 
 OK, WHY = cpu.available()
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from runtime.mem_cache.allocator import TokenSlotAllocator
-from runtime.mem_cache.radix_cache import RadixCache, TreeNode
+from specserve.runtime.mem_cache.allocator import TokenSlotAllocator
+from specserve.runtime.mem_cache.radix_cache import RadixCache, TreeNode
 
 
 def _insert_fresh(cache: RadixCache, alloc: TokenSlotAllocator, tokens: list[int]) -> torch.Tensor:

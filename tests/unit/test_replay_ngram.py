@@ -72,7 +72,7 @@ def test_by_match_statistics_cover_the_drafting_steps_and_follow_the_sizing_rule
 
 def test_copy_reach_finds_the_longest_run_in_the_context():
     from benchmark.replay_ngram import copy_reach
-    from speculative.ngram_context import ContextIndex
+    from specserve.speculative.ngram_context import ContextIndex
 
     history = [5, 1, 2, 3, 9, 1, 2, 3, 4, 7]
     positions = ContextIndex()

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.sampling import (
+from specserve.runtime.sampling import (
     SamplingBatchInfo,
     SamplingParams,
     apply_penalties,
@@ -182,7 +182,7 @@ def test_top_k_top_p_candidates_equal_the_full_sort_bit_for_bit(seed, monkeypatc
     """process_logits settles top-k / top-p on each row's most likely tokens when it can: its
     probabilities are the full-sort definition's, bits included, whatever the candidate sizes
     (tiny ones force the tie and escalation paths), alone or in any batch."""
-    import runtime.sampling.sampler as sampler
+    import specserve.runtime.sampling.sampler as sampler
 
     vocab = 3000
     logits, params = _filter_cases(seed, 48, vocab)
@@ -332,7 +332,7 @@ def test_sample_applies_penalties_before_greedy_argmax() -> None:
 
 
 def test_argmax_rows_is_torch_argmax_first_maximum_included() -> None:
-    from runtime.sampling import argmax_rows
+    from specserve.runtime.sampling import argmax_rows
 
     x = torch.randn(5, 3000, generator=torch.Generator().manual_seed(3))
     x[1, 7] = x[1, 2000] = 50.0  # tie: the first index wins

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from runtime.errors import InvalidRequestError
-from runtime.sampling import MAX_STOP_STRINGS, SamplingParams
+from specserve.runtime.errors import InvalidRequestError
+from specserve.runtime.sampling import MAX_STOP_STRINGS, SamplingParams
 
 VOCAB = 100
 

@@ -6,16 +6,16 @@ import random
 
 import pytest
 
-from runtime.messages import AbortReq, FlushCacheReq, GenerateReq, TokenOut
-from runtime.model_loader.tokenizer import load_tokenizer
-from runtime.model_runner.local_generator import LocalGenerator
-from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
-from runtime.model_runner.runner_process import RunnerWorker
-from runtime.sampling.sampling_params import SamplingParams
-from runtime.scheduler.scheduler import Scheduler, SchedulerConfig
-from runtime.scheduler.stop import StopChecker
-from runtime.verify_cost import stored_verify_cost
-from speculative.controller import SpecController, TreeSizes
+from specserve.runtime.messages import AbortReq, FlushCacheReq, GenerateReq, TokenOut
+from specserve.runtime.model_loader.tokenizer import load_tokenizer
+from specserve.runtime.model_runner.local_generator import LocalGenerator
+from specserve.runtime.model_runner.model_runner import ModelRunner, RunnerConfig
+from specserve.runtime.model_runner.runner_process import RunnerWorker
+from specserve.runtime.sampling.sampling_params import SamplingParams
+from specserve.runtime.scheduler.scheduler import Scheduler, SchedulerConfig
+from specserve.runtime.scheduler.stop import StopChecker
+from specserve.runtime.verify_cost import stored_verify_cost
+from specserve.speculative.controller import SpecController, TreeSizes
 from tests.helpers.tiny_models import write_tiny_model
 
 
@@ -30,10 +30,10 @@ class Harness:
     """A scheduler over a real runner, in process. `num_draft_tokens` > 1 gives it a
     speculation controller (tests then set `h.worker` to a speculative runner worker): fixed
     draft sizes, every request its cap every step, unless `load_aware=True` (the controller
-    plans: speculative/controller.py) — speculative tests check what a draft of a given size
-    does, the controller's own tests what size it picks. `max_draft_tokens` / `deep_for_all`
-    are the controller's `TreeSizes.alone` / `deep_for_all`; `tree_sizes` gives the controller
-    those sizes instead (a controller for JUMP_FORWARD: TreeSizes(1, 1))."""
+    plans: specserve/speculative/controller.py) — speculative tests check what a draft of a given
+    size does, the controller's own tests what size it picks. `max_draft_tokens` / `deep_for_all`
+    are the controller's `TreeSizes.alone` / `deep_for_all`; `tree_sizes` gives the controller those
+    sizes instead (a controller for JUMP_FORWARD: TreeSizes(1, 1))."""
 
     def __init__(self, tiny, capacity=4096, num_draft_tokens=1, load_aware=False,
                  max_draft_tokens=None, deep_for_all=False, tree_sizes=None, **cfg):
@@ -462,7 +462,7 @@ def test_prefill_never_pauses_decoding_and_mixed_batches_match_single_runs(tiny)
 
 
 def test_runner_keeps_the_slot_table_so_steps_ship_only_new_slots(tiny):
-    from runtime.messages import unpack_ints
+    from specserve.runtime.messages import unpack_ints
 
     ps = prompts(6, seed=1)
     ref = reference(tiny, ps, ignore_eos=True, max_new_tokens=40)

@@ -8,9 +8,14 @@ import random
 import pytest
 import torch
 
-from runtime.sampling import RowHistory, SamplingBatchInfo, SamplingParams, apply_penalties
-from runtime.sampling.sampler import process_logits
-from runtime.sampling.seeded import (
+from specserve.runtime.sampling import (
+    RowHistory,
+    SamplingBatchInfo,
+    SamplingParams,
+    apply_penalties,
+)
+from specserve.runtime.sampling.sampler import process_logits
+from specserve.runtime.sampling.seeded import (
     _mix,
     gumbel,
     gumbel_noise,
@@ -18,8 +23,8 @@ from runtime.sampling.seeded import (
     seed_to_int64,
     seeded_sample,
 )
-from speculative.tree import DraftTree
-from speculative.verify import verify_greedy, verify_seeded
+from specserve.speculative.tree import DraftTree
+from specserve.speculative.verify import verify_greedy, verify_seeded
 
 MASK = (1 << 64) - 1
 

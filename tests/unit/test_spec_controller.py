@@ -1,4 +1,4 @@
-"""The speculation controller (speculative/controller.py): the plan on cost models, one
+"""The speculation controller (specserve/speculative/controller.py): the plan on cost models, one
 acceptance estimate per request, probes, sure drafts, the server-wide regime, measured costs."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from runtime.verify_cost import VERIFY_COST, VerifyCost
-from speculative.controller import (
+from specserve.runtime.verify_cost import VERIFY_COST, VerifyCost
+from specserve.speculative.controller import (
     MAX_PROBE_INTERVAL,
     PROBE_EVERY,
     PROBE_SHARE,

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.messages import AbortReq, FlushCacheReq, TokenOut
-from runtime.model_loader.tokenizer import load_tokenizer
-from runtime.model_runner.runner_process import RunnerWorker
-from runtime.tokenizer.detokenizer import IncrementalText
-from speculative.base import SpecConfig, create_drafter
-from speculative.worker import SpeculativeWorker
+from specserve.runtime.messages import AbortReq, FlushCacheReq, TokenOut
+from specserve.runtime.model_loader.tokenizer import load_tokenizer
+from specserve.runtime.model_runner.runner_process import RunnerWorker
+from specserve.runtime.tokenizer.detokenizer import IncrementalText
+from specserve.speculative.base import SpecConfig, create_drafter
+from specserve.speculative.worker import SpeculativeWorker
 from tests.unit.test_scheduler import Harness, prompts, reference, tiny  # noqa: F401
 from tests.unit.test_spec_penalties_seeds import copy_heavy, heads  # noqa: F401
 from tests.unit.test_spec_sampling_distribution import tiny_vocab  # noqa: F401

@@ -10,12 +10,12 @@ import random
 import pytest
 import torch
 
-from runtime.model_runner.local_generator import LocalGenerator
-from runtime.model_runner.runner_process import RunnerWorker
-from runtime.sampling.sampling_params import SamplingParams
-from speculative.base import SpecConfig, create_drafter
-from speculative.tree import DraftTree
-from speculative.worker import SpeculativeWorker
+from specserve.runtime.model_runner.local_generator import LocalGenerator
+from specserve.runtime.model_runner.runner_process import RunnerWorker
+from specserve.runtime.sampling.sampling_params import SamplingParams
+from specserve.speculative.base import SpecConfig, create_drafter
+from specserve.speculative.tree import DraftTree
+from specserve.speculative.worker import SpeculativeWorker
 from tests.helpers.eagle_checkpoints import write_eagle1_checkpoint, write_eagle3_checkpoint
 from tests.unit.test_scheduler import Harness
 from tests.unit.test_spec_sampling_distribution import VOCAB, tiny_vocab  # noqa: F401
@@ -183,7 +183,7 @@ def test_priority_preemption_under_speculation_keeps_outputs(tiny_vocab, heads, 
 def test_negative_control_penalties_dropped_in_verification_are_caught(
         tiny_vocab, heads, monkeypatch):  # noqa: F811
     """Verification that drops the penalties fails the test above."""
-    monkeypatch.setattr("speculative.worker.SpeculativeWorker._penalise",
+    monkeypatch.setattr("specserve.speculative.worker.SpeculativeWorker._penalise",
                         staticmethod(lambda entries, trees, logits, starts: logits))
     params = PARAMS["greedy_repetition"]
     ps = copy_heavy(8, seed=len("greedy_repetition"))

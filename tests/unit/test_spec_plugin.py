@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from speculative.base import ALGORITHMS, Drafter, RunnerReq, register_algorithm
-from speculative.options import SpecOptions, option
-from speculative.tree import DraftTree
+from specserve.speculative.base import ALGORITHMS, Drafter, RunnerReq, register_algorithm
+from specserve.speculative.options import SpecOptions, option
+from specserve.speculative.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,8 @@ if "TOY" not in ALGORITHMS:  # imported once by pytest and once per spawned proc
 
 
 def test_a_toy_algorithm_is_served_through_its_own_generated_flag(tmp_path, monkeypatch):
-    from launch.engine import Engine
-    from launch.server_args import build_parser, parse_args
+    from specserve.launch.engine import Engine
+    from specserve.launch.server_args import build_parser, parse_args
     from tests.helpers.tiny_models import write_tiny_model
     from tests.unit.test_scheduler import prompts
 

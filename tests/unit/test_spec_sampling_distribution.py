@@ -13,20 +13,20 @@ import itertools
 import pytest
 import torch
 
-from runtime.forward_batch import ForwardBatch, ForwardMode
-from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
-from runtime.model_runner.runner_process import RunnerWorker
-from runtime.sampling import seeded as seeded_noise
-from runtime.sampling.penalties import RowHistory, apply_penalties
-from runtime.sampling.sampler import SamplingBatchInfo, process_logits
-from runtime.sampling.sampling_params import SamplingParams
-from runtime.verify_cost import VerifyCost
-from speculative.base import Drafter, RunnerReq, SpecConfig
-from speculative.drafters.lookahead import LookaheadDrafter
-from speculative.drafters.suffix import SuffixDrafter
-from speculative.tree import DraftTree
-from speculative.verify import QMode, VerifyResult, sample_from
-from speculative.worker import SpeculativeWorker
+from specserve.runtime.forward_batch import ForwardBatch, ForwardMode
+from specserve.runtime.model_runner.model_runner import ModelRunner, RunnerConfig
+from specserve.runtime.model_runner.runner_process import RunnerWorker
+from specserve.runtime.sampling import seeded as seeded_noise
+from specserve.runtime.sampling.penalties import RowHistory, apply_penalties
+from specserve.runtime.sampling.sampler import SamplingBatchInfo, process_logits
+from specserve.runtime.sampling.sampling_params import SamplingParams
+from specserve.runtime.verify_cost import VerifyCost
+from specserve.speculative.base import Drafter, RunnerReq, SpecConfig
+from specserve.speculative.drafters.lookahead import LookaheadDrafter
+from specserve.speculative.drafters.suffix import SuffixDrafter
+from specserve.speculative.tree import DraftTree
+from specserve.speculative.verify import QMode, VerifyResult, sample_from
+from specserve.speculative.worker import SpeculativeWorker
 from tests.helpers.stats import goodness_of_fit
 from tests.helpers.tiny_models import write_tiny_model
 from tests.unit.test_scheduler import Harness
@@ -225,8 +225,8 @@ def medusa_drafter(cfg, runner):
     import tempfile
     from pathlib import Path
 
-    from speculative.drafters.medusa import MedusaDrafter
-    from speculative.models.medusa import MedusaHeads, save_medusa
+    from specserve.speculative.drafters.medusa import MedusaDrafter
+    from specserve.speculative.models.medusa import MedusaHeads, save_medusa
 
     mc = runner.model_config
     torch.manual_seed(5)
@@ -249,11 +249,12 @@ def test_speculative_sampling_matches_target_at_every_position(tiny_vocab, joint
         assert fit.passed, f"tokens {k + 1},{k + 2}: {fit}"
 
 
+_WORKER, _SEEDED = "specserve.speculative.worker", "specserve.runtime.sampling.seeded"
 NEGATIVE_CONTROLS = {
-    "one_hot_forgets_residual": ("speculative.worker.verify_stochastic", forgetful_verify),
-    "iid_forgets_residual": ("speculative.worker.verify_stochastic", forgetful_verify),
-    "seeded_noise_ignores_position": ("runtime.sampling.seeded.row_keys", positionless_row_keys),
-    "one_hot_penalties_ignore_path": ("speculative.worker.RowHistory", pathless_history),
+    "one_hot_forgets_residual": (f"{_WORKER}.verify_stochastic", forgetful_verify),
+    "iid_forgets_residual": (f"{_WORKER}.verify_stochastic", forgetful_verify),
+    "seeded_noise_ignores_position": (f"{_SEEDED}.row_keys", positionless_row_keys),
+    "one_hot_penalties_ignore_path": (f"{_WORKER}.RowHistory", pathless_history),
 }
 
 

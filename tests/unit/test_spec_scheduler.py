@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-from runtime.model_runner.runner_process import RunnerWorker
-from speculative.base import Drafter, RunnerReq, SpecConfig
-from speculative.tree import DraftTree
-from speculative.worker import SpeculativeWorker
+from specserve.runtime.model_runner.runner_process import RunnerWorker
+from specserve.speculative.base import Drafter, RunnerReq, SpecConfig
+from specserve.speculative.tree import DraftTree
+from specserve.speculative.worker import SpeculativeWorker
 from tests.unit.test_scheduler import Harness, prompts, reference, tiny  # noqa: F401
 
 
@@ -267,7 +267,7 @@ def test_a_drafter_that_does_not_pay_is_skipped_between_server_wide_probes(tiny,
     the steps before each server-wide probe, and the probes, run the full path for a drafter
     that reads committed rows. A drafter that reads none skips every step without a draft.
     Greedy output is plain decoding's either way, and no KV leaks."""
-    from speculative import controller
+    from specserve.speculative import controller
 
     ps = prompts(6, seed=21)
     ref = reference(tiny, ps, ignore_eos=True, max_new_tokens=40)
@@ -301,8 +301,8 @@ def test_steps_without_draft_slots_are_plain_for_model_free_drafters(tiny, monke
     request draft slots is a plain decode step (no propose), whatever the traffic, and NGRAM's
     trie counts nothing for requests that never drafted; with slots they draft (and the trie
     counts). Greedy output is plain decoding's both ways, and no KV leaks."""
-    from speculative import controller
-    from speculative.registry import ALGORITHMS
+    from specserve.speculative import controller
+    from specserve.speculative.registry import ALGORITHMS
 
     class Counting(ALGORITHMS[algorithm]):
         proposed = 0
@@ -337,8 +337,8 @@ def test_the_equality_check_catches_a_verifier_that_accepts_a_wrong_draft(tiny, 
     """The greedy equality the lossless tests assert is not vacuous: a verifier that accepts a
     tree's first child whatever the target says produces other tokens, and the comparison
     with plain decoding sees it."""
-    import speculative.worker as worker_mod
-    from speculative.verify import VerifyResult, greedy_walk
+    import specserve.speculative.worker as worker_mod
+    from specserve.speculative.verify import VerifyResult, greedy_walk
 
     def accepts_the_first_child(tree, argmax):
         if tree.num_nodes == 1 or tree.token_list[1] == argmax[0]:
@@ -360,7 +360,7 @@ def test_the_equality_check_catches_a_verifier_that_accepts_a_wrong_draft(tiny, 
 def test_the_leak_check_catches_slots_a_step_forgot_to_free(tiny, monkeypatch):  # noqa: F811
     """`check_no_leak` (asserted after every speculative test) fails when the scheduler keeps
     a rejected draft's slot instead of freeing it."""
-    from runtime.mem_cache.allocator import TokenSlotAllocator
+    from specserve.runtime.mem_cache.allocator import TokenSlotAllocator
 
     real_free = TokenSlotAllocator.free
     lost = []

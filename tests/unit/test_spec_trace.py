@@ -9,12 +9,12 @@ import msgspec
 import pytest
 import torch
 
-from runtime.messages import TO_TOKENIZER, BatchResult, GenerateReq, TokenOut
-from runtime.model_loader.default_model import resolve_model_path
-from runtime.model_loader.tokenizer import load_tokenizer
-from runtime.sampling.sampling_params import SamplingParams
-from runtime.tokenizer.spec_trace import TokenPieces
-from speculative.tree import DraftTree
+from specserve.runtime.messages import TO_TOKENIZER, BatchResult, GenerateReq, TokenOut
+from specserve.runtime.model_loader.default_model import resolve_model_path
+from specserve.runtime.model_loader.tokenizer import load_tokenizer
+from specserve.runtime.sampling.sampling_params import SamplingParams
+from specserve.runtime.tokenizer.spec_trace import TokenPieces
+from specserve.speculative.tree import DraftTree
 from tests.unit.test_scheduler import prompts, reference, tiny  # noqa: F401
 from tests.unit.test_spec_scheduler import (
     ChainOracleDrafter,

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.forward_batch import ForwardBatch, ForwardMode
-from runtime.layers.attention.cpu import plan
-from runtime.messages import pack_ints, unpack_ints
-from runtime.sampling.sampling_params import SamplingParams
-from runtime.scheduler.req import Req
-from speculative.tree import DraftTree
+from specserve.runtime.forward_batch import ForwardBatch, ForwardMode
+from specserve.runtime.layers.attention.cpu import plan
+from specserve.runtime.messages import pack_ints, unpack_ints
+from specserve.runtime.sampling.sampling_params import SamplingParams
+from specserve.runtime.scheduler.req import Req
+from specserve.speculative.tree import DraftTree
 
 
 def reference_build(new_tokens, kv_slots, prefix_lens, logits):

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.model_loader.tokenizer import load_tokenizer
-from runtime.sampling.sampling_params import SamplingParams
-from runtime.scheduler.req import Req
-from runtime.scheduler.stop import StopChecker
-from runtime.tokenizer.detokenizer import IncrementalText
+from specserve.runtime.model_loader.tokenizer import load_tokenizer
+from specserve.runtime.sampling.sampling_params import SamplingParams
+from specserve.runtime.scheduler.req import Req
+from specserve.runtime.scheduler.stop import StopChecker
+from specserve.runtime.tokenizer.detokenizer import IncrementalText
 from tests.helpers.tiny_models import write_tiny_tokenizer_files
 
 

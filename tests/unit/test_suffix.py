@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from runtime.model_runner.runner_process import RunnerWorker
-from speculative.base import RunnerReq, SpecConfig, create_drafter
-from speculative.ngram_cache import NgramCache, NgramConfig
-from speculative.worker import SpeculativeWorker
+from specserve.runtime.model_runner.runner_process import RunnerWorker
+from specserve.speculative.base import RunnerReq, SpecConfig, create_drafter
+from specserve.speculative.ngram_cache import NgramCache, NgramConfig
+from specserve.speculative.worker import SpeculativeWorker
 from tests.integration.test_spec_lossless import copy_heavy_prompts
 from tests.unit.test_scheduler import Harness, reference, tiny  # noqa: F401
 
@@ -86,7 +86,7 @@ def test_the_positional_index_draws_the_tries_trees(seed):
     a trie; its scored trees must be the trie's over the same tokens, at every context."""
     import math
 
-    from speculative.ngram_context import ContextIndex
+    from specserve.speculative.ngram_context import ContextIndex
 
     rng = random.Random(seed)
     depth, p = rng.choice([(5, 0.1), (8, 0.05), (12, 0.2)])
@@ -188,7 +188,7 @@ def test_tiny_model_suffix_greedy_equals_plain(tiny, concurrency):  # noqa: F811
 
 
 def test_the_cpu_engine_cost_curve_cuts_the_unlikely_tail():
-    from runtime.verify_cost import VERIFY_COST
+    from specserve.runtime.verify_cost import VERIFY_COST
 
     d = create_drafter(SpecConfig("SUFFIX", 8), None)
     d.verify_cost = VERIFY_COST["cpu"]  # as the worker sets it (measured; here the table's)
@@ -207,7 +207,7 @@ def test_the_cpu_engine_cost_curve_cuts_the_unlikely_tail():
 def test_a_batch_where_no_draft_can_pay_skips_drafting_and_cuts_the_same_trees():
     """can_pay is exact: wherever it says no, worth_drafting cuts every tree of probabilities
     <= 1 to its root; and then nothing is drafted (neither tree is read)."""
-    from runtime.verify_cost import VERIFY_COST, VerifyCost
+    from specserve.runtime.verify_cost import VERIFY_COST, VerifyCost
 
     rng = random.Random(3)
     curves = [VERIFY_COST["cpu"], VerifyCost((1, 2, 8, 64), (1.0, 1.05, 1.5, 12.0)),
@@ -244,7 +244,7 @@ def test_a_batch_where_no_draft_can_pay_skips_drafting_and_cuts_the_same_trees()
 
 
 def test_the_request_and_global_trees_merge_best_first():
-    from speculative.drafters.suffix import merge_best_first
+    from specserve.speculative.drafters.suffix import merge_best_first
 
     own = ([5, 6, 7, 8], [-1, 0, 1, 0], [1.0, 0.9, 0.8, 0.1])  # 6 -> 7, and 8
     glob = ([5, 6, 9, 4], [-1, 0, 1, 0], [1.0, 0.5, 0.45, 0.4])  # 6 -> 9, and 4
@@ -257,7 +257,7 @@ def test_the_request_and_global_trees_merge_best_first():
 
 
 def test_source_calibration_trusts_the_global_tree_only_as_far_as_it_is_accepted():
-    from speculative.drafters.suffix import MIN_GLOBAL_TRUST, SourceCalibration
+    from specserve.speculative.drafters.suffix import MIN_GLOBAL_TRUST, SourceCalibration
 
     cal = SourceCalibration()
     assert cal.global_trust() == 1.0

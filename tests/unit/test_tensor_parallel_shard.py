@@ -1,7 +1,7 @@
 """Tensor parallelism's pieces below the engine: each rank's share of a model
-(runtime/model_loader/shard.py), the packed weights it loads (a shard's matrices are the whole
-model's rows and columns, bit for bit), and the collectives' fixed order
-(runtime/distributed.py: every rank gets the same sum, added in rank order)."""
+(specserve/runtime/model_loader/shard.py), the packed weights it loads (a shard's matrices are the
+whole model's rows and columns, bit for bit), and the collectives' fixed order
+(specserve/runtime/distributed.py: every rank gets the same sum, added in rank order)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from kernels import cpu
-from kernels.cpu.packing import Fmt, gguf_rows, quantize
-from runtime.model_loader.config import ModelConfig
-from runtime.model_loader.default_model import resolve_model_path
-from runtime.model_loader.shard import TpShard
+from specserve.kernels import cpu
+from specserve.kernels.cpu.packing import Fmt, gguf_rows, quantize
+from specserve.runtime.model_loader.config import ModelConfig
+from specserve.runtime.model_loader.default_model import resolve_model_path
+from specserve.runtime.model_loader.shard import TpShard
 from tests.helpers.tiny_models import gguf_blocks
 
 
@@ -69,7 +69,7 @@ def test_block_columns_are_the_matrix_columns(fmt):
 
 @pytest.mark.skipif(not cpu.available()[0], reason="CPU extension unavailable")
 def test_a_ranks_packed_weights_are_the_models_rows_and_columns(default_cfg):
-    from runtime.model_loader.cpu_weights import load_packed_model
+    from specserve.runtime.model_loader.cpu_weights import load_packed_model
 
     cfg = default_cfg
     whole = load_packed_model(cfg, progress=False)
@@ -98,7 +98,7 @@ def test_a_ranks_packed_weights_are_the_models_rows_and_columns(default_cfg):
 
 
 def _rank(rank: int, world: int, addr: str, comm: str, out) -> None:
-    from runtime.distributed import TpGroup
+    from specserve.runtime.distributed import TpGroup
 
     group = TpGroup(rank, world, addr, comm)
     g = torch.Generator().manual_seed(rank)

@@ -13,15 +13,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from launch.server_args import ServerArgs, parse_args
-from runtime.layers.linear import Linear
-from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
-from runtime.model_runner.runner_process import RunnerWorker
-from speculative.base import SpecConfig, create_drafter
-from speculative.drafters.eagle import EagleDrafter
-from speculative.models.eagle_head import lm_head_rows
-from speculative.token_map import load_token_map
-from speculative.worker import SpeculativeWorker
+from specserve.launch.server_args import ServerArgs, parse_args
+from specserve.runtime.layers.linear import Linear
+from specserve.runtime.model_runner.model_runner import ModelRunner, RunnerConfig
+from specserve.runtime.model_runner.runner_process import RunnerWorker
+from specserve.speculative.base import SpecConfig, create_drafter
+from specserve.speculative.drafters.eagle import EagleDrafter
+from specserve.speculative.models.eagle_head import lm_head_rows
+from specserve.speculative.token_map import load_token_map
+from specserve.speculative.worker import SpeculativeWorker
 from tests.helpers.eagle_checkpoints import write_eagle1_checkpoint, write_eagle3_checkpoint
 from tests.helpers.tiny_models import write_tiny_model
 from tests.unit.test_eagle_worker import SteeredEagle, hints_of

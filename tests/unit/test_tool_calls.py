@@ -9,12 +9,12 @@ import random
 
 import pytest
 
-from runtime.constrained import GrammarSpec, create_backend
-from runtime.errors import InvalidRequestError
-from runtime.model_loader.tokenizer import load_tokenizer
-from runtime.tool_calls.formats import HermesFormat, SmolLM2Format, ToolCall, tool_format
-from runtime.tool_calls.request import parse_tool_request, render_messages
-from runtime.tool_calls.stream import ToolCallReader, read_all
+from specserve.runtime.constrained import GrammarSpec, create_backend
+from specserve.runtime.errors import InvalidRequestError
+from specserve.runtime.model_loader.tokenizer import load_tokenizer
+from specserve.runtime.tool_calls.formats import HermesFormat, SmolLM2Format, ToolCall, tool_format
+from specserve.runtime.tool_calls.request import parse_tool_request, render_messages
+from specserve.runtime.tool_calls.stream import ToolCallReader, read_all
 from tests.helpers.tiny_models import EOS_ID, TINY_VOCAB_SIZE, write_tiny_tokenizer_files
 
 WEATHER = {"type": "function", "function": {

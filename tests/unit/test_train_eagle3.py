@@ -13,13 +13,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from runtime.forward_batch import ForwardBatch, ForwardMode
-from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
-from speculative.models import load_draft_head
-from speculative.train.capture import CaptureConfig, FeatureStore, capture
-from speculative.train.model import HeadShape, TrainableEagle3
-from speculative.train.regen import REGEN_FILE, read_regen
-from speculative.train.trainer import (
+from specserve.runtime.forward_batch import ForwardBatch, ForwardMode
+from specserve.runtime.model_runner.model_runner import ModelRunner, RunnerConfig
+from specserve.speculative.models import load_draft_head
+from specserve.speculative.train.capture import CaptureConfig, FeatureStore, capture
+from specserve.speculative.train.model import HeadShape, TrainableEagle3
+from specserve.speculative.train.regen import REGEN_FILE, read_regen
+from specserve.speculative.train.trainer import (
     TrainConfig,
     Trainer,
     chain_accept,
@@ -168,7 +168,7 @@ def test_chain_accept_counts_consecutive_hits():
 
 
 def test_soft_cross_entropy_value_and_gradient():
-    from speculative.train.trainer import SoftCrossEntropy
+    from specserve.speculative.train.trainer import SoftCrossEntropy
 
     gen = torch.Generator().manual_seed(0)
     z = torch.randn(6, 11, dtype=torch.double, generator=gen, requires_grad=True)
@@ -179,7 +179,7 @@ def test_soft_cross_entropy_value_and_gradient():
 
 
 def test_learning_rate_follows_steps_or_time_whichever_is_further():
-    from speculative.train.trainer import _lr
+    from specserve.speculative.train.trainer import _lr
 
     cfg = TrainConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
     assert _lr(cfg, 0, 100) == pytest.approx(0.1)

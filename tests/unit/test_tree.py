@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from speculative.tree import DraftTree, pack_trees
+from specserve.speculative.tree import DraftTree, pack_trees
 
 
 def _random_tree(rng: random.Random, n: int, vocab: int = 50, with_q: bool = False) -> DraftTree:

@@ -1,11 +1,11 @@
-"""Grammar masks over a draft tree (runtime/constrained/tree_masks.py) and the grammar-forced
-chain added to a drafter's tree (speculative/worker.py: `add_chain`), on the toy grammar of
-test_grammar_spec_distribution.py."""
+"""Grammar masks over a draft tree (specserve/runtime/constrained/tree_masks.py) and the
+grammar-forced chain added to a drafter's tree (specserve/speculative/worker.py: `add_chain`), on
+the toy grammar of test_grammar_spec_distribution.py."""
 
 from __future__ import annotations
 
-from runtime.constrained.tree_masks import constrain_tree
-from speculative.worker import add_chain
+from specserve.runtime.constrained.tree_masks import constrain_tree
+from specserve.speculative.worker import add_chain
 from tests.unit.test_grammar_spec_distribution import ToyBackend, ToyMatcher, allowed
 
 

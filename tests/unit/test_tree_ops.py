@@ -1,8 +1,8 @@
-"""The batched tree ops the worker verifies with on CUDA (speculative/tree_ops.py) give exactly
-the per-tree walk's results (speculative/verify.py): greedy / seeded walks and stochastic
-sampling in every q mode, on random batches of trees, with the torch reference ops and with the
-Triton ops under Triton's interpreter on the CPU; and a worker verifying through them serves
-the same tokens as one that walks."""
+"""The batched tree ops the worker verifies with on CUDA (specserve/speculative/tree_ops.py) give
+exactly the per-tree walk's results (specserve/speculative/verify.py): greedy / seeded walks and
+stochastic sampling in every q mode, on random batches of trees, with the torch reference ops and
+with the Triton ops under Triton's interpreter on the CPU; and a worker verifying through them
+serves the same tokens as one that walks."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import os
 import pytest
 import torch
 
-from speculative.tree import DraftTree
-from speculative.tree_ops import TreeOps, make_tree_ops
-from speculative.verify import QMode, verify_greedy, verify_stochastic
+from specserve.speculative.tree import DraftTree
+from specserve.speculative.tree_ops import TreeOps, make_tree_ops
+from specserve.speculative.verify import QMode, verify_greedy, verify_stochastic
 from tests.unit.test_spec_penalties_seeds import heads  # noqa: F401
 from tests.unit.test_spec_sampling_distribution import tiny_vocab  # noqa: F401
 
@@ -99,9 +99,9 @@ MIXED = [{"temperature": 0.0}, {"temperature": 0.0, "repetition_penalty": 1.3},
 
 def _serve(tiny_vocab, heads, algo: str, tree_ops: str) -> tuple[list, dict]:  # noqa: F811
     """Six requests of mixed kinds (greedy, penalised, seeded, unseeded sampled) in one batch."""
-    from runtime.model_runner.runner_process import RunnerWorker
-    from speculative.base import SpecConfig, create_drafter
-    from speculative.worker import SpeculativeWorker
+    from specserve.runtime.model_runner.runner_process import RunnerWorker
+    from specserve.speculative.base import SpecConfig, create_drafter
+    from specserve.speculative.worker import SpeculativeWorker
     from tests.unit.test_scheduler import Harness
     from tests.unit.test_spec_penalties_seeds import copy_heavy
 

@@ -15,9 +15,9 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from runtime.forward_batch import ForwardMode  # noqa: E402
-from runtime.layers.attention import TorchNativeBackend  # noqa: E402
-from runtime.layers.attention.triton_backend import (  # noqa: E402
+from specserve.runtime.forward_batch import ForwardMode  # noqa: E402
+from specserve.runtime.layers.attention import TorchNativeBackend  # noqa: E402
+from specserve.runtime.layers.attention.triton_backend import (  # noqa: E402
     BLOCK_M,
     TritonAttentionBackend,
     plan_query_blocks,
@@ -68,8 +68,8 @@ def test_triton_gqa_and_odd_head_dim(heads, kv_heads, head_dim):
 def test_prefix_zero_and_queries_over_several_blocks(mode):
     """Requests without a prefix next to one with a prefix, and more new tokens than BLOCK_M
     (several query blocks per request)."""
-    from runtime.forward_batch import ForwardBatch
-    from runtime.mem_cache import KVPool, TokenSlotAllocator
+    from specserve.runtime.forward_batch import ForwardBatch
+    from specserve.runtime.mem_cache import KVPool, TokenSlotAllocator
     from tests.unit.test_attention_torch_native import ancestor_mask, random_parents
 
     prefixes, extends = [0, 30, 0], [40, 3, 2 * BLOCK_M + 1]

@@ -1,5 +1,6 @@
-"""The Triton speculative ops (kernels/triton_ops.py) under Triton's interpreter on the CPU
-equal their torch references (kernels/reference.py) exactly, on random trees and batches."""
+"""The Triton speculative ops (specserve/kernels/triton_ops.py) under Triton's interpreter on the
+CPU equal their torch references (specserve/kernels/reference.py) exactly, on random trees and
+batches."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from kernels import reference as ref  # noqa: E402
-from kernels import triton_ops as tri  # noqa: E402
+from specserve.kernels import reference as ref  # noqa: E402
+from specserve.kernels import triton_ops as tri  # noqa: E402
 
 
 def random_batch(bsz: int, width: int, seed: int):
@@ -89,7 +90,7 @@ def test_triton_ops_are_picked_on_cuda_and_only_asked_for_on_the_cpu():
     """On CUDA the Triton ops are registered for "cuda" (picked first); under the interpreter
     they are device-agnostic, after the references: the CPU still gets the torch op unless a
     caller asks for backend "triton"."""
-    from kernels.registry import REGISTRY
+    from specserve.kernels.registry import REGISTRY
 
     impls = {i.backend: i for i in REGISTRY._ops["verify_tree_greedy"]}
     want = None if os.environ.get("TRITON_INTERPRET") == "1" else ("cuda",)

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from kernels.reference import build_tree_masks, tree_speculative_sampling
-from speculative.tree import DraftTree
-from speculative.verify import (
+from specserve.kernels.reference import build_tree_masks, tree_speculative_sampling
+from specserve.speculative.tree import DraftTree
+from specserve.speculative.verify import (
     QMode,
     verify_greedy,
     verify_greedy_batch,

@@ -1,5 +1,5 @@
-"""The verify-cost curve measured on this machine at start-up (runtime/verify_cost.py): what it
-measures, and that a server plans with it."""
+"""The verify-cost curve measured on this machine at start-up (specserve/runtime/verify_cost.py):
+what it measures, and that a server plans with it."""
 
 from __future__ import annotations
 
@@ -9,12 +9,17 @@ import time
 
 import torch
 
-from runtime.model_runner.model_runner import ModelRunner, RunnerConfig
-from runtime.model_runner.runner_process import StartupQuiet
-from runtime.verify_cost import VERIFY_COST, VerifyCost, measure_verify_cost, measure_verify_times
-from speculative import worker as worker_mod
-from speculative.base import SpecConfig
-from speculative.worker import SpeculativeWorker
+from specserve.runtime.model_runner.model_runner import ModelRunner, RunnerConfig
+from specserve.runtime.model_runner.runner_process import StartupQuiet
+from specserve.runtime.verify_cost import (
+    VERIFY_COST,
+    VerifyCost,
+    measure_verify_cost,
+    measure_verify_times,
+)
+from specserve.speculative import worker as worker_mod
+from specserve.speculative.base import SpecConfig
+from specserve.speculative.worker import SpeculativeWorker
 from tests.helpers.tiny_models import write_tiny_model
 
 

@@ -1,5 +1,0 @@
-from runtime.mem_cache.allocator import OutOfSlotsError, TokenSlotAllocator
-from runtime.mem_cache.kv_pool import KVPool
-from runtime.mem_cache.req_table import ReqToTokenTable
-
-__all__ = ["KVPool", "OutOfSlotsError", "ReqToTokenTable", "TokenSlotAllocator"]

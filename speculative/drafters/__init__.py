@@ -1,1 +1,0 @@
-"""One module per speculative algorithm (each registers itself with `register_algorithm`)."""

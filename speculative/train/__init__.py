@@ -1,1 +1,0 @@
-"""Draft-head training: `python -m speculative.train` (see `speculative/train/cli.py`)."""
