@@ -1,7 +1,7 @@
-"""How close each engine's logits and greedy text stay to the float32 torch reference engine.
+"""How close each engine's logits and greedy text stay to float32: the activation-precision study.
 
     python -m benchmark.bench_engine_quality --num-prompts 20 --max-new-tokens 128 \\
-        --engines auto:3,auto:2,auto:1
+        --engines auto:3,auto:2,auto:1 --hf
 
 On held-out ShareGPT chat prompts the reference engine (`--weight-format torch`: the same
 weights in float32) answers greedily; every other engine then
@@ -9,7 +9,12 @@ weights in float32) answers greedily; every other engine then
   over all answer positions, and how often its argmax differs from the reference's;
 - answers greedily itself: tokens until its answer first differs from the reference's, and
   whether that first difference is a near-tie of the reference's own logits (top-two gap
-  <= 1e-4), i.e. a token either engine could rightly pick.
+  <= 1e-4), i.e. a token either engine could rightly pick;
+- reads the recorded ShareGPT answers of the same held-out conversations (human-chosen text, at
+  most `--ppl-tokens` tokens each, the prompt as context): perplexity, every engine and the
+  reference alike;
+- with `--hf`: how its greedy answers agree with transformers' own float32 model of the same
+  weights (`generate`, greedy): answers identical, median tokens before the first difference.
 Prints a table last and writes JSON (`--output`).
 """
 
@@ -50,6 +55,40 @@ def answer_logits(runner: ModelRunner, prompt: list[int], answer: list[int]) -> 
     return out[len(prompt) - 1 : len(ids) - 1]
 
 
+def answer_nll(runner: ModelRunner, prompt: list[int], answer: list[int]) -> tuple[float, int]:
+    """Summed negative log-likelihood of `answer` after `prompt`, and its token count."""
+    logp = torch.log_softmax(answer_logits(runner, prompt, answer).double(), dim=-1)
+    return -float(logp.gather(1, torch.tensor(answer)[:, None]).sum()), len(answer)
+
+
+def perplexity(runner: ModelRunner, texts: list[tuple[list[int], list[int]]]) -> float:
+    nll = [answer_nll(runner, prompt, answer) for prompt, answer in texts]
+    return float(torch.tensor(sum(s for s, _ in nll) / sum(n for _, n in nll)).exp())
+
+
+def hf_answers(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' float32 model of the same (dequantized) weights, greedy."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    with torch.inference_mode():
+        for ids in tqdm(prompts, desc="transformers fp32"):
+            # a plain loop rather than generate(): EOS neither stops nor is masked (ignore_eos)
+            res = model(torch.tensor([ids]), use_cache=True)
+            answer = []
+            for _ in range(max_new_tokens):
+                answer.append(int(res.logits[0, -1].argmax()))
+                res = model(torch.tensor([answer[-1:]]), past_key_values=res.past_key_values,
+                            use_cache=True)
+            out.append(answer)
+    return out
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model-path", default=None)
@@ -57,6 +96,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--num-prompts", type=int, default=20)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ppl-tokens", type=int, default=256,
+                   help="recorded answer tokens per prompt read for the perplexity")
+    p.add_argument("--hf", action="store_true",
+                   help="also compare greedy answers with transformers' float32 model")
     p.add_argument("--output", default="results/bench_engine_quality.json")
     args = p.parse_args(argv)
     model_dir = str(resolve_model_path(args.model_path))
@@ -64,7 +107,9 @@ def main(argv: list[str] | None = None) -> dict:
     reqs = sample_requests("sharegpt", args.num_prompts, tok, args.seed, args.max_new_tokens,
                            split="heldout")
     prompts = [chat_prompt_ids(tok, r.messages) for r in reqs]
-    capacity = max(len(x) for x in prompts) + args.max_new_tokens + 16
+    texts = [(ids, tok.encode(r.extra["answer"], add_special_tokens=False)[: args.ppl_tokens])
+             for ids, r in zip(prompts, reqs)]
+    capacity = max(len(x) for x in prompts) + max(args.max_new_tokens, args.ppl_tokens) + 16
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0,
                             ignore_eos=True)
 
@@ -75,7 +120,9 @@ def main(argv: list[str] | None = None) -> dict:
         ans = gen.generate([ids], params)[0].output_ids
         ref_answers.append(ans)
         ref_logits.append(answer_logits(ref_runner, ids, ans))
+    ref_ppl = perplexity(ref_runner, texts)
     del gen, ref_runner
+    hf = hf_answers(model_dir, prompts, args.max_new_tokens) if args.hf else None
 
     rows = []
     for spec in args.engines.split(","):
@@ -101,18 +148,41 @@ def main(argv: list[str] | None = None) -> dict:
             "argmax_flip_rate": flips / total, "prompts": len(prompts),
             "greedy_identical": len(prompts) - diverged, "diverged_at_near_tie": ties,
             "median_tokens_before_divergence": statistics.median(agree),
+            "perplexity": perplexity(runner, texts), "reference_perplexity": ref_ppl,
         })
+        if hf is not None:
+            frees = [gen.generate([ids], params)[0].output_ids for ids in prompts]
+            to_hf = [first_difference(f, h) for f, h in zip(frees, hf)]
+            rows[-1].update(hf_identical=sum(d >= args.max_new_tokens for d in to_hf),
+                            hf_median_tokens_before_divergence=statistics.median(to_hf))
         del gen, runner
+    if hf is not None:
+        rows.append({"engine": "torch (reference)", "kind": "torch", "perplexity": ref_ppl,
+                     "prompts": len(prompts),
+                     "hf_identical": sum(first_difference(a, h) >= args.max_new_tokens
+                                         for a, h in zip(ref_answers, hf)),
+                     "hf_median_tokens_before_divergence": statistics.median(
+                         first_difference(a, h) for a, h in zip(ref_answers, hf))})
     path = write_json(args.output, {"machine": machine_info(), "args": vars(args),
                                     "rows": rows})
     print(f"\nJSON: {path}\n")
     print(format_table(
         ["engine", "max |dlogit|", "p99 |dlogit|", "argmax flips", "greedy = fp32",
-         "diverged at near-tie", "median tokens to divergence"],
-        [[r["engine"], f"{r['max_abs_logit_diff']:.2e}", f"{r['p99_abs_logit_diff']:.2e}",
-          f"{100 * r['argmax_flip_rate']:.2f}%", f"{r['greedy_identical']}/{r['prompts']}",
-          r["diverged_at_near_tie"], r["median_tokens_before_divergence"]] for r in rows]))
+         "diverged at near-tie", "median tokens to divergence", "perplexity",
+         "greedy = HF fp32", "median tokens to HF divergence"],
+        [[r["engine"], _fmt(r, "max_abs_logit_diff", "{:.2e}"),
+          _fmt(r, "p99_abs_logit_diff", "{:.2e}"),
+          _fmt(r, "argmax_flip_rate", "{:.2%}"),
+          f"{r['greedy_identical']}/{r['prompts']}" if "greedy_identical" in r else "-",
+          r.get("diverged_at_near_tie", "-"), r.get("median_tokens_before_divergence", "-"),
+          f"{r['perplexity']:.4f}",
+          f"{r['hf_identical']}/{r['prompts']}" if "hf_identical" in r else "-",
+          r.get("hf_median_tokens_before_divergence", "-")] for r in rows]))
     return {"rows": rows}
+
+
+def _fmt(row: dict, key: str, spec: str) -> str:
+    return spec.format(row[key]) if key in row else "-"
 
 
 if __name__ == "__main__":

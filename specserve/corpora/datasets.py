@@ -204,6 +204,7 @@ def sample_sharegpt(
         out.append(BenchRequest(
             id=f"sharegpt-{conv.id}", prompt_len=prompt_len, messages=messages, kind="sharegpt",
             max_new_tokens=_cap(output_len, max_new_tokens), reference_output_len=output_len,
+            extra={"answer": pair[1]},
         ))
     return out
 

@@ -321,3 +321,41 @@ def test_eagle3_save_then_load_round_trips_the_public_layout(tmp_path, target_di
             assert 0 < err < 0.05
             with pytest.raises(ValueError, match="prepacked"):
                 save_eagle3_head(q8, tmp_path / "q8")
+
+
+@pytest.mark.parametrize("fmt,tol", [("f32", 1e-4), ("q8_0", 0.15)])
+def test_eagle3_head_in_the_cpu_engine_matches_the_torch_head(tmp_path, target_dir, runner, fmt,
+                                                             tol):
+    """One engine call per forward (fc, the 2H-wide q/k/v input, the layer, norm, LM head and
+    top-k) gives the torch head's logits and hidden states over extend, chain and tree steps;
+    in float32 to float tolerance, in q8_0 within its rounding."""
+    ckpt = write_eagle3_checkpoint(tmp_path / "e3", target_dir, seed=6)
+    ref, ours = load(ckpt, runner), load(ckpt, runner)
+    assert ours.run_in_cpu_engine(fmt, 1)
+    tokens, fused = head_inputs(runner, ref, IDS)
+    n = len(tokens)
+    slots = torch.arange(1, n + 4)
+    steps = [  # (mode, tokens, slots, prefix_lens, hidden source, build kwargs)
+        (ForwardMode.DRAFT_EXTEND, [tokens], [slots[:n]], [0], "fused", {"logits": "all"}),
+        (ForwardMode.DECODE, [[17]], [slots[: n + 1]], [n], "last", {}),
+        (ForwardMode.DRAFT_DECODE, [[29, 31]], [slots[: n + 3]], [n + 1], "last2",
+         {"custom_masks": [torch.tensor([[True, False], [False, True]])], "logits": "all"}),
+    ]
+    outs = {}
+    for head, name in ((ref, "ref"), (ours, "ours")):
+        backend, prev = head.create_backend(), None
+        got = []
+        for mode, toks, sl, pre, src, kw in steps:
+            hidden = (fused if src == "fused" else prev.hidden[-1:] if src == "last"
+                      else prev.hidden[-1:].expand(2, -1))
+            prev = run(head, backend, mode, toks, sl, pre, hidden, fused=src == "fused", **kw)
+            got.append(prev)
+        outs[name] = got
+    for r, o in zip(outs["ref"], outs["ours"]):
+        torch.testing.assert_close(o.logits, r.logits, atol=tol, rtol=tol)
+        torch.testing.assert_close(o.hidden, r.hidden, atol=tol, rtol=tol)
+    top = ours(ForwardBatch.build(ForwardMode.DECODE, [[5]], [slots[: n + 1]], [n]),
+               ours.create_backend(), outs["ours"][0].hidden[-1:], hidden_is_fused=False, topk=3)
+    logq = torch.log_softmax(top.logits, dim=-1)
+    torch.testing.assert_close(top.top_logq, logq.topk(3).values, atol=1e-5, rtol=1e-5)
+    assert top.top_ids.tolist() == logq.topk(3).indices.tolist()

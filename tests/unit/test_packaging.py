@@ -44,7 +44,7 @@ def test_hugging_face_kernels_imports_as_itself():
     try:
         dist = md.distribution("kernels")
     except md.PackageNotFoundError:
-        pytest.skip("Hugging Face's kernels is not installed (transformers < 5.25 does not need it)")
+        pytest.skip("Hugging Face's kernels is not installed (transformers < 5.25 needs none)")
     spec = importlib.util.find_spec("kernels")
     assert spec is not None and spec.origin is not None
     origin = Path(spec.origin).resolve()

@@ -186,6 +186,12 @@ class CpuLlamaForCausalLM:
             return out.view(*input_ids.shape, -1)
         return self.core.embed(input_ids.reshape(-1)).view(*input_ids.shape, -1)
 
+    @property
+    def packed_embed(self):
+        """The whole packed embedding table, for a draft head run in the engine; None where
+        the model scales its embeddings (Gemma), which such a head would not."""
+        return self._embed if self.config.embed_scale == 1.0 else None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, H] (already normed) -> logits [n, vocab] float32."""
         if self.tp is not None:

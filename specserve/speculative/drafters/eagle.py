@@ -134,6 +134,7 @@ class HeadState:
 
     logits: Tensor  # [V_head]: scores the root's children
     hidden: Tensor  # [H]: the hidden input of the root's children
+    top: tuple[Tensor, Tensor] | None = None  # its top-k (log q [k], head ids [k]), if known
 
 
 @dataclass(slots=True)
@@ -242,8 +243,12 @@ class EagleDrafter(Drafter):
             logger.info("EAGLE drafts over %d of %d tokens (%s)", hot.numel(), self.vocab_size,
                         cfg.token_map)
         self.matmul_dtype = draft_matmul_dtype(cfg.draft_matmul_dtype, self.head.kv_pool.device)
-        if self.head.pack_weights(self.matmul_dtype,
-                                   getattr(runner, "kernel_threads", None)):
+        threads = getattr(runner, "kernel_threads", None)
+        if (isinstance(self.head, Eagle3Head) and self.matmul_dtype in BLOCK_FORMATS
+                and self.head.run_in_cpu_engine(self.matmul_dtype,
+                                                threads or torch.get_num_threads())):
+            logger.info("EAGLE-3 head runs in the CPU engine, weights in %s", self.matmul_dtype)
+        elif self.head.pack_weights(self.matmul_dtype, threads):
             logger.info("EAGLE head linears prepacked, multiplying in %s",
                         str(self.matmul_dtype).removeprefix("torch."))
         self.backend = self.head.create_backend()
@@ -269,7 +274,8 @@ class EagleDrafter(Drafter):
         own output (draft steps). Tests steer drafts by overriding this."""
         batch = batch.to(self.device)
         if isinstance(self.head, Eagle3Head):
-            return self.head(batch, self.backend, hidden, hidden_is_fused=fused)
+            return self.head(batch, self.backend, hidden, hidden_is_fused=fused,
+                             topk=self.cfg.eagle_topk)
         return self.head(batch, self.backend, hidden)
 
     # The head runs over committed rows lazily (see `draft_extend`): a request's rows wait until
@@ -399,7 +405,8 @@ class EagleDrafter(Drafter):
         res = self._run_head(batch, feats, fused=True)
         last = (torch.tensor([p.end - p.start for _, p in items]).cumsum(0) - 1).tolist()
         for b, (rid, _) in enumerate(items):
-            self.reqs[rid].state = HeadState(res.logits[b], res.hidden[last[b]])
+            top = None if res.top_ids is None else (res.top_logq[b], res.top_ids[b])
+            self.reqs[rid].state = HeadState(res.logits[b], res.hidden[last[b]], top)
 
     # ---- drafting --------------------------------------------------------------------------
     def _sampled(self, r: RunnerReq) -> bool:
@@ -437,8 +444,12 @@ class EagleDrafter(Drafter):
 
     def _grow(self, items: list[_Growing]) -> None:
         # level 1 comes from the kept output of the last committed row: no forward needed
-        logits = torch.stack([self.reqs[g.req.rid].state.logits for g in items])  # [B, V_head]
-        self._expand(items, [[0] for _ in items], logits)
+        states = [self.reqs[g.req.rid].state for g in items]
+        logits = torch.stack([s.logits for s in states])  # [B, V_head]
+        top = None
+        if all(s.top is not None for s in states):
+            top = (torch.stack([s.top[0] for s in states]), torch.stack([s.top[1] for s in states]))
+        self._expand(items, [[0] for _ in items], logits, top)
         need = sum(len(g.builder.widths) if isinstance(g.builder, SampledTree)
                    else g.builder.max_depth for g in items) * self.cfg.eagle_topk
         self._ensure_scratch(need)
@@ -461,7 +472,8 @@ class EagleDrafter(Drafter):
             res = self._run_head(batch, torch.stack(hidden), fused=False)
             for j, (g, u) in enumerate(rows):
                 g.hidden[u] = res.hidden[j]
-            self._expand(items, [g.frontier for g in items], res.logits)
+            top = None if res.top_ids is None else (res.top_logq, res.top_ids)
+            self._expand(items, [g.frontier for g in items], res.logits, top)
 
     @staticmethod
     def _ancestors(g: _Growing, u: int) -> list[int]:
@@ -471,16 +483,25 @@ class EagleDrafter(Drafter):
             u = g.builder.parents[u]
         return path[::-1]
 
-    def _expand(self, items: list[_Growing], nodes: list[list[int]], logits: Tensor) -> None:
-        """Feed head logits [sum len(nodes), V_head] (rows in item order) to the builders."""
+    def _expand(self, items: list[_Growing], nodes: list[list[int]], logits: Tensor,
+                top: tuple[Tensor, Tensor] | None = None) -> None:
+        """Feed head logits [sum len(nodes), V_head] (rows in item order) to the builders;
+        `top`: the rows' top-k (log q, head ids) [rows, k] where the head computed them."""
         offsets = torch.tensor([0] + [len(n) for n in nodes]).cumsum(0).tolist()
         greedy = [b for b, g in enumerate(items) if nodes[b] and isinstance(g.builder, TopKTree)]
         sampled = [b for b, g in enumerate(items)
                    if nodes[b] and isinstance(g.builder, SampledTree)]
         if greedy:
             sel = torch.cat([torch.arange(offsets[b], offsets[b + 1]) for b in greedy])
-            logq, toks = topk_children(logits[sel.to(logits.device)], self.cfg.eagle_topk,
-                                       self.to_target)  # [M, k] each
+            if top is not None and top[1].shape[-1] >= self.cfg.eagle_topk:
+                every = len(greedy) == len(items) and sel.numel() == top[1].shape[0]
+                logq, ids = (top if every else (top[0][sel], top[1][sel]))
+                k = self.cfg.eagle_topk
+                logq, ids = logq[:, :k], ids[:, :k]
+                toks = ids if self.to_target is None else self.to_target[ids]
+            else:
+                logq, toks = topk_children(logits[sel.to(logits.device)], self.cfg.eagle_topk,
+                                           self.to_target)  # [M, k] each
             logq, toks, off = logq.cpu(), toks.cpu(), 0
             for b in greedy:
                 n = len(nodes[b])
@@ -534,7 +555,7 @@ class EagleDrafter(Drafter):
         rows = old.capacity + 1
         pool.k[0][:rows] = old.k[0]
         pool.v[0][:rows] = old.v[0]
-        self.head.kv_pool = pool
+        self.head.set_kv_pool(pool)
         self.backend = self.head.create_backend()
         logger.info("EAGLE head scratch KV grown to %d slots", self.scratch)
 

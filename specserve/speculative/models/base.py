@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,10 @@ class HeadOutput(NamedTuple):
     logits: torch.Tensor
     # [T, H]: what the next draft step feeds back as its hidden input (EAGLE-3: before `norm`)
     hidden: torch.Tensor
+    # when the forward was asked for them: each logits row's k best head ids [num_logits, k]
+    # and their log q, best first
+    top_logq: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,8 @@ class TargetRefs:
     final_norm: Callable[[torch.Tensor], torch.Tensor]  # [n, H] → [n, H]
     device: torch.device
     dtype: torch.dtype
+    # the CPU engine's packed embedding (an extension `PackedLinear`), when the target runs there
+    packed_embed: Any = None
 
     @classmethod
     def from_model(cls, target) -> TargetRefs:
@@ -85,7 +91,7 @@ class TargetRefs:
         else:
             device, dtype = target.device, target.dtype
         return cls(target.embed, lambda: target.embed_tokens.detach(), target.compute_logits,
-                   target.norm, device, dtype)
+                   target.norm, device, dtype, getattr(target, "packed_embed", None))
 
 
 class DraftHead(nn.Module):
@@ -108,6 +114,10 @@ class DraftHead(nn.Module):
         self.kv_pool = KVPool(kv_capacity, 1, lc.num_key_value_heads, lc.head_dim, dtype, device)
         # [vocab, H] when the checkpoint carries its own (different) embedding, else None
         self.embed_weight: nn.Parameter | None = None
+
+    def set_kv_pool(self, pool: KVPool) -> None:
+        """A new KV pool (the drafter grows its scratch region)."""
+        self.kv_pool = pool
 
     def create_backend(self, name: str = "auto") -> AttentionBackend:
         """An attention backend over this head's own KV pool."""

@@ -74,6 +74,26 @@ class Eagle3Head(DraftHead):
         # identity maps until the loader fills them; buffers so they follow .to(device)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.ones(config.target_vocab_size, dtype=torch.bool))
+        self.cpu_core = None  # an Eagle3CpuCore once `run_in_cpu_engine` built one
+
+    def run_in_cpu_engine(self, fmt: str, threads: int) -> bool:
+        """Run every later forward as one call of the CPU engine, weights in `fmt` ("q8_0" /
+        "q4_0"): the head's whole forward without a torch op per layer step. Only for a
+        Llama-family target on the CPU engine, whose packed embedding the head reads."""
+        from specserve.kernels import cpu
+        from specserve.speculative.models.eagle3_cpu import Eagle3CpuCore
+
+        if self.target.packed_embed is None and self.embed_weight is None:
+            return False
+        if self.kv_pool.device.type != "cpu" or not cpu.available()[0]:
+            return False
+        self.cpu_core = Eagle3CpuCore(self, fmt, threads)
+        return True
+
+    def set_kv_pool(self, pool) -> None:
+        super().set_kv_pool(pool)
+        if self.cpu_core is not None:
+            self.cpu_core.set_kv(pool)
 
     def target_hidden(self, out: ModelOutput) -> torch.Tensor:
         """Fuse a target forward's captured states (run with `capture_layers=head.
@@ -88,15 +108,18 @@ class Eagle3Head(DraftHead):
 
     def forward(
         self, batch: ForwardBatch, backend: AttentionBackend, hidden: torch.Tensor,
-        hidden_is_fused: bool,
+        hidden_is_fused: bool, topk: int = 0,
     ) -> HeadOutput:
         """hidden: [T, 3H] fused target features (`hidden_is_fused=True`, first step / draft
-        extend over accepted tokens) or [T, H] the head's own previous `HeadOutput.hidden`."""
+        extend over accepted tokens) or [T, H] the head's own previous `HeadOutput.hidden`.
+        `topk` > 0: the CPU engine also returns each logits row's top-k (`HeadOutput.top_*`)."""
         width = self.fc.in_features if hidden_is_fused else self.config.hidden_size
         assert hidden.shape == (batch.num_tokens, width), (
             f"hidden {tuple(hidden.shape)} for {batch.num_tokens} tokens, "
             f"hidden_is_fused={hidden_is_fused} expects width {width}"
         )
+        if self.cpu_core is not None:
+            return HeadOutput(*self.cpu_core.forward(batch, hidden, topk))
         cos_sin = self._prepare(batch, backend)
         h = self.fc(hidden) if hidden_is_fused else hidden  # [T, H]
         h = self.midlayer(self.embed(batch.input_ids), h, cos_sin, backend, batch)

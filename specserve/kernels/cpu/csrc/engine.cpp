@@ -500,6 +500,7 @@ class CpuModel {
   }
 
   std::string isa_name() const { return isa_->name; }
+  int attn_in_width() const { return eagle3_ ? 2 * H_ : H_; }
 
   // Per-phase wall time of thread 0 (each phase ends at a barrier, so waits count where they
   // occur); off by default, for profiling (benchmark/profile_cpu_engine.py).
@@ -522,7 +523,7 @@ class CpuModel {
   void add_layer(PackedLinear qkv, PackedLinear o, PackedLinear gate_up, PackedLinear down,
                  torch::Tensor in_norm, torch::Tensor post_norm,
                  c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm) {
-    TORCH_CHECK(qkv.K == H_ && qkv.N == (Hq_ + 2 * KVH_) * D_, "qkv shape");
+    TORCH_CHECK(qkv.K == attn_in_width() && qkv.N == (Hq_ + 2 * KVH_) * D_, "qkv shape");
     TORCH_CHECK(o.K == Hq_ * D_ && o.N == H_, "o_proj shape");
     TORCH_CHECK(gate_up.K == H_ && gate_up.N == 2 * I_ && gate_up.tiles % 2 == 0 &&
                 I_ % NR == 0, "gate_up shape (interleaved gate/up tiles)");
@@ -556,10 +557,26 @@ class CpuModel {
     sin_local_ = f32(sin);
   }
   void set_head(PackedLinear embed, PackedLinear lm_head, torch::Tensor final_norm) {
-    TORCH_CHECK(embed.K == H_ && embed.N == V_ && lm_head.K == H_ && lm_head.N == V_, "vocab");
+    TORCH_CHECK(embed.K == H_ && (eagle3_ || embed.N == V_) && lm_head.K == H_ &&
+                lm_head.N == V_, "vocab");
     embed_ = std::move(embed);
     lm_head_ = std::move(lm_head);
     final_norm_ = f32(final_norm);
+  }
+  // An EAGLE-3 draft head (before add_layer): its one layer's q/k/v read
+  // [rmsnorm(embed(token), in_norm) | rmsnorm(h, hidden_norm)] (2H wide) while the residual
+  // stream is h; the embedding is the target's (set_head's, over the target's vocabulary),
+  // the LM head the draft vocabulary's (V). h is hidden_in itself, or fc(hidden_in) when
+  // hidden_in is the target's fused features (set_fc).
+  void set_eagle3(torch::Tensor hidden_norm) {
+    TORCH_CHECK(layers_.empty(), "set_eagle3 before add_layer");
+    TORCH_CHECK(hidden_norm.numel() == H_, "hidden_norm must have hidden_size weights");
+    eagle3_ = true;
+    hidden_norm_ = f32(hidden_norm);
+  }
+  void set_fc(PackedLinear fc) {
+    TORCH_CHECK(fc.N == H_ && fc.K > H_, "fc maps [T, K > hidden] to [T, hidden]");
+    fc_ = std::move(fc);
   }
   void set_rope(torch::Tensor cos, torch::Tensor sin) {
     TORCH_CHECK(cos.size(1) == D_ / 2 && sin.sizes() == cos.sizes(), "rope tables [pos, D/2]");
@@ -662,12 +679,15 @@ class CpuModel {
   torch::Tensor final_norm_, cos_, sin_, cos_local_, sin_local_;
   float embed_scale_ = 1.f, attn_scale_ = 0.f;  // attn_scale_ 0: 1 / sqrt(head_dim)
   bool gelu_ = false;
+  bool eagle3_ = false;  // set_eagle3
+  torch::Tensor hidden_norm_;
+  PackedLinear fc_;  // fc_.K == 0: none
   std::vector<torch::Tensor> k_, v_;
   bool kv_half_ = false;
   int64_t vocab_start_ = 0, vocab_full_ = 0;  // set_tensor_parallel
   std::function<void(float*, int64_t, int64_t)> reduce_;
   // scratch, grown on demand
-  std::vector<float> x_, xn_, qkv_, attn_, h_, fin_;
+  std::vector<float> x_, xn_, qkv_, attn_, h_, fin_, e_;
   ActBuffers act_;
   std::vector<AttnBuffers> attn_bufs_;
   static constexpr int kPhases = 11;
@@ -712,9 +732,11 @@ std::vector<torch::Tensor> CpuModel::forward(
   torch::Tensor hin;
   if (hidden_in.has_value()) {
     hin = hidden_in->contiguous().to(torch::kFloat32);
-    TORCH_CHECK(hin.dim() == 2 && hin.size(0) == input_ids.numel() && hin.size(1) == H_,
-                "forward: hidden_in must be [T, hidden]");
+    TORCH_CHECK(hin.dim() == 2 && hin.size(0) == input_ids.numel() &&
+                (hin.size(1) == H_ || (fc_.K > 0 && hin.size(1) == fc_.K)),
+                "forward: hidden_in must be [T, hidden] (or [T, fc in] with an fc)");
   }
+  const bool fused_in = hin.defined() && hin.size(1) != H_;  // h = fc(hidden_in)
   const int T = (int)input_ids.numel();
   const int R = (int)logits_rows.numel();
   const int B = (int)prefix_len.numel();
@@ -726,7 +748,7 @@ std::vector<torch::Tensor> CpuModel::forward(
   const int64_t* rows = ptr_of<int64_t>(logits_rows);
   const int64_t max_pos = cos_.size(0);
   const bool sharded = (bool)reduce_;
-  const int64_t vocab = sharded ? vocab_full_ : V_;
+  const int64_t vocab = sharded ? vocab_full_ : embed_.N;
   for (int t = 0; t < T; ++t) {
     TORCH_CHECK(ids[t] >= 0 && ids[t] < vocab, "token id out of range: ", ids[t]);
     TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position out of range: ", pos[t]);
@@ -772,14 +794,17 @@ std::vector<torch::Tensor> CpuModel::forward(
     }
   }
 
+  const int Win = attn_in_width();
   x_.resize((size_t)T * H_);
-  xn_.resize((size_t)T * std::max(H_, Nq));
+  xn_.resize((size_t)T * std::max(Win, Nq));
+  if (eagle3_) e_.resize((size_t)T * H_);
   qkv_.resize((size_t)T * Nqkv);
   attn_.resize((size_t)T * Nq);
   h_.resize((size_t)T * I_);
   const int F = final_hidden ? T : R;
   fin_.resize((size_t)std::max(F, 1) * H_);
-  act_.reserve(std::max(T, 1), std::max(std::max(H_, Nq), I_), levels_);
+  const int max_k = std::max({H_, Nq, I_, Win, fc_.K});
+  act_.reserve(std::max(T, 1), max_k, levels_);
   attn_bufs_.resize(nthreads_);
   std::vector<AttnScratch> scratch(nthreads_);
   for (int i = 0; i < nthreads_; ++i) scratch[i] = attn_bufs_[i].reserve(max_keys, D_);
@@ -874,10 +899,15 @@ std::vector<torch::Tensor> CpuModel::forward(
     };
     int r0, r1;
     split_range(T, tid, n, &r0, &r1);
-    if (hin.defined()) {
+    if (fused_in) {
+      mm(fc_, T, hin.data_ptr<float>(), fc_.K, x, H_, EPI_STORE, tid, n);
+    } else if (hin.defined()) {
       std::memcpy(x + (int64_t)r0 * H_, hin.data_ptr<float>() + (int64_t)r0 * H_,
                   sizeof(float) * (r1 - r0) * H_);
-    } else {
+    }
+    if (eagle3_) {  // the target's embedding of each token, for the layer's q/k/v input
+      for (int t = r0; t < r1; ++t) embed_.row(ids[t], e_.data() + (int64_t)t * H_);
+    } else if (!hin.defined()) {
       for (int t = r0; t < r1; ++t) {
         float* xt = x + (int64_t)t * H_;
         const int64_t row = ids[t] - vocab_start_;
@@ -896,10 +926,15 @@ std::vector<torch::Tensor> CpuModel::forward(
       const Layer& L = layers_[li];
       if (cap_at[li]) std::memcpy(cap_at[li] + (int64_t)r0 * H_, x + (int64_t)r0 * H_,
                                   sizeof(float) * (r1 - r0) * H_);
-      isa_->rmsnorm(x, H_, L.in_norm.data_ptr<float>(), eps_, H_, xn, H_, r0, r1);
+      if (eagle3_) {
+        isa_->rmsnorm(e_.data(), H_, L.in_norm.data_ptr<float>(), eps_, H_, xn, Win, r0, r1);
+        isa_->rmsnorm(x, H_, hidden_norm_.data_ptr<float>(), eps_, H_, xn + H_, Win, r0, r1);
+      } else {
+        isa_->rmsnorm(x, H_, L.in_norm.data_ptr<float>(), eps_, H_, xn, H_, r0, r1);
+      }
       tp.barrier(tid);
       mark(1);
-      mm(L.qkv, T, xn, H_, qkv, Nqkv, EPI_STORE, tid, n);
+      mm(L.qkv, T, xn, Win, qkv, Nqkv, EPI_STORE, tid, n);
       tp.barrier(tid);
       mark(2);
       // q/k norm (Qwen3), rotary, and this layer's K/V into the cache: items (token, head)
@@ -1002,7 +1037,7 @@ std::vector<torch::Tensor> CpuModel::forward(
   };
   for (int r = 0; r < R; ++r) TORCH_CHECK(rows[r] >= 0 && rows[r] < T, "logits row out of range");
   if (R > T) xn_.resize((size_t)R * H_), xn = xn_.data();
-  act_.reserve(std::max(T, R), std::max(std::max(H_, Nq), I_), levels_);
+  act_.reserve(std::max(T, R), max_k, levels_);
   if (T > 0) parallel(nthreads_, body);
   if (prof) ++prof_calls_;
   if (final_hidden) std::memcpy(fh.data_ptr<float>(), fin, sizeof(float) * T * H_);
@@ -1264,6 +1299,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &CpuModel::add_layer)
       .def("set_head", &CpuModel::set_head)
       .def("set_layer_gemma", &CpuModel::set_layer_gemma)
+      .def("set_eagle3", &CpuModel::set_eagle3)
+      .def("set_fc", &CpuModel::set_fc)
       .def("configure", &CpuModel::configure)
       .def("set_rope_local", &CpuModel::set_rope_local)
       .def("set_rope", &CpuModel::set_rope)
