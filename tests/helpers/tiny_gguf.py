@@ -58,7 +58,7 @@ QWEN3_HEAD_DIM = 128
 def write_family_gguf(path: str | Path, arch: str, seed: int = 0, tied: bool = False,
                       linear_type: str | dict[str, str] = "F32", embed_type: str = "F32",
                       chat_template: bool = True, rope_scaling: dict | None = None,
-                      **config_overrides: object) -> Path:
+                      shuffle_vocab: int | None = None, **config_overrides: object) -> Path:
     """Write a random tiny model of family `arch` as the GGUF `path`; return the float HF
     directory it came from (beside `path`).
 
@@ -66,6 +66,7 @@ def write_family_gguf(path: str | Path, arch: str, seed: int = 0, tied: bool = F
     ({"q_proj": "Q5_0", ...}, others F32); `embed_type` is the embedding's and an untied
     output's. Block formats are gguf's own quantizer's (K-quants: random blocks, K % 256 == 0).
     `rope_scaling` (llama only) is a transformers `llama3` rope dict, written as `rope_freqs`.
+    `shuffle_vocab` (a seed) gives the file another vocabulary (tiny_models.add_gguf_tokenizer).
     """
     if arch not in FAMILIES:
         raise ValueError(f"arch must be one of {FAMILIES}, got {arch!r}")
@@ -80,7 +81,8 @@ def write_family_gguf(path: str | Path, arch: str, seed: int = 0, tied: bool = F
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"tiny-{arch}")
     _add_hparams(writer, arch, config)
-    add_gguf_tokenizer(writer, pre=_PRE[arch], chat_template=chat_template)
+    add_gguf_tokenizer(writer, pre=_PRE[arch], chat_template=chat_template,
+                       shuffle_seed=shuffle_vocab)
     if rope_scaling:
         writer.add_tensor("rope_freqs.weight", llama3_rope_divisors(config))
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]

@@ -237,13 +237,18 @@ def write_tiny_gguf(path: str | Path, seed: int = 0, tie_word_embeddings: bool =
     return hf
 
 
-def add_gguf_tokenizer(writer: gguf.GGUFWriter, pre: str = "gpt2",
-                       chat_template: bool = True) -> None:
+def add_gguf_tokenizer(writer: gguf.GGUFWriter, pre: str = "gpt2", chat_template: bool = True,
+                       shuffle_seed: int | None = None) -> None:
     """The tiny tokenizer as GGUF metadata (llama.cpp's byte-level BPE keys), with the ChatML
-    template unless `chat_template` is False."""
+    template unless `chat_template` is False. `shuffle_seed`: its ordinary tokens trade ids
+    (the special ones keep theirs), another vocabulary of the same size and specials."""
     tokenizer = make_tiny_tokenizer()
     spec = json.loads(tokenizer.to_str())
     by_id = {index: token for token, index in tokenizer.get_vocab().items()}
+    if shuffle_seed is not None:
+        ids = sorted(i for i, t in by_id.items() if t not in SPECIAL_TOKENS)
+        moved = np.random.default_rng(shuffle_seed).permutation(ids).tolist()
+        by_id = {**by_id, **{new: by_id[old] for old, new in zip(ids, moved)}}
     # Pad the vocabulary to the model's size with unused placeholder tokens, as real files do.
     tokens = [by_id.get(i, f"<unused{i}>") for i in range(TINY_VOCAB_SIZE)]
     types = [3 if t in SPECIAL_TOKENS else 5 if i not in by_id else 1
