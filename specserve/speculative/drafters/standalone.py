@@ -51,8 +51,10 @@ class DraftModelError(ValueError):
     """A draft model that cannot serve this target."""
 
 
-def check_draft_compatible(draft_dir: str, target_dir: str, target_context: int) -> None:
-    """Raise DraftModelError (one line) if the draft cannot draft for the target.
+def check_draft_compatible(draft_dir: str, target_dir: str, target_context: int,
+                           name: str | None = None) -> None:
+    """Raise DraftModelError (one line, naming the draft `name`: what the user gave, e.g. a
+    .gguf whose conversion is `draft_dir`) if the draft cannot draft for the target.
 
     The two tokenizers must name the same token at every id both models' embeddings hold;
     the embeddings may differ in size (a family pads its small and large models differently:
@@ -61,6 +63,7 @@ def check_draft_compatible(draft_dir: str, target_dir: str, target_context: int)
     """
     from specserve.runtime.model_loader.tokenizer import load_tokenizer
 
+    name = name or draft_dir
     dcfg, tcfg = ModelConfig.from_dir(draft_dir), ModelConfig.from_dir(target_dir)
     limit = min(dcfg.vocab_size, tcfg.vocab_size)
     draft = _tokens_by_id(load_tokenizer(draft_dir).get_vocab(), limit)
@@ -68,13 +71,13 @@ def check_draft_compatible(draft_dir: str, target_dir: str, target_context: int)
     differ = sorted(i for i in draft.keys() & target.keys() if draft[i] != target[i])
     if differ:
         i = differ[0]
-        raise DraftModelError(f"draft model {draft_dir} is not vocabulary-compatible with the "
+        raise DraftModelError(f"draft model {name} is not vocabulary-compatible with the "
                               f"target: its tokenizer names {len(differ)} of the ids below "
                               f"{limit} differently (id {i} is {draft[i]!r} in the draft, "
                               f"{target[i]!r} in the target); a draft needs the target's "
                               f"tokenizer")
     if dcfg.max_position_embeddings < target_context:
-        raise DraftModelError(f"draft model {draft_dir} handles {dcfg.max_position_embeddings} "
+        raise DraftModelError(f"draft model {name} handles {dcfg.max_position_embeddings} "
                               f"positions, fewer than the target's context of {target_context}; "
                               "pass --context-length <= that")
 
@@ -142,7 +145,8 @@ class StandaloneDrafter(ChainDrafter):
 
         draft_dir = str(materialize(cfg.draft_model_path) if is_draft_asset(cfg.draft_model_path)
                         else resolve_model_path(cfg.draft_model_path))
-        check_draft_compatible(draft_dir, runner.model_config.model_dir, runner.context_length)
+        check_draft_compatible(draft_dir, runner.model_config.model_dir, runner.context_length,
+                               cfg.draft_model_path)
         fmt = "torch"
         if runner.engine == "cpu":
             fmt = cfg.draft_weight_format
