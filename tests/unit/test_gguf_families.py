@@ -1,10 +1,12 @@
 """GGUF files of the Llama family (llama.cpp's `llama`, `qwen2`, `qwen3`), tiny and random,
 written in the test as llama.cpp's converter lays them out (tests/helpers/tiny_gguf.py): on both
 engines the logits of transformers' own reading of the same file (its config, dequantization and
-tensor mapping), in F32, 4/5/8-bit blocks with a tied head, and K-quants; the CPU engine runs
-the file's own blocks; greedy output is transformers' token for token and NGRAM's equals plain
-decoding's with drafts accepted. Llama 3.1's `rope_freqs` become transformers' `llama3` rope.
-Misreading a family's q / k row order is caught (negative controls)."""
+tensor mapping), in F32, 4/5/8-bit blocks (untied and tied head) and K-quants; the CPU engine
+runs the file's own blocks; greedy output is transformers' token for token; NGRAM's, SUFFIX's,
+LOOKAHEAD's and EARLY_EXIT's output equals plain decoding's with drafts accepted. Llama 3.1's
+`rope_freqs` become transformers' `llama3` rope. Misreading a family's q / k row order is caught
+(negative controls). The tokenizer is transformers' reading of the file; the chat template the
+file's, else the one passed."""
 
 from __future__ import annotations
 
@@ -118,15 +120,20 @@ def test_greedy_output_is_transformers_token_for_token(files, arch):
         assert out == theirs
 
 
+# the draftless methods, and the target's own first layer as the draft
+SPEC = {"NGRAM": {}, "SUFFIX": {}, "LOOKAHEAD": {}, "EARLY_EXIT": {"early_exit_layer": 1}}
+
+
 @pytest.mark.skipif(not OK, reason=f"CPU extension unavailable: {WHY}")
+@pytest.mark.parametrize("algo", list(SPEC))
 @pytest.mark.parametrize("arch", FAMILIES)
-def test_ngram_equals_plain_decoding_with_drafts_accepted(files, arch):
+def test_speculation_equals_plain_decoding_with_drafts_accepted(files, arch, algo):
     _, model_dir = files[arch, "kquants"]
     tiny = (model_dir, runner(model_dir))
-    ps = [p * 3 for p in prompts(6, seed=2)]  # repeats: the n-gram drafter gets accepted
+    ps = [p * 3 for p in prompts(6, seed=2)]  # repeats: the n-gram drafters get accepted
     plain = reference(tiny, ps, ignore_eos=True, max_new_tokens=24)
     h = Harness(tiny, num_draft_tokens=6, max_running_requests=4)
-    cfg = SpecConfig("NGRAM", 6)
+    cfg = SpecConfig(algo, 6, num_steps=3 if algo == "EARLY_EXIT" else None, **SPEC[algo])
     h.worker = RunnerWorker(tiny[1], SpeculativeWorker(cfg, create_drafter(cfg, tiny[1]),
                                                        tiny[1]))
     h.sched.run_batch = h.worker.run
@@ -134,7 +141,7 @@ def test_ngram_equals_plain_decoding_with_drafts_accepted(files, arch):
         h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=24)
     h.run()
     assert [h.outputs[f"r{i}"] for i in range(len(ps))] == plain
-    assert h.sched.info()["spec_decode_num_accepted_tokens"] > len(ps)
+    assert h.sched.info()["spec_decode_num_accepted_tokens"] > 0
     h.sched.check_no_leak()
 
 
