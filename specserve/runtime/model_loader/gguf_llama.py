@@ -133,16 +133,17 @@ def llama3_rope_scaling(divisors: np.ndarray, head_dim: int, theta: float) -> di
     llama3 divides frequency i by 1 (wavelength below old_len / high), by `factor` (above
     old_len / low), or between them by 1 / ((1 - s) / factor + s) with s linear in
     1 / wavelength. Only old_len / low and old_len / high are fixed by the divisors, so
-    low_freq_factor is taken as 1 (Llama 3's) unless the blend is unseen, then (1, 4).
+    low_freq_factor is taken as 1 (Llama 3's), and high_freq_factor as 4 (Llama 3's) too when
+    fewer than two frequencies are blended. None when every divisor is 1.
     """
     div = np.asarray(divisors, dtype=np.float64)
     base = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     if div.shape != base.shape:
         raise ModelLoadError(f"GGUF rope_freqs has {div.size} entries; the head size "
                              f"{head_dim} needs {base.size}")
-    factor = float(div.max())
     if np.allclose(div, 1.0, rtol=0, atol=1e-6):
         return None
+    factor = float(div.max())
     wavelen = 2 * math.pi / base
     kept, slowed = div <= 1 + 1e-6, div >= factor * (1 - 1e-6)
     blended = ~(kept | slowed)
