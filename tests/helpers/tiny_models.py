@@ -212,7 +212,7 @@ def write_tiny_gguf(path: str | Path, seed: int = 0, tie_word_embeddings: bool =
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(TINY_VOCAB_SIZE)
-    _add_gguf_tokenizer(writer)
+    add_gguf_tokenizer(writer)
     for name, tensor in hf.items():
         array = _llama_cpp_layout(name, tensor, heads, kv_heads)
         kind = embed_type if "embed" in name or name == "lm_head.weight" else linear_type
@@ -237,24 +237,33 @@ def write_tiny_gguf(path: str | Path, seed: int = 0, tie_word_embeddings: bool =
     return hf
 
 
-def _add_gguf_tokenizer(writer: gguf.GGUFWriter) -> None:
+def add_gguf_tokenizer(writer: gguf.GGUFWriter, pre: str = "gpt2", chat_template: bool = True,
+                       shuffle_seed: int | None = None) -> None:
+    """The tiny tokenizer as GGUF metadata (llama.cpp's byte-level BPE keys), with the ChatML
+    template unless `chat_template` is False. `shuffle_seed`: its ordinary tokens trade ids
+    (the special ones keep theirs), another vocabulary of the same size and specials."""
     tokenizer = make_tiny_tokenizer()
     spec = json.loads(tokenizer.to_str())
     by_id = {index: token for token, index in tokenizer.get_vocab().items()}
+    if shuffle_seed is not None:
+        ids = sorted(i for i, t in by_id.items() if t not in SPECIAL_TOKENS)
+        moved = np.random.default_rng(shuffle_seed).permutation(ids).tolist()
+        by_id = {**by_id, **{new: by_id[old] for old, new in zip(ids, moved)}}
     # Pad the vocabulary to the model's size with unused placeholder tokens, as real files do.
     tokens = [by_id.get(i, f"<unused{i}>") for i in range(TINY_VOCAB_SIZE)]
     types = [3 if t in SPECIAL_TOKENS else 5 if i not in by_id else 1
              for i, t in enumerate(tokens)]
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt2")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
     writer.add_bos_token_id(BOS_ID)
     writer.add_eos_token_id(EOS_ID)
     writer.add_add_bos_token(False)
-    writer.add_chat_template(CHATML_TEMPLATE)
+    if chat_template:
+        writer.add_chat_template(CHATML_TEMPLATE)
 
 
 _GGUF_LAYER_NAMES = {

@@ -89,7 +89,7 @@ def make_cfg(algo, target, draft="half", steps=3, **kw):
                           draft_model_path=str(target[2][draft]), draft_weight_format="f32",
                           **kw)
     if algo == "STANDALONE":
-        kw["draft_model_path"] = str(target[2][draft])
+        kw.setdefault("draft_model_path", str(target[2][draft]))
         kw.setdefault("draft_weight_format", "f32")  # the draft exactly as written
     else:
         kw.setdefault("early_exit_layer", 2)
@@ -393,10 +393,13 @@ def test_sampled_chains_follow_the_target_distribution(tiny_vocab, joints, algo,
 
 def test_an_incompatible_or_short_draft_fails_at_start_up_with_one_line(target, tmp_path):
     d, runner, _ = target
-    other = write_tiny_model(tmp_path / "o", "llama", seed=1, vocab_size=300)
+    other = write_tiny_model(tmp_path / "o", "llama", seed=1)  # the same shape and file names
+    swap_two_tokens(other, "Ġthe", "fo")
     with pytest.raises(DraftModelError, match="not vocabulary-compatible") as exc:
         create_drafter(SpecConfig("STANDALONE", 4, num_steps=3, draft_model_path=str(other)),
                        runner)
+    assert "names 2 of the ids below 320 differently" in str(exc.value)
+    assert "id 267 is 'fo' in the draft, 'Ġthe' in the target" in str(exc.value)
     assert "\n" not in str(exc.value)
     short = init_draft_from_target(d, tmp_path / "short", [0])
     cfg = json.loads((short / "config.json").read_text())
@@ -405,6 +408,40 @@ def test_an_incompatible_or_short_draft_fails_at_start_up_with_one_line(target, 
         create_drafter(SpecConfig("STANDALONE", 4, num_steps=3, draft_model_path=str(short)),
                        runner)
     assert "\n" not in str(exc.value)
+
+
+def swap_two_tokens(model_dir, a: str, b: str) -> None:
+    """The model's tokenizer with tokens `a` and `b` trading ids: another vocabulary of the
+    same size."""
+    spec = json.loads((model_dir / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (model_dir / "tokenizer.json").write_text(json.dumps(spec))
+
+
+def test_a_draft_whose_embedding_is_smaller_drafts_losslessly(target, truth, tmp_path):
+    """The same tokenizer over fewer embedding rows (as Qwen2.5's small models pad to 151936,
+    its large ones to 152064): drafts come from the rows it has, output is plain decoding's."""
+    from safetensors.torch import load_file, save_file
+
+    d, runner, _ = target
+    small = init_draft_from_target(d, tmp_path / "small", [0, 3])
+    state = load_file(str(small / "model.safetensors"))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        state[name] = state[name][:300].contiguous()
+    save_file(state, str(small / "model.safetensors"))
+    cfg = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**cfg, "vocab_size": 300}))
+    ps, ref = truth
+    h, drafter = harness(target, make_cfg("STANDALONE", target, draft_model_path=str(small)),
+                         max_running_requests=8)
+    assert drafter.draft.vocab_size == 300 < runner.model_config.vocab_size
+    for i, p in enumerate(ps[:16]):
+        h.submit(f"r{i}", p, ignore_eos=True, max_new_tokens=NEW)
+    h.run()
+    assert [h.outputs[f"r{i}"] for i in range(16)] == ref[:16]
+    assert h.sched.spec_totals["spec_decode_num_accepted_tokens"] > 0, "nothing was accepted"
+    h.sched.check_no_leak()
 
 
 def test_server_args_resolve_chains_and_reject_what_does_not_apply(target):

@@ -371,8 +371,9 @@ def test_non_llama_gguf_is_rejected(tmp_path: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ModelLoadError, match="phi2"):
+    with pytest.raises(ModelLoadError, match="phi2") as exc:
         convert_gguf(tmp_path / "phi.gguf", tmp_path / "out", progress=False)
+    assert "we read are llama, qwen2, qwen3, gemma3" in str(exc.value)
     assert not (tmp_path / "out").exists()
 
 

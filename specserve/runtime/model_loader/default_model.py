@@ -33,6 +33,7 @@ from specserve.runtime.model_loader.config import SUPPORTED_ARCHITECTURES, check
 from specserve.runtime.model_loader.gguf_convert import (
     COMPLETE_MARKER,
     CONVERTER_VERSION,
+    GGUF_ARCHITECTURES,
     convert_gguf,
 )
 
@@ -48,7 +49,8 @@ PACKAGED_GGUFS = {
 
 _SUPPORTED_TEXT = (
     "a Hugging Face model directory (config.json + weights) of a Llama-family model "
-    f"({', '.join(SUPPORTED_ARCHITECTURES)}), a Llama or Gemma 3 .gguf file, a packaged GGUF "
+    f"({', '.join(SUPPORTED_ARCHITECTURES)}), a .gguf file (architectures "
+    f"{', '.join(GGUF_ARCHITECTURES)}), a packaged GGUF "
     f"({', '.join(PACKAGED_GGUFS)}), or 'default'"
 )
 

@@ -1,4 +1,5 @@
-"""Convert a Llama- or Gemma 3-architecture GGUF file into a Hugging Face style model directory.
+"""Convert a GGUF file of the Llama family (`llama`, `qwen2`, `qwen3`: gguf_llama.py) or of Gemma 3
+(gguf_gemma3.py) into a Hugging Face style model directory.
 
 Output: config.json, generation_config.json, model.safetensors (dequantized, fp32 by default),
 gguf_blocks.safetensors (the quantized tensors' own blocks, for the CPU engine, see
@@ -18,6 +19,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
@@ -25,7 +27,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from specserve.runtime.errors import ModelLoadError
-from specserve.runtime.model_loader import gguf_gemma3
+from specserve.runtime.model_loader import gguf_gemma3, gguf_llama
 from specserve.runtime.model_loader.tokenizer import build_gguf_tokenizer
 
 # Written last into a converted directory; its presence proves the conversion completed.
@@ -36,24 +38,14 @@ CONVERTER_VERSION = 3  # 2: gguf_blocks.safetensors; 3: 5-bit and K-quant blocks
 KEPT_BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 BLOCKS_FILE = "gguf_blocks.safetensors"
 
-# llama.cpp tensor name (after "blk.{i}.") -> Hugging Face name (after "model.layers.{i}.")
-_LAYER_TENSORS = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
+# general.architecture values we read
+GGUF_ARCHITECTURES = (*gguf_llama.FAMILIES, gguf_gemma3.ARCH)
 
 
 def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -81,54 +73,21 @@ def read_metadata(reader: GGUFReader) -> dict[str, Any]:
     return {name: field.contents() for name, field in reader.fields.items()}
 
 
-def gguf_config(meta: dict[str, Any], tied: bool) -> dict[str, Any]:
-    """config.json for the llama.* (or gemma3.*) metadata of a GGUF file."""
+def gguf_config(meta: dict[str, Any], names: set[str],
+                rope_freqs: np.ndarray | None = None) -> dict[str, Any]:
+    """config.json for the metadata of a GGUF file holding the tensors `names` (and the
+    `rope_freqs` divisors, taken out of them)."""
     arch = meta.get("general.architecture")
+    tied = "output.weight" not in names
     if arch == gguf_gemma3.ARCH:
         return gguf_gemma3.config(meta, tied)
-    if arch != "llama":
+    if arch not in gguf_llama.FAMILIES:
         raise ModelLoadError(
-            f"GGUF architecture {arch!r} is not supported; only 'llama' and 'gemma3' GGUF files "
-            f"convert (other families: use their Hugging Face directory)"
+            f"GGUF architecture {arch!r} is not supported; the GGUF architectures we read are "
+            f"{', '.join(GGUF_ARCHITECTURES)} (other families: use their Hugging Face directory)"
         )
-
-    def key(name: str, default: Any = None) -> Any:
-        value = meta.get(f"llama.{name}", default)
-        if value is None:
-            raise ModelLoadError(f"GGUF metadata lacks llama.{name}")
-        return value
-
-    hidden = int(key("embedding_length"))
-    heads = int(key("attention.head_count"))
-    head_dim = int(meta.get("llama.attention.key_length") or meta.get("llama.rope.dimension_count")
-                   or hidden // heads)
-    vocab = int(meta.get("llama.vocab_size") or len(meta["tokenizer.ggml.tokens"]))
-    config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_act": "silu",
-        "vocab_size": vocab,
-        "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length")),
-        "num_hidden_layers": int(key("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
-        "head_dim": head_dim,
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(key("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(key("context_length")),
-        "tie_word_embeddings": tied,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": "float32",
-    }
-    scaling = meta.get("llama.rope.scaling.type")
-    if scaling == "linear":
-        config["rope_scaling"] = {"rope_type": "linear",
-                                  "factor": float(meta["llama.rope.scaling.factor"])}
-    elif scaling not in (None, "none"):
-        raise ModelLoadError(f"GGUF rope scaling {scaling!r} is not supported")
-    return config
+    has_bias = any(n.endswith(".attn_q.bias") for n in names)
+    return gguf_llama.config(meta, arch, tied, has_bias, rope_freqs)
 
 
 def convert_gguf(
@@ -173,45 +132,25 @@ def _convert_into(src: Path, tmp: Path, dtype: torch.dtype, progress: bool) -> N
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{src}: not a readable GGUF file: {exc}") from exc
     meta = read_metadata(reader)
-    names = {t.name for t in reader.tensors}
-    config = gguf_config(meta, tied="output.weight" not in names)
-    if "rope_freqs.weight" in names:
-        raise ModelLoadError(
-            f"{src}: carries rope_freqs (Llama 3.1-style RoPE scaling), whose parameters GGUF "
-            f"does not record; load this model from its Hugging Face directory instead"
-        )
+    tensors = [t for t in reader.tensors if t.name != gguf_llama.ROPE_FREQS]
+    freqs = next((t for t in reader.tensors if t.name == gguf_llama.ROPE_FREQS), None)
+    freqs = None if freqs is None else dequantize(freqs.data, freqs.tensor_type).reshape(-1)
+    config = gguf_config(meta, {t.name for t in tensors}, freqs)
+    arch = meta["general.architecture"]
+    table = _layer_tensors(arch, config)
 
-    arch = meta.get("general.architecture")
-    gemma = arch == gguf_gemma3.ARCH
     state: dict[str, torch.Tensor] = {}
     blocks: dict[str, torch.Tensor] = {}  # raw blocks [out_features, bytes per row], uint8
     block_types: dict[str, str] = {}
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    for tensor in tqdm(reader.tensors, desc=f"converting {src.name}", unit="tensor",
+    for tensor in tqdm(tensors, desc=f"converting {src.name}", unit="tensor",
                        disable=not progress):
-        hf_name = _hf_name(tensor.name, arch)
-        # gguf lists dims innermost first; numpy/torch want them outermost first.
-        shape = tuple(int(d) for d in reversed(tensor.shape))
-        array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-        weight = torch.from_numpy(array.copy()).to(dtype)  # [out_features, in_features]
-        raw = None
-        if tensor.tensor_type.name in KEPT_BLOCK_TYPES:
-            raw = torch.from_numpy(tensor.data.reshape(shape[0], -1).copy())  # rows of blocks
-        if gemma and gguf_gemma3.is_norm(hf_name):
-            weight = weight - 1.0  # HF's convention: the model multiplies by (1 + w)
-        elif gemma:
-            pass  # llama.cpp keeps Gemma's q / k rows in HF's order
-        elif hf_name.endswith("q_proj.weight"):
-            weight = unpermute_qk(weight, heads)
-            raw = None if raw is None else unpermute_qk(raw, heads)  # the same row order
-        elif hf_name.endswith("k_proj.weight"):
-            weight = unpermute_qk(weight, kv_heads)
-            raw = None if raw is None else unpermute_qk(raw, kv_heads)
-        state[hf_name] = weight.contiguous()
+        hf_name = _hf_name(tensor.name, arch, table)
+        weight, raw = _read_tensor(tensor, hf_name, arch, config)
+        state[hf_name] = weight.to(dtype).contiguous()
         if raw is not None:
             blocks[hf_name] = raw.contiguous()
             block_types[hf_name] = tensor.tensor_type.name
-    _check_complete(state, config, src, arch)
+    _check_complete(state, config, src, table)
 
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     bos, eos_ids, pad = _save_tokenizer(src, meta, tmp, config["max_position_embeddings"])
@@ -229,6 +168,29 @@ def _convert_into(src: Path, tmp: Path, dtype: torch.dtype, progress: bool) -> N
                                         "mtime": stat.st_mtime, "version": CONVERTER_VERSION})
 
 
+def _read_tensor(tensor: Any, hf_name: str, arch: str,
+                 config: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A tensor dequantized to float32 in HF's layout, and its raw blocks (same row order)
+    when the CPU engine keeps them."""
+    # gguf lists dims innermost first; numpy/torch want them outermost first.
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+    weight = torch.from_numpy(array.copy())  # [out_features, in_features]
+    raw = None
+    if tensor.tensor_type.name in KEPT_BLOCK_TYPES:
+        raw = torch.from_numpy(tensor.data.reshape(shape[0], -1).copy())  # rows of blocks
+    if arch == gguf_gemma3.ARCH:
+        if gguf_gemma3.is_norm(hf_name):
+            weight = weight - 1.0  # HF's convention: the model multiplies by (1 + w)
+        return weight, raw  # llama.cpp keeps Gemma's q / k rows in HF's order
+    if gguf_llama.FAMILIES[arch].permuted_qk and hf_name.endswith(("q_proj.weight",
+                                                                   "k_proj.weight")):
+        heads = config["num_attention_heads" if "q_proj" in hf_name else "num_key_value_heads"]
+        weight = unpermute_qk(weight, heads)
+        raw = None if raw is None else unpermute_qk(raw, heads)  # the same row order
+    return weight, raw
+
+
 def _save_tokenizer(src: Path, meta: dict[str, Any], out: Path,
                     max_length: int) -> tuple[int | None, list[int], int | None]:
     """tokenizer.json and tokenizer_config.json into `out`; (bos, eos ids, pad)."""
@@ -241,25 +203,26 @@ def _save_tokenizer(src: Path, meta: dict[str, Any], out: Path,
     return tok.bos_token_id, tok.eos_token_ids, tok.pad_token_id
 
 
-def _layer_tensors(arch: str) -> dict[str, str]:
-    return gguf_gemma3.LAYER_TENSORS if arch == gguf_gemma3.ARCH else _LAYER_TENSORS
+def _layer_tensors(arch: str, config: dict[str, Any]) -> dict[str, str]:
+    if arch == gguf_gemma3.ARCH:
+        return gguf_gemma3.LAYER_TENSORS
+    return gguf_llama.layer_tensors(arch, config["attention_bias"])
 
 
-def _hf_name(gguf_name: str, arch: str = "llama") -> str:
+def _hf_name(gguf_name: str, arch: str, table: dict[str, str]) -> str:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     match = _LAYER_NAME.match(gguf_name)
-    table = _layer_tensors(arch)
     if match and match.group(2) in table:
         return f"model.layers.{match.group(1)}.{table[match.group(2)]}"
     raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no {arch} equivalent")
 
 
 def _check_complete(state: dict[str, torch.Tensor], config: dict[str, Any], src: Path,
-                    arch: str) -> None:
+                    table: dict[str, str]) -> None:
     expected = {"model.embed_tokens.weight", "model.norm.weight"}
     expected |= {f"model.layers.{i}.{name}" for i in range(config["num_hidden_layers"])
-                 for name in _layer_tensors(arch).values()}
+                 for name in table.values()}
     missing = sorted(expected - state.keys())
     if missing:
         raise ModelLoadError(f"{src}: missing tensors {missing[:5]} ({len(missing)} in all)")

@@ -25,6 +25,7 @@ from specserve.runtime.constrained.runner_grammars import (
     finite_logprobs,
     mask_output,
 )
+from specserve.runtime.errors import SpecserveError
 from specserve.runtime.forward_batch import ForwardBatch, ForwardMode
 from specserve.runtime.ipc import Receiver, Sender, ipc_addr
 from specserve.runtime.messages import (
@@ -407,7 +408,12 @@ def run_model_runner_process(server_args, ipc_dir: str, parent_pid: int,
         single_torch_thread(runner)
     except Exception as exc:  # noqa: BLE001 - reported to the scheduler, then we exit
         send.send(RunnerError(message=f"model runner failed to start: {exc}"))
-        raise
+        if not isinstance(exc, (ValueError, SpecserveError)):
+            raise
+        # a model or draft the user named that cannot serve: one line (a traceback at debug)
+        logger.error("model runner failed to start: %s", exc,
+                     exc_info=logger.isEnabledFor(logging.DEBUG))
+        raise SystemExit(1) from None
     worker = RunnerWorker(runner, spec, _grammars(server_args, runner))
     trimmer = HeapTrimmer(server_args.heap_trim_interval)
     mc = runner.model_config

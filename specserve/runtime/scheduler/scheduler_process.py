@@ -68,7 +68,10 @@ def run_scheduler_process(server_args, ipc_dir: str, parent_pid: int, loaded=Non
             if not parent_alive(parent_pid):
                 raise SystemExit(0)
 
-    ready = wait_runner()
+    try:
+        ready = wait_runner()
+    except RunnerDiedError:
+        raise SystemExit(1) from None  # the runner has logged why it did not start
     assert isinstance(ready, RunnerReady), f"expected RunnerReady, got {type(ready).__name__}"
     info = ready.info
     eos = list(info["eos_token_ids"])

@@ -16,8 +16,9 @@ accepted ones; the last draft, when accepted, and a root that was not drafted fr
 off) are caught up by the next drafting step. So a request that never drafts (backed off)
 never pays for the draft's prefill, and catching up costs no forward of its own.
 
-Checked at start-up, one line each: the draft's tokenizer must map tokens to the same ids as
-the target's (and its vocabulary be the target's size), and it must handle the target's context.
+Checked at start-up, one line each: the draft's tokenizer must name the same token as the
+target's at every id both embeddings hold (their sizes may differ), and it must handle the
+target's context. A GGUF draft is converted as a GGUF target is (llama.cpp's `-md`).
 """
 
 from __future__ import annotations
@@ -50,24 +51,39 @@ class DraftModelError(ValueError):
     """A draft model that cannot serve this target."""
 
 
-def check_draft_compatible(draft_dir: str, target_dir: str, target_context: int) -> None:
-    """Raise DraftModelError (one line) if the draft cannot draft for the target."""
+def check_draft_compatible(draft_dir: str, target_dir: str, target_context: int,
+                           name: str | None = None) -> None:
+    """Raise DraftModelError (one line, naming the draft `name`: what the user gave, e.g. a
+    .gguf whose conversion is `draft_dir`) if the draft cannot draft for the target.
+
+    The two tokenizers must name the same token at every id both models' embeddings hold;
+    the embeddings may differ in size (a family pads its small and large models differently:
+    Qwen2.5's 151936 and 152064 rows), the draft's logits are then cut or padded to the
+    target's (`StandaloneDrafter._logits`). File names and architectures are not compared.
+    """
     from specserve.runtime.model_loader.tokenizer import load_tokenizer
 
+    name = name or draft_dir
     dcfg, tcfg = ModelConfig.from_dir(draft_dir), ModelConfig.from_dir(target_dir)
-    if dcfg.vocab_size != tcfg.vocab_size:
-        raise DraftModelError(f"draft model {draft_dir} is not vocabulary-compatible with the "
-                              f"target: {dcfg.vocab_size} token ids against {tcfg.vocab_size}")
-    dvocab, tvocab = load_tokenizer(draft_dir).get_vocab(), load_tokenizer(target_dir).get_vocab()
-    if dvocab != tvocab:
-        differ = sum(1 for t, i in tvocab.items() if dvocab.get(t) != i) + len(
-            set(dvocab) - set(tvocab))
-        raise DraftModelError(f"draft model {draft_dir} is not vocabulary-compatible with the "
-                              f"target: its tokenizer maps {differ} tokens differently")
+    limit = min(dcfg.vocab_size, tcfg.vocab_size)
+    draft = _tokens_by_id(load_tokenizer(draft_dir).get_vocab(), limit)
+    target = _tokens_by_id(load_tokenizer(target_dir).get_vocab(), limit)
+    differ = sorted(i for i in draft.keys() & target.keys() if draft[i] != target[i])
+    if differ:
+        i = differ[0]
+        raise DraftModelError(f"draft model {name} is not vocabulary-compatible with the "
+                              f"target: its tokenizer names {len(differ)} of the ids below "
+                              f"{limit} differently (id {i} is {draft[i]!r} in the draft, "
+                              f"{target[i]!r} in the target); a draft needs the target's "
+                              f"tokenizer")
     if dcfg.max_position_embeddings < target_context:
-        raise DraftModelError(f"draft model {draft_dir} handles {dcfg.max_position_embeddings} "
+        raise DraftModelError(f"draft model {name} handles {dcfg.max_position_embeddings} "
                               f"positions, fewer than the target's context of {target_context}; "
                               "pass --context-length <= that")
+
+
+def _tokens_by_id(vocab: dict[str, int], limit: int) -> dict[int, str]:
+    return {i: token for token, i in vocab.items() if i < limit}
 
 
 @dataclass(frozen=True)
@@ -129,7 +145,8 @@ class StandaloneDrafter(ChainDrafter):
 
         draft_dir = str(materialize(cfg.draft_model_path) if is_draft_asset(cfg.draft_model_path)
                         else resolve_model_path(cfg.draft_model_path))
-        check_draft_compatible(draft_dir, runner.model_config.model_dir, runner.context_length)
+        check_draft_compatible(draft_dir, runner.model_config.model_dir, runner.context_length,
+                               cfg.draft_model_path)
         fmt = "torch"
         if runner.engine == "cpu":
             fmt = cfg.draft_weight_format
@@ -175,11 +192,24 @@ class StandaloneDrafter(ChainDrafter):
 
     def _logits(self, batch: ForwardBatch) -> torch.Tensor:
         if self.vocab_head is None:
-            return self.draft.forward(batch).logits
+            return self._target_width(self.draft.forward(batch).logits)
         rows = batch.logits_indices
         batch.logits_indices = rows[:0]  # the full LM head is not wanted
         out = self.draft.forward(batch, return_final_hidden=True)
-        return self.vocab_head(out.final_hidden[rows])
+        return self._target_width(self.vocab_head(out.final_hidden[rows]))
+
+    def _embeddable(self, ids: list[int]) -> list[int]:
+        # the target's ids past a smaller draft embedding (padding rows a trained model does
+        # not emit) are fed to the draft as id 0: its drafts there may miss, output is the same
+        n = self.draft.vocab_size
+        return ids if n >= self.vocab_size else [i if i < n else 0 for i in ids]
+
+    def _target_width(self, logits: torch.Tensor) -> torch.Tensor:
+        # [n, draft vocab] -> at least [n, target vocab]: ids the draft's embedding lacks get
+        # -inf (never drafted); the chain cuts a wider draft's extra ids
+        missing = self.vocab_size - logits.shape[-1]
+        return logits if missing <= 0 else torch.nn.functional.pad(logits, (0, missing),
+                                                                   value=float("-inf"))
 
     def describe(self) -> str:
         shape = (f"top-{self.cfg.eagle_topk} trees of depth {self.cfg.num_steps}, "
@@ -198,7 +228,7 @@ class StandaloneDrafter(ChainDrafter):
             if j == 0:  # catch up the committed positions without draft KV, then the root
                 q = self.reqs.get(c.req.rid)
                 start = committed if q is None else min(q.valid, committed)
-                tokens.append(c.req.tokens[start:])
+                tokens.append(self._embeddable(c.req.tokens[start:]))
                 prefix.append(start)
             else:
                 tokens.append([c.tokens[j]])
