@@ -37,6 +37,9 @@ FILES = {
                   chat_template=False),
     "llama": dict(rope_scaling=LLAMA3_ROPE),
 }
+# every family in `make test-all`; one proves the served path in `make test` (the in-process
+# tests in tests/unit/test_gguf_families.py cover each family there)
+ARCHS = [a if a == "qwen2" else pytest.param(a, marks=pytest.mark.full) for a in FILES]
 PROMPTS = ["the quick brown fox jumps over the lazy dog",
            "def add(a, b):\n    return a + b\n",
            "speculative decoding drafts tokens and the target model verifies them"]
@@ -105,7 +108,7 @@ def transformers_greedy(arch: str, path, hf_dir, texts: list[str]) -> list[tuple
     return out, tok
 
 
-@pytest.mark.parametrize("arch", FILES)
+@pytest.mark.parametrize("arch", ARCHS)
 def test_served_greedy_text_chat_and_ngram(files, arch):
     path, hf_dir, _ = files[arch]
     reference, tok = transformers_greedy(arch, path, hf_dir, PROMPTS)
@@ -141,7 +144,7 @@ def test_the_targets_own_gguf_as_standalone_draft_is_accepted_everywhere(files, 
     assert 0 < correct == proposed
 
 
-@pytest.mark.parametrize("arch", FILES)
+@pytest.mark.parametrize("arch", ARCHS)
 def test_a_draft_gguf_with_another_vocabulary_stops_the_server_at_start_up(files, arch):
     path, _, other = files[arch]
     r = subprocess.run([sys.executable, "-m", "launch_server", *server_args(arch, path),
