@@ -1049,6 +1049,114 @@ std::vector<torch::Tensor> CpuModel::forward(
   return out;
 }
 
+// ---- MLPSpeculator stages (specserve/speculative/models/mlp_speculator_cpu.py) --------------
+
+// A draft head of n small MLP stages, each run over a batch of rows in one parallel region, so a
+// proposal costs one pool run instead of a dozen small ops (each of which, right after a target
+// forward, pays tens of microseconds). Stage i over rows r: z = emb[i][row_r] (float tables,
+// pre-scaled), z += x proj[i]^T (the state weight folded into the packed weight), s =
+// gelu(rmsnorm(z) * ln_w[i] + ln_b[i]) (exact erf gelu), logits = s head[i]^T and each row's
+// log-sum-exp and top k. Several stages in one call chain them: stage i + 1 reads s and each
+// row's top-1 id as its emb row (draft ids are the first emb rows).
+class MlpStages {
+ public:
+  MlpStages(std::vector<PackedLinear> proj, std::vector<PackedLinear> head,
+            std::vector<torch::Tensor> emb, std::vector<torch::Tensor> ln_w,
+            std::vector<torch::Tensor> ln_b, double eps, int levels, int nthreads,
+            const std::string& isa)
+      : proj_(std::move(proj)), head_(std::move(head)), eps_((float)eps), levels_(levels),
+        nthreads_(nthreads), isa_(pick_isa(isa)) {
+    const size_t n = proj_.size();
+    TORCH_CHECK(n >= 1 && head_.size() == n && emb.size() == n && ln_w.size() == n &&
+                ln_b.size() == n, "one proj, head, emb table and norm per stage");
+    D_ = proj_[0].N;
+    V_ = head_[0].N;
+    for (size_t i = 0; i < n; ++i) {
+      TORCH_CHECK(is_block_format(proj_[i].fmt) && is_block_format(head_[i].fmt),
+                  "stage matmuls in block formats");
+      TORCH_CHECK(proj_[i].N == D_ && (i == 0 || proj_[i].K == D_) && head_[i].K == D_ &&
+                  head_[i].N == V_, "stage shapes");
+      emb_.push_back(emb[i].contiguous().to(torch::kFloat32));
+      ln_w_.push_back(ln_w[i].contiguous().to(torch::kFloat32));
+      ln_b_.push_back(ln_b[i].contiguous().to(torch::kFloat32));
+      TORCH_CHECK(emb_[i].dim() == 2 && emb_[i].size(1) == D_ && emb_[i].size(0) >= V_ &&
+                  ln_w_[i].numel() == D_ && ln_b_[i].numel() == D_, "emb tables and norms");
+    }
+  }
+
+  // Stages [first, first + count) over x [M, K_first] and emb rows [M]: {s [M, D], the last
+  // stage's logits [M, V], lse [count, M], top values [count, M, k], top ids [count, M, k]}.
+  std::vector<torch::Tensor> run(torch::Tensor x, torch::Tensor rows, int first, int count,
+                                 int k) {
+    x = x.contiguous().to(torch::kFloat32);
+    rows = rows.contiguous().to(torch::kInt64);
+    const int M = (int)x.size(0), S = (int)proj_.size();
+    TORCH_CHECK(count >= 1 && first >= 0 && first + count <= S && k >= 1, "stage range, k");
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == proj_[first].K && rows.numel() == M, "x, rows");
+    std::vector<int64_t> cur(rows.data_ptr<int64_t>(), rows.data_ptr<int64_t>() + M);
+    for (int64_t e : cur) TORCH_CHECK(e >= 0 && e < emb_[first].size(0), "emb row ", e);
+    auto s = torch::empty({M, D_}, torch::kFloat32), z = torch::empty({M, D_}, torch::kFloat32);
+    auto logits = torch::empty({M, V_}, torch::kFloat32);
+    std::vector<RowStats> st;
+    for (int c = 0; c < count; ++c) st.emplace_back(M, nthreads_, std::min(k, V_));
+    std::vector<float> pbest((size_t)nthreads_ * std::max(M, 1));
+    std::vector<int64_t> pidx((size_t)nthreads_ * std::max(M, 1));
+    thread_local ActBuffers act;
+    act.reserve(std::max(M, 1), std::max<int>(x.size(1), D_), levels_);
+    ThreadPool& tp = pool(nthreads_);
+    MatmulStep mm{isa_, &tp, &act, levels_};
+    float *zp = z.data_ptr<float>(), *sp = s.data_ptr<float>(), *lp = logits.data_ptr<float>();
+    auto body = [&](int tid, int n) {
+      const float* in = x.data_ptr<float>();
+      int64_t ld = x.size(1);
+      int r0, r1;
+      split_range(M, tid, n, &r0, &r1);
+      for (int c = 0; c < count; ++c) {
+        const int i = first + c;
+        const float* E = emb_[i].data_ptr<float>();
+        for (int r = r0; r < r1; ++r) std::memcpy(zp + (int64_t)r * D_, E + cur[r] * D_,
+                                                  sizeof(float) * D_);
+        tp.barrier(tid);
+        mm(proj_[i], M, in, ld, zp, D_, EPI_ADD, tid, n);
+        tp.barrier(tid);
+        isa_->rmsnorm(zp, D_, ln_w_[i].data_ptr<float>(), eps_, D_, sp, D_, r0, r1);
+        const float* b = ln_b_[i].data_ptr<float>();
+        for (int r = r0; r < r1; ++r) {
+          float* row = sp + (int64_t)r * D_;
+          for (int j = 0; j < D_; ++j) {
+            const float v = row[j] + b[j];
+            row[j] = 0.5f * v * (1.f + std::erf(v * 0.70710678118654752f));
+          }
+        }
+        tp.barrier(tid);
+        mm(head_[i], M, sp, D_, lp, V_, EPI_STORE, tid, n);
+        tp.barrier(tid);
+        argmax_part(isa_, lp, M, V_, V_, head_[i].tiles, tid, n, pbest.data(), pidx.data());
+        st[c].part(isa_, lp, V_, V_, head_[i].tiles, tid, pbest.data(), pidx.data());
+        tp.barrier(tid);
+        st[c].merge(pbest.data(), pidx.data(), r0, r1);
+        const int64_t* top = st[c].ids.data_ptr<int64_t>();
+        for (int r = r0; r < r1; ++r) cur[r] = std::max<int64_t>(top[(int64_t)r * st[c].k], 0);
+        tp.barrier(tid);
+        in = sp;
+        ld = D_;
+      }
+    };
+    if (M > 0) parallel(nthreads_, body);
+    std::vector<torch::Tensor> lse, vals, ids;
+    for (auto& r : st) lse.push_back(r.lse), vals.push_back(r.vals), ids.push_back(r.ids);
+    return {s, logits, torch::stack(lse), torch::stack(vals), torch::stack(ids)};
+  }
+
+ private:
+  std::vector<PackedLinear> proj_, head_;
+  std::vector<torch::Tensor> emb_, ln_w_, ln_b_;
+  int D_ = 0, V_ = 0;
+  float eps_;
+  int levels_, nthreads_;
+  const IsaKernels* isa_;
+};
+
 // ---- standalone ops (tests, and modules outside the fused stack) --------------------------
 
 torch::Tensor linear_op(const PackedLinear& w, torch::Tensor x, int levels, int nthreads,
@@ -1323,6 +1431,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_profile", &CpuModel::set_profile)
       .def("profile", &CpuModel::profile)
       .def_property("num_threads", &CpuModel::num_threads, &CpuModel::set_num_threads);
+  py::class_<MlpStages>(m, "MlpStages")
+      .def(py::init<std::vector<PackedLinear>, std::vector<PackedLinear>,
+                    std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                    std::vector<torch::Tensor>, double, int, int, const std::string&>(),
+           py::arg("proj"), py::arg("head"), py::arg("emb"), py::arg("ln_w"), py::arg("ln_b"),
+           py::arg("eps"), py::arg("levels"), py::arg("nthreads"), py::arg("isa") = "")
+      .def("run", &MlpStages::run, py::arg("x"), py::arg("rows"), py::arg("first"),
+           py::arg("count"), py::arg("k"), py::call_guard<py::gil_scoped_release>());
   m.def("linear", &linear_op, py::arg("w"), py::arg("x"), py::arg("levels") = 3,
         py::arg("nthreads") = 1, py::arg("isa") = "", py::arg("epilogue") = 0,
         py::arg("y") = py::none(), py::call_guard<py::gil_scoped_release>());
