@@ -14,6 +14,7 @@ from specserve.speculative.drafters import (  # noqa: F401 - each registers its 
     jump_forward,
     lookahead,
     medusa,
+    mlp_speculator,
     ngram,
     standalone,
     suffix,

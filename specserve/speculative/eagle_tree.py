@@ -96,13 +96,15 @@ class TopKTree(_Nodes):
         self.topk = topk
         self.max_depth = max_depth
 
-    def expand(self, nodes: list[int], child_logq: Tensor, child_tokens: Tensor) -> list[int]:
+    def expand(self, nodes: list[int], child_logq: Tensor | list, child_tokens: Tensor | list
+               ) -> list[int]:
         """`nodes` (the frontier, [0] at first) got head rows whose top-k children are
-        `child_logq` / `child_tokens` [len(nodes), k]. Adds them all as candidates; returns the
-        next frontier (empty once the tree is `max_depth` deep)."""
-        assert child_logq.shape[0] == len(nodes) == child_tokens.shape[0], "one row per node"
+        `child_logq` / `child_tokens` [len(nodes), k] (tensors or nested lists). Adds them all
+        as candidates; returns the next frontier (empty once the tree is `max_depth` deep)."""
+        lqs, tss = (x.tolist() if isinstance(x, Tensor) else x for x in (child_logq, child_tokens))
+        assert len(lqs) == len(nodes) == len(tss), "one row per node"
         added = []
-        for u, lq, toks in zip(nodes, child_logq.tolist(), child_tokens.tolist()):
+        for u, lq, toks in zip(nodes, lqs, tss):
             base = self.scores[u]
             for q, t in zip(lq, toks):
                 added.append(self.add(t, u, base + min(q, 0.0)))

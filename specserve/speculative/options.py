@@ -69,7 +69,8 @@ class DraftTreeOptions(SpecOptions):
     draft_model_path: str | None = option(
         None, "EAGLE/EAGLE3: the draft head's checkpoint; STANDALONE: the draft model (HF "
         "directory or .gguf, as llama.cpp's -md; it must share the target's tokenizer); "
-        "EARLY_EXIT: an exit adapter (optional). Unset with the default model: the shipped one "
+        "EARLY_EXIT: an exit adapter (optional); MEDUSA: Medusa heads; MLP_SPECULATOR: an "
+        "MLPSpeculator (vLLM's / IBM's layout). Unset with the default model: the shipped one "
         "in assets/", vllm="model")
     num_steps: int | None = option(
         None, "draft tree depth S (unset: chosen per algorithm and engine with "
