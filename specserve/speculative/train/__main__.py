@@ -1,6 +1,6 @@
 """`python -m specserve.speculative.train`: regenerate, capture, train and evaluate a draft for a
-target: an EAGLE-3 head, a STANDALONE draft model (distilled from the target's layers) or an
-EARLY_EXIT exit adapter.
+target: an EAGLE-3 head, a STANDALONE draft model (distilled from the target's layers), an
+EARLY_EXIT exit adapter, Medusa heads or an MLPSpeculator.
 
     python -m specserve.speculative.train --target-model default --algorithm EAGLE3 \
         --data sharegpt --output results/eagle3 --num-prompts 4000 --regen-time-budget 2400 \
@@ -11,6 +11,8 @@ EARLY_EXIT exit adapter.
         --output results/exit
     python -m specserve.speculative.train --algorithm MEDUSA --medusa-heads 3 \
         --output results/medusa
+    python -m specserve.speculative.train --algorithm MLP_SPECULATOR --mlp-stages 3 \
+        --output results/mlp
 
 Every stage is resumable: rerun the same command (e.g. after a stop) and each stage
 continues from what `--output` already holds. `--stages` picks a subset, in order.
@@ -32,10 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target-model", default="default", help="target model dir (or 'default')")
     p.add_argument("--algorithm", default="EAGLE3",
-                   choices=("EAGLE3", "EAGLE", "STANDALONE", "EARLY_EXIT", "MEDUSA"),
+                   choices=("EAGLE3", "EAGLE", "STANDALONE", "EARLY_EXIT", "MEDUSA",
+                            "MLP_SPECULATOR"),
                    help="what to train: an EAGLE-3 head, a STANDALONE draft model, an EARLY_EXIT "
-                   "exit adapter, MEDUSA heads (EAGLE-1/2 heads load from their published "
-                   "checkpoints)")
+                   "exit adapter, MEDUSA heads, an MLP_SPECULATOR (EAGLE-1/2 heads load from "
+                   "their published checkpoints)")
     p.add_argument("--data", default="sharegpt", choices=("sharegpt",),
                    help="prompt source (the ShareGPT train split)")
     p.add_argument("--output", required=True, help="run directory (data, checkpoints, head)")
@@ -70,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="EARLY_EXIT: the adapter MLP's intermediate size")
     g.add_argument("--medusa-heads", type=int, default=3, help="MEDUSA: heads (draft depth)")
     g.add_argument("--medusa-layers", type=int, default=1, help="MEDUSA: ResBlocks per head")
+    g.add_argument("--mlp-stages", type=int, default=3,
+                   help="MLP_SPECULATOR: stages (n_predict: the deepest draft)")
+    g.add_argument("--mlp-inner-dim", type=int, default=256,
+                   help="MLP_SPECULATOR: the stages' width (inner_dim)")
     g.add_argument("--ttt-steps", type=int, default=3, help="unrolled draft steps")
     g.add_argument("--lr", type=float, default=None,
                    help="peak learning rate (default 1e-3; 1e-4 for STANDALONE, whose layers "
@@ -106,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.output)
     capture_layers = None  # EAGLE-3's
-    if args.algorithm in ("STANDALONE", "MEDUSA"):
+    if args.algorithm in ("STANDALONE", "MEDUSA", "MLP_SPECULATOR"):
         capture_layers = ()  # the final hidden state only
     elif args.algorithm == "EARLY_EXIT":
         from specserve.runtime.model_loader.config import ModelConfig
@@ -155,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
             TRAINERS[args.algorithm](DistillConfig(
                 **kw, draft_layers=args.draft_layers, draft_layer_pick=args.draft_layer_pick,
                 exit_layer=args.exit_layer, adapter_size=args.adapter_size,
-                medusa_heads=args.medusa_heads, medusa_layers=args.medusa_layers)).train()
+                medusa_heads=args.medusa_heads, medusa_layers=args.medusa_layers,
+                mlp_stages=args.mlp_stages, mlp_inner_dim=args.mlp_inner_dim)).train()
     if "eval" in stages:
         from specserve.speculative.train.evaluate import (
             CHAIN_EVAL,
@@ -167,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                   max_new_tokens=args.eval_max_new_tokens, seed=args.seed,
                   algorithm=args.algorithm)
         export = {"EAGLE3": "head", "STANDALONE": "draft", "EARLY_EXIT": "adapter",
-                  "MEDUSA": "medusa"}[args.algorithm]
+                  "MEDUSA": "medusa", "MLP_SPECULATOR": "mlp_speculator"}[args.algorithm]
         if args.algorithm != "EAGLE3":
             kw["extra_server_args"] = CHAIN_EVAL
         if args.algorithm == "MEDUSA":  # the chain of the heads' top-1 drafts
@@ -176,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
                 "speculative_medusa_choices": json.dumps(chain),
                 "speculative_num_draft_tokens": args.medusa_heads + 1,
                 "speculative_disable_adaptive": True}
+        if args.algorithm == "MLP_SPECULATOR":  # the chain of every stage's top-1
+            kw["extra_server_args"] = {
+                **CHAIN_EVAL, "speculative_num_steps": args.mlp_stages,
+                "speculative_num_draft_tokens": args.mlp_stages + 1}
         done = evaluate_snapshots(out, every=args.eval_snapshots_every, **kw) \
             if args.eval_snapshots else []
         # the final export is also the last snapshot: do not evaluate the same weights twice

@@ -53,6 +53,8 @@ class DistillConfig(TrainConfig):
     adapter_size: int = 1024  # EARLY_EXIT: the adapter MLP's intermediate size
     medusa_heads: int = 3  # MEDUSA: heads (draft depth)
     medusa_layers: int = 1  # MEDUSA: ResBlocks per head
+    mlp_stages: int = 3  # MLP_SPECULATOR: stages (n_predict, the draft depth)
+    mlp_inner_dim: int = 256  # MLP_SPECULATOR: the stages' width
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -339,8 +341,14 @@ def _medusa_trainer(cfg):
     return MedusaTrainer(cfg)
 
 
+def _mlp_trainer(cfg):
+    from specserve.speculative.train.mlp_train import MlpSpeculatorTrainer
+
+    return MlpSpeculatorTrainer(cfg)
+
+
 TRAINERS = {"STANDALONE": DraftModelTrainer, "EARLY_EXIT": ExitAdapterTrainer,
-            "MEDUSA": _medusa_trainer}
+            "MEDUSA": _medusa_trainer, "MLP_SPECULATOR": _mlp_trainer}
 
 
 def default_exit_layer(num_layers: int) -> int:

@@ -235,6 +235,17 @@ def chain_accept(metrics: dict, steps: int) -> tuple[float, int]:
     return (float(length[ok].sum()) / n if n else 0.0), n
 
 
+def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict with each tensor once (a model whose modules share weights, tied stages,
+    lists them under every name; safetensors refuses that, and loading is not strict)."""
+    out, seen = {}, set()
+    for k, v in state.items():
+        if v.data_ptr() not in seen or v.numel() == 0:
+            seen.add(v.data_ptr())
+            out[k] = v.contiguous()
+    return out
+
+
 def _lr(cfg: TrainConfig, step: int, total: int, time_frac: float = 0.0) -> float:
     """Linear warm-up, then cosine decay to `min_lr_ratio` over whichever runs out first: the
     planned steps or the run's time budget (`time_frac`), so a time-budgeted run still ends
@@ -344,8 +355,7 @@ class Trainer:
     def _save_ckpt(self) -> None:
         tmp = self.dir / "ckpt.tmp"
         tmp.mkdir(exist_ok=True)
-        save_file({k: v.contiguous() for k, v in self.model.state_dict().items()},
-                  str(tmp / "model.safetensors"))
+        save_file(_unshared(self.model.state_dict()), str(tmp / "model.safetensors"))
         opt = self.opt.state_dict()
         tensors = {}
         for i, st in opt["state"].items():
