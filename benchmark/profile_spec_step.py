@@ -7,7 +7,8 @@ model, serving the prompts one after another (`--concurrency N`: N requests in f
 arriving as soon as one finishes), once without speculation and once per `--configs` entry
 (NGRAM options as in `bench_speculative`: `NGRAM`, `NGRAM:ngram_max_draft_tokens=8`). Every
 `ModelRunner.forward` is timed (`+capture`: it captured hidden states for the drafter), and so
-is every forward of an EAGLE head (over target features, and draft steps); the table gives the
+is every forward of an EAGLE head (over target features, and draft steps) and every drafter's
+`propose` (the whole proposal, its share of a decode step); the table gives the
 median forward time per (mode, tree size), its ratio to a decode step of the full batch measured
 in the same serving loop (the T(n)/T(1) that `benchmark.replay_ngram` models), the per-step time
 outside forwards (drafting, tree masks, verification, commit, scheduling) and the median time to
@@ -37,6 +38,8 @@ from specserve.corpora.datasets import (
 )
 
 WARMUP_PROMPTS = 2
+# timed, but not target forwards: an EAGLE head's forwards, and every drafter's `propose`
+NOT_FORWARDS = ("head", "propose")
 
 
 def serve(label: str, server_args: dict, prompts: list[tuple[list[int], int]],
@@ -101,6 +104,17 @@ def serve(label: str, server_args: dict, prompts: list[tuple[list[int], int]],
             return out
 
         spec.drafter._run_head = timed_head
+    if spec is not None:  # the drafter's whole proposal (head forwards included)
+        propose = spec.drafter.propose
+
+        def timed_propose(reqs):
+            t = time.perf_counter()
+            out = propose(reqs)
+            if counting:
+                times["propose"].append(time.perf_counter() - t)
+            return out
+
+        spec.drafter.propose = timed_propose
     counting, wall, steps, tokens = False, 0.0, 0, 0
 
     def submit(i: int) -> None:
@@ -137,7 +151,7 @@ def serve(label: str, server_args: dict, prompts: list[tuple[list[int], int]],
     wall = time.perf_counter() - t
     tokens = sched.totals["generation_tokens"] - before
     bar.close()
-    fwd = sum(sum(v) for k, v in times.items() if not k.startswith("head"))
+    fwd = sum(sum(v) for k, v in times.items() if not k.startswith(NOT_FORWARDS))
     return {"label": label, "wall_s": wall, "tokens": tokens, "steps": steps,
             "forward_s": fwd, "outside_forward_ms_per_step": (wall - fwd) / max(steps, 1) * 1e3,
             "ttft_median_ms": statistics.median(ttft) * 1e3 if ttft else None,
@@ -193,8 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for r in runs:
         for key, f in r["forwards"].items():
-            if key.startswith("head"):  # every run, and their total time
-                rows.append([r["label"], key, f["count"], f"{f['median_ms']:.1f}", "",
+            if key.startswith(NOT_FORWARDS):  # every run, and their total time
+                ratio = f"{f['median_ms'] / decode:.3f}" if decode and key == "propose" else ""
+                rows.append([r["label"], key, f["count"], f"{f['median_ms']:.2f}", ratio,
                              f"total {f['total_s']:.2f} s"])
             elif f["count"] >= 5 and not key.startswith("EXTEND"):
                 ratio = f"{f['median_ms'] / decode:.2f}" if decode else "-"
