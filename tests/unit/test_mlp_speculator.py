@@ -210,10 +210,13 @@ def test_a_tree_level_is_one_run_over_every_frontier(tiny, tmp_path):  # noqa: F
 
     d.draft_extend([TargetRows(f"r{i}", 0, torch.arange(3), torch.tensor([i]), [5], [4])
                     for i in range(2)], Out)
-    trees = d.propose([RunnerReq.drafting(f"r{i}", [1, 2, 3], 7) for i in range(2)])
+    trees = d.propose([RunnerReq.drafting(f"r{i}", [4, 5], 7) for i in range(2)])
     assert [len(r[0]) for r in runs] == [2, 4, 4]  # the roots, then top-k 2 of each request
     assert [(r[1], r[2]) for r in runs] == [(0, 1), (1, 1), (2, 1)]
     assert all(t.num_nodes == 7 and max(t.depth.tolist()) <= 3 for t in trees)
+    # a request that decoded a step without the drafter has no state below its root
+    stale = d.propose([RunnerReq.drafting("r0", [4, 5, 6], 7)])
+    assert stale[0].num_nodes == 1 and len(runs) == 3
 
 
 class SteeredMlp(MlpSpeculatorDrafter):

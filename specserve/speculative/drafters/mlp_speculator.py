@@ -2,7 +2,8 @@
 hidden state, drafting chains or top-k trees.
 
 After every target forward the drafter keeps, per request, the target's final (normed) hidden
-state at the last committed row: the row whose LM-head output became the root. Stage 0 reads it
+state at the last committed row: the row whose LM-head output became the root (a request whose
+kept state is older, after steps run without the drafter, does not draft). Stage 0 reads it
 and the root token and scores the root's children; stage d reads the state stage d - 1 left at
 a node's parent and the node's own token, and scores the node's children
 (specserve/speculative/models/mlp_speculator.py). No attention, no KV: a level of the tree is one
@@ -108,7 +109,8 @@ class MlpSpeculatorDrafter(Drafter):
         self.vocab_size = mc.vocab_size
         # [Vd] target ids of the draft ids, None when the stages score the whole vocabulary
         self.reduced = self.stages.draft_ids if model.cfg.draft_vocab_size else None
-        self.hidden: dict[str, Tensor] = {}  # rid -> final hidden of its last committed row
+        # rid -> (final hidden [H] of its last committed row, that row's position)
+        self.hidden: dict[str, tuple[Tensor, int]] = {}
 
     def describe(self) -> str:
         c, cfg = self.stages.cfg, self.cfg
@@ -122,7 +124,13 @@ class MlpSpeculatorDrafter(Drafter):
         last = torch.cat([r.hidden_rows[-1:] for r in rows]).to(fh.device)
         h = fh.index_select(0, last)  # [R, H]: a copy, the forward's buffers can go
         for j, r in enumerate(rows):
-            self.hidden[r.rid] = h[j]
+            self.hidden[r.rid] = (h[j], r.prefix_len + len(r.next_tokens) - 1)
+
+    def _fresh(self, r: RunnerReq) -> bool:
+        """The kept hidden state is the one below the root (not from before steps that ran
+        without the drafter)."""
+        kept = self.hidden.get(r.rid)
+        return kept is not None and kept[1] == len(r.tokens) - 2
 
     def _sampled(self, r: RunnerReq) -> bool:
         return r.params is not None and not r.params.is_greedy and not self.cfg.eagle_target_only
@@ -133,7 +141,7 @@ class MlpSpeculatorDrafter(Drafter):
         work: list[tuple[int, RunnerReq, TopKTree | SampledTree]] = []
         k = self.cfg.eagle_topk
         for i, r in enumerate(reqs):
-            if r.budget <= 1 or r.rid not in self.hidden:
+            if r.budget <= 1 or not self._fresh(r):
                 trees[i] = DraftTree.root(r.tokens[-1])
                 continue
             depth = min(self.cfg.num_steps, r.budget - 1)
@@ -151,7 +159,7 @@ class MlpSpeculatorDrafter(Drafter):
 
     def _grow(self, work: list) -> None:
         st, k = self.stages, self.cfg.eagle_topk
-        state = st.first_state(torch.stack([self.hidden[r.rid] for _, r, _ in work]))
+        state = st.first_state(torch.stack([self.hidden[r.rid][0] for _, r, _ in work]))
         rows = [st.emb_index[r.tokens[-1]] for _, r, _ in work]
         frontier = [[0] for _ in work]
         if k == 1 and all(isinstance(t, TopKTree) for _, _, t in work):
