@@ -7,11 +7,13 @@ model, serving the prompts one after another (`--concurrency N`: N requests in f
 arriving as soon as one finishes), once without speculation and once per `--configs` entry
 (NGRAM options as in `bench_speculative`: `NGRAM`, `NGRAM:ngram_max_draft_tokens=8`). Every
 `ModelRunner.forward` is timed (`+capture`: it captured hidden states for the drafter), and so
-is every forward of an EAGLE head (over target features, and draft steps); the table gives the
-median forward time per (mode, tree size), its ratio to a decode step of the full batch measured
-in the same serving loop (the T(n)/T(1) that `benchmark.replay_ngram` models), the per-step time
-outside forwards (drafting, tree masks, verification, commit, scheduling) and the median time to
-first token. The first two prompts warm up (alone) and are not counted (`--warmup-prompts`).
+is every forward a drafter runs of its own model (an EAGLE head over target features and its
+draft steps, a draft model's or early exit's steps, Medusa's heads: `DRAFT_FORWARDS`); the
+table gives the median forward time per (mode, tree size), its ratio to a decode step of the
+full batch measured in the same serving loop (the T(n)/T(1) that `benchmark.replay_ngram`
+models), the drafter's forwards per step (and as a share of a decode step), the per-step time
+outside any forward (tree building, masks, verification, commit, scheduling) and the median time
+to first token. The first two prompts warm up (alone) and are not counted (`--warmup-prompts`).
 `--logprobs N` serves every configuration a second time with each request asking for logprobs.
 """
 
@@ -37,6 +39,9 @@ from specserve.corpora.datasets import (
 )
 
 WARMUP_PROMPTS = 2
+# the drafters' methods that run their own model: EAGLE heads, chain drafters (STANDALONE,
+# EARLY_EXIT) by chain and by tree level, Medusa's heads
+DRAFT_FORWARDS = ("_run_head", "_step", "_tree_step", "_head_logits")
 
 
 def serve(label: str, server_args: dict, prompts: list[tuple[list[int], int]],
@@ -89,18 +94,10 @@ def serve(label: str, server_args: dict, prompts: list[tuple[list[int], int]],
         return out
 
     runner.forward = timed
-    head = getattr(spec.drafter, "_run_head", None) if spec is not None else None
-    if head is not None:  # an EAGLE head's forwards: over target features, and draft steps
-
-        def timed_head(batch, hidden, fused):
-            t = time.perf_counter()
-            out = head(batch, hidden, fused)
-            if counting:
-                times["head " + ("DRAFT_EXTEND" if fused else "draft step")].append(
-                    time.perf_counter() - t)
-            return out
-
-        spec.drafter._run_head = timed_head
+    for name in DRAFT_FORWARDS if spec is not None else ():
+        if hasattr(spec.drafter, name):
+            setattr(spec.drafter, name, _timed_draft(getattr(spec.drafter, name), name, times,
+                                                     lambda: counting))
     counting, wall, steps, tokens = False, 0.0, 0, 0
 
     def submit(i: int) -> None:
@@ -137,12 +134,30 @@ def serve(label: str, server_args: dict, prompts: list[tuple[list[int], int]],
     wall = time.perf_counter() - t
     tokens = sched.totals["generation_tokens"] - before
     bar.close()
-    fwd = sum(sum(v) for k, v in times.items() if not k.startswith("head"))
+    fwd = sum(sum(v) for k, v in times.items() if not k.startswith("draft "))
+    draft = sum(sum(v) for k, v in times.items() if k.startswith("draft "))
     return {"label": label, "wall_s": wall, "tokens": tokens, "steps": steps,
-            "forward_s": fwd, "outside_forward_ms_per_step": (wall - fwd) / max(steps, 1) * 1e3,
+            "forward_s": fwd, "draft_forward_s": draft,
+            "draft_forward_ms_per_step": draft / max(steps, 1) * 1e3,
+            "outside_forward_ms_per_step": (wall - fwd - draft) / max(steps, 1) * 1e3,
             "ttft_median_ms": statistics.median(ttft) * 1e3 if ttft else None,
             "forwards": {k: {"count": len(v), "median_ms": statistics.median(v) * 1e3,
                              "total_s": sum(v)} for k, v in sorted(times.items())}}
+
+
+def _timed_draft(fn, name: str, times: dict, counting):
+    """`fn` (a drafter's own-model forward) timed into times["draft <name>[ fused]"]."""
+
+    def timed(*a, **kw):
+        t = time.perf_counter()
+        out = fn(*a, **kw)
+        if counting():
+            fused = name == "_run_head" and (a[2] if len(a) > 2 else kw.get("fused"))
+            times[f"draft {name.lstrip('_')}{' fused' if fused else ''}"].append(
+                time.perf_counter() - t)
+        return out
+
+    return timed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,13 +208,18 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for r in runs:
         for key, f in r["forwards"].items():
-            if key.startswith("head"):  # every run, and their total time
-                rows.append([r["label"], key, f["count"], f"{f['median_ms']:.1f}", "",
+            if key.startswith("draft "):  # every one, and their total time
+                ratio = f"{f['median_ms'] / decode:.2f}" if decode else "-"
+                rows.append([r["label"], key, f["count"], f"{f['median_ms']:.2f}", ratio,
                              f"total {f['total_s']:.2f} s"])
             elif f["count"] >= 5 and not key.startswith("EXTEND"):
                 ratio = f"{f['median_ms'] / decode:.2f}" if decode else "-"
                 rows.append([r["label"], key, f["count"], f"{f['median_ms']:.1f}", ratio, ""])
-        rows.append([r["label"], "outside forwards", r["steps"],
+        if r["draft_forward_s"]:
+            per = r["draft_forward_ms_per_step"]
+            rows.append([r["label"], "drafter's forwards", r["steps"], f"{per:.2f}",
+                         f"{per / decode:.2f}" if decode else "-", ""])
+        rows.append([r["label"], "outside any forward", r["steps"],
                      f"{r['outside_forward_ms_per_step']:.2f}", "", ""])
         rows.append([r["label"], "TTFT (median)", len(prompts) - args.warmup_prompts,
                      f"{r['ttft_median_ms']:.1f}", "", ""])
