@@ -276,6 +276,7 @@ def test_a_drafter_that_does_not_pay_is_skipped_between_server_wide_probes(tiny,
                 load_aware=True)
     h.sched.spec.prior = [0.0, 1e9]  # the drafter does not pay on this traffic ...
     h.sched.spec.global_interval = 64  # (as after a few probes that did not pay)
+    h.sched.spec.learn_cost = False  # (a cost learned lower would bring the probes back)
     runner = tiny[1]
     cfg = SpecConfig("TEST", 4)
     drafter = OffRecordingOracle(cfg, runner, truth, 3)
