@@ -34,7 +34,8 @@ rows, and SUFFIX drafts it uncut: `StepPlan.explore`). When the learned curve lo
 break-even of a base-size or deepest tree by RECONSIDER_MARGIN against the curve under which a
 probe interval last grew, every back-off starts again (`_reconsider`): the next server-wide
 probe comes within max(PROBE_EVERY, cost interval) steps, and one that pays puts the traffic
-back on (docs/speculative.md states the bound).
+back on at the next step, for PROBE_EVERY steps at least (`won_back`; docs/speculative.md
+states the bound).
 
 What the drafter is decides the rest (specserve/speculative/base.py, `Drafter.tree_sizes`): the caps
 (a request decoding alone may go deeper), whether it sizes its own trees by its node estimates (then
@@ -233,6 +234,7 @@ class SpecController:
         self.self_sized_nodes = 2.0  # drafts a self-sized drafter's tree keeps (EMA)
         self.global_interval = PROBE_EVERY
         self.since_global = 0
+        self.won_back = 0  # steps left in which a paying server-wide probe keeps the traffic on
 
     @property
     def curve(self) -> VerifyCost:
@@ -292,6 +294,9 @@ class SpecController:
         else:
             sizes = plan_drafts([s.rate for s in states], caps, self.curve, self.delta)
             off = not self.pays(prior, n, self.sizes.base)
+        if self.won_back:  # a server-wide probe paid: the traffic is on while this lasts
+            self.won_back -= 1
+            off = False
         confident = [False] * n
         kept = [i for i in range(n) if sizes[i] == 1 and caps[i] > 1]
         # (a request drafting less than its cap is probed too: a probe times the cap's rows)
@@ -417,6 +422,10 @@ class SpecController:
         if st.out == "global":
             self.global_interval = PROBE_EVERY if paid else max(
                 min(2 * self.global_interval, MAX_PROBE_INTERVAL), self.cost_interval(batch_size))
+            if paid and self.learn_cost:
+                # won back: requests plan by their own estimates for PROBE_EVERY steps, and
+                # their drafting steps teach the server-wide one whether it pays again
+                self.won_back = PROBE_EVERY
         elif st.out == "probe":
             # (each of the batch's requests probes once per interval x batch size steps)
             st.interval = PROBE_EVERY if paid else max(

@@ -83,3 +83,20 @@ def test_a_model_drafters_probe_comes_within_its_cost_bound_and_is_judged_by_its
             break
     assert probed is not None and probed <= max(PROBE_EVERY, 20 / 0.02)
     assert (c.global_interval == PROBE_EVERY) == learn_cost  # paid only under the live cost
+
+
+def test_a_server_wide_probe_that_pays_turns_the_traffic_on_at_the_next_step():
+    c = SpecController(TreeSizes(4, 8), TRUE)
+    c.prior, c.global_interval = [1.0, 50.0], PROBE_EVERY
+    st = c.new_request()
+    for _ in range(PROBE_EVERY):
+        plan = c.plan([st])
+        assert plan.traffic_off
+        n = plan.sizes[0]
+        paid = st.out == "global"
+        info = {"drafted": n - 1, "accepted": n - 1 if paid else 0, "draft_s": 0.0}
+        c.observe([st], [info], TRUE.t1_s * TRUE(n), (n, TRUE.t1_s * TRUE(n)))
+        if paid:
+            break
+    assert paid, "no server-wide probe within PROBE_EVERY steps"
+    assert not any(c.plan([st]).traffic_off for _ in range(PROBE_EVERY))

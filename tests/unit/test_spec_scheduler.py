@@ -209,6 +209,7 @@ def test_load_aware_budget_drafts_alone_and_not_when_the_batch_is_compute_bound(
         return drafters[-1]
 
     h = spec_harness(tiny, make, num_draft_tokens=4, load_aware=True)
+    h.sched.spec.learn_cost = False  # (the plan on the CPU engine's curve, not the tiny model's)
     h.submit("alone", ps[0], ignore_eos=True, max_new_tokens=24)
     h.run()
     alone = drafters[0].steps
