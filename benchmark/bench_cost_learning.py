@@ -59,6 +59,7 @@ def servers_together(configs: dict[str, tuple[list[str], Path]], log_dir: Path):
     """Every configuration's `launch_server` started at once (label -> (flags, checkout)),
     then waited for; their URLs by label. Stopped on exit, whatever happens."""
     procs, urls, logs = {}, {}, []
+    log_dir.mkdir(parents=True, exist_ok=True)
     try:
         for label, (flags, checkout) in configs.items():
             port = free_port()
