@@ -59,6 +59,7 @@ class Harness:
         assert self.sched.spec.adaptive, "traffic_off needs load_aware=True"
         self.sched.spec.prior = [0.0, 1e9]
         self.sched.spec.global_interval = global_interval
+        self.sched.spec.learn_cost = False  # (a cost learned lower would bring probes back)
 
     def emit(self, msg):
         if isinstance(msg, TokenOut):
