@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from specserve.runtime.model_runner.req import RunnerReq
 from specserve.runtime.speculation import TargetRows
-from specserve.speculative.controller import TreeSizes
 from specserve.speculative.options import ResolveContext, SpecConfig, SpecOptions, flag
+from specserve.speculative.planning import TreeSizes
 from specserve.speculative.registry import (
     ALGORITHMS,
     check_algorithm,

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from specserve.runtime.model_runner.runner_process import RunnerWorker
 from specserve.speculative.base import SpecConfig, create_drafter
-from specserve.speculative.controller import SpecController, TreeSizes
+from specserve.speculative.controller import SpecController
+from specserve.speculative.planning import TreeSizes
 from specserve.speculative.worker import SpeculativeWorker
 from tests.helpers.cost_replay import TRUE, distorted
 from tests.unit.test_scheduler import Harness, prompts, reference, tiny  # noqa: F401

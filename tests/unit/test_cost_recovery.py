@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.speculative.controller import PROBE_EVERY, SpecController, TreeSizes
+from specserve.speculative.controller import PROBE_EVERY, SpecController
+from specserve.speculative.planning import TreeSizes
 from tests.helpers.cost_replay import TRUE, Replay, distorted, replay
 
 BOUND = PROBE_EVERY + 1  # steps until drafting is back on

@@ -26,7 +26,7 @@ from specserve.runtime.model_runner.runner_process import RunnerWorker
 from specserve.runtime.sampling.logprobs import LogprobOptions
 from specserve.runtime.sampling.sampling_params import SamplingParams
 from specserve.speculative.base import SpecConfig, create_drafter
-from specserve.speculative.controller import TreeSizes
+from specserve.speculative.planning import TreeSizes
 from specserve.speculative.worker import SpeculativeWorker
 from tests.helpers.grammar_reference import (
     LLGuidanceReference,

@@ -10,12 +10,9 @@ import random
 import pytest
 
 from specserve.runtime.verify_cost import VerifyCost, extend_curve
-from specserve.speculative.controller import (
-    REMEASURE_EVERY,
-    SpecController,
-    TreeSizes,
-)
+from specserve.speculative.controller import REMEASURE_EVERY, SpecController
 from specserve.speculative.live_cost import FIRM, LiveCost
+from specserve.speculative.planning import TreeSizes
 from tests.helpers.cost_replay import TRUE, distorted
 
 

@@ -15,7 +15,8 @@ from specserve.runtime.sampling.sampling_params import SamplingParams
 from specserve.runtime.scheduler.scheduler import Scheduler, SchedulerConfig
 from specserve.runtime.scheduler.stop import StopChecker
 from specserve.runtime.verify_cost import stored_verify_cost
-from specserve.speculative.controller import SpecController, TreeSizes
+from specserve.speculative.controller import SpecController
+from specserve.speculative.planning import TreeSizes
 from tests.helpers.tiny_models import write_tiny_model
 
 

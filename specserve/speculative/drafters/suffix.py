@@ -36,10 +36,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from specserve.speculative.base import Drafter, RunnerReq, register_algorithm
-from specserve.speculative.controller import TreeSizes, best_prefix
 from specserve.speculative.ngram_cache import NgramCache, NgramConfig, trie_extension
 from specserve.speculative.ngram_context import ContextIndex
 from specserve.speculative.options import ResolveContext, SpecConfig, SpecOptions, flag, option
+from specserve.speculative.planning import TreeSizes, best_prefix
 from specserve.speculative.tree import DraftTree
 
 # A request the controller keeps from drafting still drafts a tree this confident: the
