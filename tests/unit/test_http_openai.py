@@ -171,7 +171,7 @@ def test_chat_logprobs_and_stream(env):
     ("completions", {"prompt": "a", "temperature": -0.5}, "temperature"),
     ("completions", {"prompt": "a", "top_p": 0}, "top_p"),
     ("completions", {"prompt": "a", "n": 0}, "n"),
-    ("completions", {"prompt": "a", "stop": [""]}, "stop"),
+    ("completions", {"prompt": "a", "stop": [""]}, "stop.0"),
     ("completions", {"prompt": "a", "logit_bias": {"5": 10}}, "logit_bias"),
     ("completions", {"prompt": "a", "logprobs": 21}, "logprobs"),
     ("completions", {"prompt": "a", "logprobs": -1}, "logprobs"),

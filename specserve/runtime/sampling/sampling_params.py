@@ -13,7 +13,7 @@ from specserve.runtime.errors import InvalidRequestError
 MAX_STOP_STRINGS = 16
 # Temperatures below this are treated as greedy: dividing logits by them overflows float32.
 GREEDY_TEMPERATURE_EPS = 1e-5
-_MAX_SEED = 2**64  # torch.Generator.manual_seed accepts [0, 2**64)
+MAX_SEED = 2**64  # torch.Generator.manual_seed accepts [0, 2**64)
 
 _INT_FIELDS = ("max_new_tokens", "top_k")
 _INT_KEYS = (*_INT_FIELDS, "seed")  # integers in a request's sampling dict
@@ -146,7 +146,7 @@ class SamplingParams:
             if not 0 <= token_id < upper:
                 bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
                 _fail("stop_token_ids", f"token id {token_id} is out of range {bound}")
-        if self.seed is not None and not 0 <= self.seed < _MAX_SEED:
+        if self.seed is not None and not 0 <= self.seed < MAX_SEED:
             _fail("seed", f"must be in [0, 2**64), got {self.seed}")
         grammar_of(self._grammar_fields())  # a string within size, JSON that parses, one
 
@@ -193,7 +193,7 @@ class SamplingParams:
         q = dataclasses.replace(self, stop=list(self.stop),
                                 stop_token_ids=list(self.stop_token_ids))
         if q.seed is not None:
-            q.seed = (q.seed + j) % _MAX_SEED
+            q.seed = (q.seed + j) % MAX_SEED
         return q
 
 
