@@ -199,6 +199,8 @@ class BatchResult(Msg):
     target_s: float = 0.0
     # the curve timed for `RunBatch.measure_rows` (`VerifyCost.to_dict()`)
     verify_cost: dict | None = None
+    # what the runner keeps per request after this batch (RunnerWorker.held)
+    held: dict[str, int] | None = None
 
 
 class RunnerReady(Msg):

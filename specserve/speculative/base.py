@@ -166,5 +166,10 @@ class Drafter(ABC):
     def release(self, rid: str) -> None:  # noqa: B027
         """The request finished; drop per-request state."""
 
+    def live_requests(self) -> int:
+        """Requests this drafter keeps state for (0 for a drafter that keeps none; a drafter
+        with per-request state counts it, so /server_info shows a release that never came)."""
+        return 0
+
     def reset(self) -> None:  # noqa: B027
         """Drop all learned state (flush_cache)."""

@@ -239,6 +239,9 @@ class SpeculativeWorker:
     def release(self, rid: str) -> None:
         self.drafter.release(rid)
 
+    def live_requests(self) -> int:
+        return self.drafter.live_requests()
+
     def reset(self) -> None:
         """Forget everything learned (called on flush_cache, when no request runs)."""
         self.drafter.reset()

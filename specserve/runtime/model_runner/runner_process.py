@@ -203,7 +203,17 @@ class RunnerWorker:
         result = self._run(msg)
         if self.runner.timed_forwards == forwards + 1:  # one target forward: the step's own
             result.forward_rows, result.target_s = self.runner.last_timed
+        result.held = self.held()
         return result
+
+    def held(self) -> dict[str, int]:
+        """What the runner keeps per request (/server_info): its records, the grammar
+        matchers alive (wherever a reference to one is held) and the drafter's state. All 0
+        when no request is live: a count left above that after aborts is a leak."""
+        matchers = len(self.grammars.live) if self.grammars is not None else 0
+        drafter = self.spec.live_requests() if self.spec is not None else 0
+        return {"runner_requests": len(self.states), "grammar_matchers": matchers,
+                "drafter_requests": drafter}
 
     def _run(self, msg: RunBatch) -> BatchResult:
         t0 = time.perf_counter()

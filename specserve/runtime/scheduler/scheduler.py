@@ -143,6 +143,9 @@ class Scheduler:
                             "spec_decode_num_accepted_tokens": 0, "spec_tokens_from_verify": 0,
                             "spec_draft_s": 0.0}  # drafting time, shared out over requests
         self.spec_accepted_per_pos: list[int] = []
+        # what the runner last said it keeps per request (records, grammar matchers, drafter
+        # state): all 0 once every request is released
+        self.runner_held: dict[str, int] = {}
 
     # ---- messages from the tokenizer side ------------------------------------------------
     def handle(self, msg) -> None:
@@ -176,7 +179,7 @@ class Scheduler:
                     self.spec.reset()
                 # the drafter's learned state (e.g. the n-gram trie) is a cache too
                 self.batch_id += 1
-                self.run_batch(RunBatch(batch_id=self.batch_id, mode=ForwardMode.DECODE.value,
+                self._run(RunBatch(batch_id=self.batch_id, mode=ForwardMode.DECODE.value,
                                         reqs=[], released_rids=self.released,
                                         reset_drafter=True))
                 self.released = []
@@ -206,6 +209,7 @@ class Scheduler:
             "kv_used_by_requests": self.allocator.num_used - self.cache.total_size,
             "radix_cache_tokens": self.cache.total_size,
             "kv_usage": self.allocator.num_used / self.allocator.capacity,
+            **self.runner_held,
             **self.totals,
             **self._spec_info(),
             "running_requests": [self._describe(r) for r in self.running[:MAX_DESCRIBED]],
@@ -261,7 +265,7 @@ class Scheduler:
             verify_cost=curve.to_dict() if curve is not None else None,
         )
         self.released = []
-        result = self.run_batch(msg)
+        result = self._run(msg)
         assert result.batch_id == self.batch_id, "runner answered another batch"
         if plan is not None and result.spec_info is not None:
             forward = (result.forward_rows, result.target_s) if result.forward_rows else None
@@ -283,7 +287,7 @@ class Scheduler:
         if slots is None:
             return
         self.batch_id += 1
-        result = self.run_batch(RunBatch(
+        result = self._run(RunBatch(
             batch_id=self.batch_id, mode=ForwardMode.DECODE.value, reqs=[],
             released_rids=self.released, measure_rows=rows, measure_slots=pack_ints(slots)))
         self.released = []
@@ -291,13 +295,19 @@ class Scheduler:
         if result.verify_cost is not None:
             self.spec.set_prior(VerifyCost.from_dict(result.verify_cost))
 
+    def _run(self, msg: RunBatch) -> BatchResult:
+        result = self.run_batch(msg)
+        if result.held is not None:
+            self.runner_held = result.held
+        return result
+
     def _send_releases(self) -> None:
         """With nothing to run, tell the runner which requests it can forget now (their
         sampling state, drafter state and grammar matchers), not at the next batch."""
         if not self.released:
             return
         self.batch_id += 1
-        self.run_batch(RunBatch(batch_id=self.batch_id, mode=ForwardMode.DECODE.value, reqs=[],
+        self._run(RunBatch(batch_id=self.batch_id, mode=ForwardMode.DECODE.value, reqs=[],
                                 released_rids=self.released))
         self.released = []
 

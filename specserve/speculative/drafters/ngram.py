@@ -177,6 +177,9 @@ class NgramDrafter(Drafter):
             self.reqs.move_to_end(rid)
         return q
 
+    def live_requests(self) -> int:
+        return len(self.reqs)
+
     def release(self, rid: str) -> None:
         q = self.reqs.pop(rid, None)
         if q is not None and q.history is not None and q.counted is not None:

@@ -358,6 +358,9 @@ class SuffixDrafter(Drafter):
         self.global_tree.extend(rid, ctx_out, new)
         out.extend(new)
 
+    def live_requests(self) -> int:
+        return len(self.reqs)
+
     def release(self, rid: str) -> None:
         self.reqs.pop(rid, None)
         self.global_tree.release(rid)  # its output stays counted until it is the oldest
