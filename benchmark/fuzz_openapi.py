@@ -27,7 +27,8 @@ from typing import NamedTuple
 from benchmark.common import stop_children_on_sigterm
 from benchmark.sweep_serving import server
 
-SERVER_ARGS = "--context-length 256 --enable-metrics --speculative-algorithm NGRAM"
+SERVER_ARGS = ("--context-length 256 --enable-metrics --speculative-algorithm NGRAM "
+               "--speculative-verify-cost table")
 MISMATCH = "Schema validation mismatch"
 ALL_PHASES = "examples,coverage,fuzzing,stateful"
 

@@ -403,7 +403,9 @@ def test_runner_replaces_a_stale_state_when_a_new_request_reuses_its_id(tiny):
     ref = reference(tiny, [new], ignore_eos=True, repetition_penalty=1.3)[0]
     h = Harness(tiny)
     h.submit("x", [5, 6, 7], ignore_eos=True, max_new_tokens=2)  # a short history
-    while "x" not in h.finish:  # (not to idle: an idle scheduler sends its releases)
+    # (a request still running: a scheduler that goes idle sends its releases at once)
+    h.submit("y", [8, 9], ignore_eos=True, max_new_tokens=40)
+    while "x" not in h.finish:
         h.sched.step()
     # a release that has not reached the runner: its old state is still there
     h.sched.released = []

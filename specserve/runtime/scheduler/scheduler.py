@@ -272,6 +272,8 @@ class Scheduler:
             self.spec.observe([req.spec for req, _, _ in entries], result.spec_info,
                               result.forward_s, forward)
         self._apply(entries, result)
+        if self.idle:  # the last requests finished: the runner forgets them now, not later
+            self._send_releases()
         return True
 
     def measure_when_idle(self) -> None:
