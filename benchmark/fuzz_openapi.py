@@ -3,8 +3,9 @@
     python -m benchmark.fuzz_openapi --max-examples 60 --min-cases 2000 --seed 7
 
 Starts `launch_server` with a random `--api-key` (the spec sits behind it), a short
-`--context-length` (every generated generation request stays short), `--enable-metrics` (so
-/metrics answers rather than 404s) and NGRAM speculation, runs `schemathesis run` with the
+`--context-length` and `--max-sequences-per-request` (the spec states both: every generated
+request stays short), `--enable-metrics` (so /metrics answers rather than 404s) and NGRAM
+speculation, runs `schemathesis run` with the
 `not_a_server_error` check over every operation, stops the server, prints the case count, the
 failures (each as a curl line) and schemathesis's warnings, and exits non-zero below
 `--min-cases`, on any failure, or on a "Schema validation mismatch" warning (the spec and the
@@ -27,8 +28,9 @@ from typing import NamedTuple
 from benchmark.common import stop_children_on_sigterm
 from benchmark.sweep_serving import server
 
-SERVER_ARGS = ("--context-length 256 --enable-metrics --speculative-algorithm NGRAM "
-               "--speculative-verify-cost table")
+# a short context and few sequences per request keep every generated generation short
+SERVER_ARGS = ("--context-length 256 --max-sequences-per-request 8 --enable-metrics "
+               "--speculative-algorithm NGRAM --speculative-verify-cost table")
 MISMATCH = "Schema validation mismatch"
 ALL_PHASES = "examples,coverage,fuzzing,stateful"
 
@@ -50,8 +52,9 @@ def run_schemathesis(url: str, api_key: str | None, max_examples: int, seed: int
                      include_path: str | None = None) -> FuzzResult:
     """One seeded schemathesis run over `url`'s spec, checking only that no case gets a 5xx."""
     exe = shutil.which("schemathesis") or str(Path(sys.executable).with_name("schemathesis"))
+    # (unsanitized output: its curl lines reproduce a case; the key is a throwaway one)
     cmd = [exe, "run", f"{url}/openapi.json", "--checks", "not_a_server_error",
-           "-n", str(max_examples), "--no-color", "--seed", str(seed),
+           "-n", str(max_examples), "--no-color", "--seed", str(seed), "--output-sanitize", "false",
            "--generation-database", "none", "--phases", phases,
            "--request-timeout", str(request_timeout), "--workers", str(workers)]
     if api_key:

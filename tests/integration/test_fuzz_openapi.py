@@ -19,11 +19,11 @@ KEY = secrets.token_hex(8)
 
 @pytest.fixture(scope="module")
 def server():
-    # a short context keeps every generated generation short; the verify-cost table skips the
-    # start-up measurement
+    # a short context and few sequences per request (the spec states both) keep every
+    # generated generation short; the verify-cost table skips the start-up measurement
     srv = ServerProcess("--speculative-algorithm", "NGRAM", "--speculative-verify-cost", "table",
-                        "--context-length", "128", "--enable-metrics", "--log-level", "warning",
-                        api_key=KEY)
+                        "--context-length", "128", "--max-sequences-per-request", "8",
+                        "--enable-metrics", "--log-level", "warning", api_key=KEY)
     try:
         yield srv
     finally:

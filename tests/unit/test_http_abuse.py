@@ -13,6 +13,7 @@ import pytest
 
 from specserve.runtime.entrypoints.field_types import BOUND_KEY
 from specserve.runtime.entrypoints.http_server import create_app
+from specserve.runtime.entrypoints.request_bodies import MAX_N
 from tests.helpers.fake_tm import CONTEXT_LENGTH, MODEL_NAME, make_fake_tm
 from tests.helpers.live_server import live_server
 
@@ -166,6 +167,13 @@ def test_the_spec_states_this_servers_bounds_and_is_valid_json_schema(env):
     named = chat["tool_choice"]["anyOf"][1]
     assert named["properties"]["function"]["properties"]["name"]["type"] == "string"
     assert chat["logit_bias"]["anyOf"][0]["maxProperties"] == 0  # served empty only
+    n_max = min(MAX_N, tm.server_args.max_sequences_per_request)
+    assert chat["n"]["anyOf"][0]["maximum"] == n_max
+    args = dataclasses.replace(tm.server_args, max_sequences_per_request=8)
+    with live_server(create_app(tm, args)) as url, httpx.Client(base_url=url, timeout=10) as c:
+        small = c.get("/openapi.json").json()["paths"]["/v1/chat/completions"]["post"]
+    assert small["requestBody"]["content"]["application/json"]["schema"]["properties"]["n"][
+        "anyOf"][0]["maximum"] == 8
 
 
 def test_the_named_tool_choice_that_once_gave_a_500_is_a_400_naming_its_path(env):

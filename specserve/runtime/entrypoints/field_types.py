@@ -55,8 +55,8 @@ def with_message(kind: Any, message: str) -> Any:
 
 @dataclass(frozen=True)
 class ServerBound:
-    """An integer's upper bound that is the server's: its `vocab_size` or `context_length`,
-    less `minus`."""
+    """An integer's upper bound that is the server's: its `vocab_size`, `context_length` or
+    `max_sequences_per_request`, less `minus`."""
 
     name: str
     minus: int = 0

@@ -72,7 +72,8 @@ def create_app(tm: Any, server_args: Any) -> FastAPI:
                        max_body_bytes=server_args.max_request_bytes,
                        open_paths=PAGE_PATHS if playground else frozenset())
     openai = OpenAIServing(tm, server_args.model_path)
-    limits = {"vocab_size": tm.vocab_size, "context_length": tm.context_length}
+    limits = {"vocab_size": tm.vocab_size, "context_length": tm.context_length,
+              "max_sequences_per_request": server_args.max_sequences_per_request}
     _add_error_handlers(app)
     if playground:
         add_playground(app)

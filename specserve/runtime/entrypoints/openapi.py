@@ -2,7 +2,7 @@
 
 Routes read their bodies themselves (our 400s, not FastAPI's 422s), so each route states its
 body with `openapi_extra`: the type's JSON schema, self-contained (pydantic's `$defs` inlined),
-with this server's own bounds filled in (the largest token id and token count it takes), so a
+with this server's own bounds filled in (the largest token id, token count and `n` it takes), so a
 client or a schema fuzzer sees what the server really accepts.
 """
 
@@ -17,7 +17,7 @@ from specserve.runtime.entrypoints.field_types import BOUND_KEY
 
 def openapi_body(cls: type[BaseModel], limits: dict[str, int]) -> dict[str, Any]:
     """`openapi_extra` for a route whose body is a `cls`; `limits`: the server's
-    `vocab_size` and `context_length`."""
+    `vocab_size`, `context_length` and `max_sequences_per_request`."""
     schema = cls.model_json_schema()
     defs = schema.pop("$defs", {})
 

@@ -42,23 +42,30 @@ from specserve.runtime.entrypoints.openai_types import (
 )
 from specserve.runtime.errors import InvalidRequestError
 from specserve.runtime.sampling.logprobs import MAX_TOP_LOGPROBS
-from specserve.runtime.sampling.sampling_params import MAX_SEED, MAX_STOP_STRINGS, integral
+from specserve.runtime.sampling.sampling_params import (
+    MAX_SCALE,
+    MAX_SEED,
+    MAX_STOP_STRINGS,
+    MIN_SCALE,
+    integral,
+)
 from specserve.runtime.tokenizer.tokenizer_manager import PRIORITY_MAX, PRIORITY_MIN
 
 MAX_N = 128  # OpenAI's own limit on `n`
 
 # the sampling fields both APIs share (SamplingParams checks them again for Engine users)
-Temperature = number_in(ge=0)
+Temperature = number_in(ge=0, le=MAX_SCALE)
 TopP = number_in(gt=0, le=1)
 MinP = number_in(ge=0, le=1)
 Penalty = number_in(ge=-2, le=2)  # frequency and presence
-RepetitionPenalty = number_in(gt=0)
+RepetitionPenalty = number_in(ge=MIN_SCALE, le=MAX_SCALE)
 TopK = with_message(Annotated[Literal[-1] | int_in(ge=1, bound=ServerBound("vocab_size")),
                               BeforeValidator(integral)], "must be -1 (off) or an integer >= 1")
 Seed = int_in(ge=0, le=MAX_SEED - 1)
 Stop = strings(max_items=MAX_STOP_STRINGS, non_empty=True)
 Priority = int_in(ge=PRIORITY_MIN, le=PRIORITY_MAX)
-N = int_in(ge=1, le=MAX_N)
+# (a request holds at most --max-sequences-per-request sequences: prompts x n)
+N = int_in(ge=1, le=MAX_N, bound=ServerBound("max_sequences_per_request"))
 # a grammar's text (its size in UTF-8 bytes is checked too: constrained/spec.py)
 Grammar = Annotated[str, MaxLen(MAX_GRAMMAR_BYTES)]
 LogitBias = empty_only(dict[Annotated[str, Field(pattern=r"^[0-9]+$")],
