@@ -5,11 +5,11 @@
 Starts `launch_server` with a random `--api-key` (the spec sits behind it), a short
 `--context-length` and `--max-sequences-per-request` (the spec states both: every generated
 request stays short), `--enable-metrics` (so /metrics answers rather than 404s) and NGRAM
-speculation, runs `schemathesis run` with the
-`not_a_server_error` check over every operation, stops the server, prints the case count, the
-failures (each as a curl line) and schemathesis's warnings, and exits non-zero below
-`--min-cases`, on any failure, or on a "Schema validation mismatch" warning (the spec and the
-server's validation disagree). The suite runs a short pass of the same
+speculation, runs `schemathesis run` with the `not_a_server_error` check over every operation,
+stops the server, prints the case count, the failures (each as a curl line), schemathesis's
+warnings and the server's logged errors, and exits non-zero below `--min-cases`, on any
+failure, on a "Schema validation mismatch" warning (the spec and the server's validation
+disagree), or when the server logged an error. The suite runs a short pass of the same
 (tests/integration/test_fuzz_openapi.py).
 """
 
@@ -74,6 +74,13 @@ def run_schemathesis(url: str, api_key: str | None, max_examples: int, seed: int
                       out)
 
 
+def logged_errors(server_log: str) -> list[str]:
+    """The server's ERROR lines (ours and uvicorn's): a bug even when the client got an
+    answer."""
+    return [line for line in server_log.splitlines() if " ERROR " in line or
+            line.startswith("ERROR:")]
+
+
 def summary(result: FuzzResult) -> str:
     lines = [f"fuzz_openapi: {result.cases} cases, {result.failures} server errors "
              "(not_a_server_error)"]
@@ -96,14 +103,16 @@ def main(argv: list[str] | None = None) -> int:
     api_key = secrets.token_hex(16)
     out_path = Path(args.output)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    with server([*shlex.split(args.server_args), "--api-key", api_key],
-                out_path.with_suffix(".server.log")) as url:
+    log_path = out_path.with_suffix(".server.log")
+    with server([*shlex.split(args.server_args), "--api-key", api_key], log_path) as url:
         result = run_schemathesis(url, api_key, args.max_examples, args.seed, args.phases,
                                   args.workers, args.request_timeout)
     out_path.write_text(result.output)
+    errors = logged_errors(log_path.read_text())
     print(result.output[-3000:])
-    print(summary(result), f"\nlog {out_path}")
-    return 0 if result.ok and result.cases >= args.min_cases else 1
+    print(summary(result), f"\nserver log: {len(errors)} error lines", *errors[:10],
+          f"\nlog {out_path}", sep="\n")
+    return 0 if result.ok and not errors and result.cases >= args.min_cases else 1
 
 
 if __name__ == "__main__":
