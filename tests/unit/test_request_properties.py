@@ -147,7 +147,7 @@ def test_stop_and_stop_token_ids_give_sampling_params_or_a_400(stop, ids, native
 
 
 @SEEDED
-@given(JSON | st.dictionaries(st.text(max_size=4), JSON, max_size=3))
+@given(JSON | st.dictionaries(KEYS, JSON, max_size=3))
 def test_logit_bias_is_served_empty_and_refused_otherwise_with_a_400(bias):
     typed = parsed_or_400(ChatCompletionRequest, {"messages": MESSAGES, "logit_bias": bias})
     assert (typed is not None) == (bias in (None, {}))
