@@ -38,7 +38,7 @@ def _fuzz(server: ServerProcess, **kw) -> None:
     assert MISMATCH not in result.warnings, report
     assert result.cases >= 3 * kw["max_examples"], report
     # nothing went wrong inside either, even where the client got an answer (a grammar that
-    # rejected a token its mask allowed once ended a request with a 200)
+    # rejects a token its mask allowed ends its request with a 200 and logs an error)
     assert not logged_errors(server.read_log()), report
     info = server.wait_idle(timeout_s=60)
     assert info["kv_used_by_requests"] == 0

@@ -32,7 +32,7 @@ def test_a_sound_front_end_passes_the_fuzz_with_no_mismatch_warning(tm):
 
 def test_a_handler_that_raises_fails_the_fuzz_with_a_curl_line(tm, monkeypatch):
     def broken(*args, **kwargs):
-        raise TypeError("unhashable type: 'dict'")  # what a hand-parsed field once did
+        raise TypeError("unhashable type: 'dict'")  # a dict name hashed by a hand parse
 
     monkeypatch.setattr(openai_api, "parse_tool_request", broken)
     with live_server(create_app(tm, tm.server_args)) as url:

@@ -176,7 +176,7 @@ def test_the_spec_states_this_servers_bounds_and_is_valid_json_schema(env):
         "anyOf"][0]["maximum"] == 8
 
 
-def test_the_named_tool_choice_that_once_gave_a_500_is_a_400_naming_its_path(env):
+def test_a_named_tool_choice_whose_name_is_an_object_is_a_400_naming_its_path(env):
     client, _, sched = env
     before = len(sched.requests)
     r = _post_raw(client, "/v1/chat/completions", '{"messages":[{"role":"user","content":"hi"}],'

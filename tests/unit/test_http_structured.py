@@ -137,7 +137,7 @@ def test_response_format_maps_to_a_json_schema_grammar(env):
         {"id": "1", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]},
      "messages.0.tool_calls.0.function.arguments"),
     ({"functions": [{"name": "f"}]}, "functions"),
-    # a wrong shape deep inside: the path, from the types (the first once gave a 500)
+    # a wrong shape deep inside: the path, from the types
     ({"tools": [], "tool_choice": {"type": "function", "function": {"name": {}}},
       "max_tokens": 4}, "tool_choice.function.name"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {

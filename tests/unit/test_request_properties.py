@@ -108,9 +108,9 @@ def test_tool_choice_forms_give_a_tool_request_or_a_400(tools, choice, parallel)
     assert req.function is None or req.function in req.names
 
 
-def test_the_tool_choice_forms_reach_the_shape_that_once_gave_a_500():
+def test_the_tool_choice_forms_reach_a_name_that_is_no_string():
     """Negative control: the forms above include a named choice whose name is no string (a
-    hand parse once hashed it: TypeError, a 500); the types answer it with a 400."""
+    parse that hashes it raises TypeError, a 500); the types answer it with a 400."""
     found = find(TOOL_CHOICES, lambda c: isinstance(c, dict) and c.get("type") == "function"
                  and isinstance(c["function"]["name"], (dict, list)),
                  settings=settings(database=None, derandomize=True))
