@@ -60,7 +60,8 @@ def serve(label: str, server_args: dict, prompts: list[tuple[list[int], int]],
     torch.set_num_threads(threads)
     args = ServerArgs(**server_args).resolve()
     runner = ModelRunner(RunnerConfig(args.model_path, "cpu", "float32",
-                                      max_total_tokens=8192, num_threads=threads))
+                                      max_total_tokens=8192, num_threads=threads,
+                                      activation_digits=args.activation_digits))
     plug = speculation(args)
     spec = None if plug is None else plug.create_worker(runner)
     single_torch_thread(runner)  # as the runner process does
@@ -145,6 +146,21 @@ def serve(label: str, server_args: dict, prompts: list[tuple[list[int], int]],
                              "total_s": sum(v)} for k, v in sorted(times.items())}}
 
 
+def _serve_all(args, configs, prompts, digits: int, suffix: str) -> list[dict]:
+    """The baseline and every config at `digits` activation digits (labels + suffix), then
+    each again asking for logprobs (`--logprobs`)."""
+    pen, out = args.repetition_penalty, []
+    plans = [("baseline", {})] + [(c.label, c.server_args) for c in configs]
+    for lp in [None] + ([args.logprobs] if args.logprobs is not None else []):
+        tag = "" if lp is None else f"+logprobs{lp}"
+        for label, server_args in plans:
+            run = serve(label + tag + suffix, {**server_args, "activation_digits": digits},
+                        prompts, args.threads, args.concurrency, args.warmup_prompts, lp,
+                        penalty=pen)
+            out.append({**run, "group": tag + suffix, "activation_digits": digits})
+    return out
+
+
 def _timed_draft(fn, name: str, times: dict, counting):
     """`fn` (a drafter's own-model forward) timed into times["draft <name>[ fused]"]."""
 
@@ -180,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
                    "tokens' logprobs and N alternatives (what logprobs cost a step)")
     p.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="every request's (greedy) repetition penalty")
+    p.add_argument("--activation-digits", default="3",
+                   help="comma-separated: the baseline and every config at each (e.g. 3,1)")
     p.add_argument("--output", default="results/profile_spec_step.json")
     args = p.parse_args(argv)
     try:
@@ -193,20 +211,14 @@ def main(argv: list[str] | None = None) -> int:
     ids = render_prompts(reqs, lambda m: chat_prompt_ids(tok, m),
                          lambda t: tok.encode(t, add_special_tokens=False))
     prompts = [(p, r.max_new_tokens) for p, r in zip(ids, reqs)]
-    pen = args.repetition_penalty
-    runs = [serve("baseline", {}, prompts, args.threads, args.concurrency, args.warmup_prompts,
-                  penalty=pen)]
-    runs += [serve(c.label, c.server_args, prompts, args.threads, args.concurrency,
-                   args.warmup_prompts, penalty=pen) for c in configs]
-    if args.logprobs is not None:  # each again, every request asking for logprobs
-        lp = f"+logprobs{args.logprobs}"
-        runs += [serve("baseline" + lp, {}, prompts, args.threads, args.concurrency,
-                       args.warmup_prompts, args.logprobs)]
-        runs += [serve(c.label + lp, c.server_args, prompts, args.threads, args.concurrency,
-                       args.warmup_prompts, args.logprobs) for c in configs]
-    decode = runs[0]["forwards"].get(f"DECODE:{args.concurrency}", {}).get("median_ms")
+    runs = []
+    digits = [int(d) for d in args.activation_digits.split(",")]
+    for d in digits:
+        runs += _serve_all(args, configs, prompts, d, f"@{d}d" if len(digits) > 1 else "")
     rows = []
     for r in runs:
+        base = next(b for b in runs if b["label"] == "baseline" + r["group"])
+        decode = base["forwards"].get(f"DECODE:{args.concurrency}", {}).get("median_ms")
         for key, f in r["forwards"].items():
             if key.startswith("draft "):  # every one, and their total time
                 ratio = f"{f['median_ms'] / decode:.2f}" if decode else "-"
@@ -223,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"{r['outside_forward_ms_per_step']:.2f}", "", ""])
         rows.append([r["label"], "TTFT (median)", len(prompts) - args.warmup_prompts,
                      f"{r['ttft_median_ms']:.1f}", "", ""])
-        rows.append([r["label"], "end to end", r["tokens"], "", "",
+        speed = (r["tokens"] / r["wall_s"]) / (base["tokens"] / base["wall_s"])
+        rows.append([r["label"], "end to end", r["tokens"], "", f"{speed:.2f}x",
                      f"{r['tokens'] / r['wall_s']:.1f} tok/s"])
     write_json(args.output, {"args": vars(args), "runs": runs})
     print(format_table(["run", "forward (mode:tokens)", "count", "median ms / step",

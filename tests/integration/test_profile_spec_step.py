@@ -67,3 +67,22 @@ def test_a_drafters_own_forwards_are_timed_apart_from_the_rest(tmp_path):
     assert run["draft_forward_s"] == drafted > 0
     outside = run["wall_s"] - run["forward_s"] - run["draft_forward_s"]
     assert abs(run["outside_forward_ms_per_step"] - outside / run["steps"] * 1e3) < 1e-6
+
+
+def test_activation_digits_serve_the_baseline_and_every_config_at_each(monkeypatch, tmp_path):
+    import benchmark.profile_spec_step as pss
+
+    calls = []
+
+    def fake_serve(label, server_args, prompts, threads, concurrency=1, warmup=2,
+                   logprobs=None, penalty=1.0):
+        calls.append((label, server_args.get("activation_digits")))
+        return {"label": label, "wall_s": 1.0, "tokens": 2, "steps": 1, "forward_s": 0.5,
+                "draft_forward_s": 0.0, "draft_forward_ms_per_step": 0.0,
+                "outside_forward_ms_per_step": 1.0, "ttft_median_ms": 1.0, "forwards": {}}
+
+    monkeypatch.setattr(pss, "serve", fake_serve)
+    assert main(["--dataset", "rewrite", "--split", "train", "--num-prompts", "1",
+                 "--configs", "NGRAM", "--activation-digits", "3,1",
+                 "--output", str(tmp_path / "p.json")]) == 0
+    assert calls == [("baseline@3d", 3), ("NGRAM@3d", 3), ("baseline@1d", 1), ("NGRAM@1d", 1)]
