@@ -10,7 +10,7 @@ from starlette.responses import JSONResponse, Response
 
 from specserve.runtime.entrypoints.logprob_format import SglangLogprobs, TokenTexts
 from specserve.runtime.entrypoints.protocol import parse_model, read_json
-from specserve.runtime.entrypoints.request_bodies import GenerateRequest, SamplingBody
+from specserve.runtime.entrypoints.request_bodies import MAX_N, GenerateRequest, SamplingBody
 from specserve.runtime.entrypoints.streaming import (
     SSEResponse,
     StreamCursor,
@@ -24,7 +24,7 @@ from specserve.runtime.entrypoints.streaming import (
 from specserve.runtime.errors import InvalidRequestError
 from specserve.runtime.messages import GrammarPayload
 from specserve.runtime.sampling.logprobs import LogprobOptions
-from specserve.runtime.sampling.sampling_params import SamplingParams
+from specserve.runtime.sampling.sampling_params import SamplingParams, integral
 
 
 class _Item:
@@ -101,15 +101,19 @@ def parse_generate(body: GenerateRequest, tm: Any) -> tuple[bool, list[_Item]]:
     return batch or n > 1, items
 
 
-def parallel_samples(params: list[SamplingBody]) -> tuple[int, list[dict]]:
+def parallel_samples(params: list[SamplingBody | dict]) -> tuple[int, list[dict]]:
     """SGLang's parallel sampling: `sampling_params.n` samples of every prompt, the same `n`
     for every prompt of a batch; the response is then a list, prompt by prompt, its n samples
-    in a row (SGLang's order). Returns n and the sampling dicts (the fields given, without
-    "n")."""
-    ns = {sp.n or 1 for sp in params}
-    if len(ns) > 1:
+    in a row (SGLang's order). Takes typed bodies (HTTP) or plain dicts (Engine users, checked
+    here as the type would); returns n and the sampling dicts (the fields given, without "n")."""
+    fields = [sp.given() if isinstance(sp, SamplingBody) else dict(sp) for sp in params]
+    ns = [1 if f.get("n") is None else integral(f["n"]) for f in fields]
+    for n in ns:
+        if type(n) is not int or not 1 <= n <= MAX_N:
+            raise InvalidRequestError("sampling_params.n", f"must be an integer in [1, {MAX_N}]")
+    if len(set(ns)) > 1:
         raise InvalidRequestError("sampling_params.n", "must be the same for every prompt")
-    return ns.pop(), [{k: v for k, v in sp.given().items() if k != "n"} for sp in params]
+    return ns[0], [{k: v for k, v in f.items() if k != "n"} for f in fields]
 
 
 def _logprob_options(body: GenerateRequest, prompt_len: int,
