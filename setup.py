@@ -45,9 +45,9 @@ setup(
         # jsonschema: the structured-output tests validate outputs against their schemas
         # sglang-router: a test runs the real router in front of a server
         # selenium: the playground's browser test drives the system's Chromium with it
+        # schemathesis: the suite fuzzes the served OpenAPI spec (benchmark/fuzz_openapi.py);
+        # its hypothesis drives the request parsers' property tests
         "dev": ["pytest", "pytest-xdist", "ruff", "openai", "matplotlib", "triton==3.9.0",
-                "jsonschema", "sglang-router==0.3.2", "selenium"],
-        # opt-in: benchmark/fuzz_openapi.py (no torch; the test suite does not need it)
-        "fuzz": ["schemathesis==4.32.5"],
+                "jsonschema", "sglang-router==0.3.2", "selenium", "schemathesis==4.32.5"],
     },
 )

@@ -7,12 +7,14 @@ model, serving the prompts one after another (`--concurrency N`: N requests in f
 arriving as soon as one finishes), once without speculation and once per `--configs` entry
 (NGRAM options as in `bench_speculative`: `NGRAM`, `NGRAM:ngram_max_draft_tokens=8`). Every
 `ModelRunner.forward` is timed (`+capture`: it captured hidden states for the drafter), and so
-is every forward of an EAGLE head (over target features, and draft steps) and every drafter's
-`propose` (the whole proposal, its share of a decode step); the table gives the
+is every forward a drafter runs of its own model (an EAGLE head over target features and its
+draft steps, a draft model's or early exit's steps, Medusa's heads, an MLPSpeculator's stages:
+`DRAFT_FORWARDS`) and every drafter's whole `propose` (forwards included); the table gives the
 median forward time per (mode, tree size), its ratio to a decode step of the full batch measured
-in the same serving loop (the T(n)/T(1) that `benchmark.replay_ngram` models), the per-step time
-outside forwards (drafting, tree masks, verification, commit, scheduling) and the median time to
-first token. The first two prompts warm up (alone) and are not counted (`--warmup-prompts`).
+in the same serving loop (the T(n)/T(1) that `benchmark.replay_ngram` models), the drafter's
+forwards per step (and as a share of a decode step), the per-step time outside any forward (tree
+building, masks, verification, commit, scheduling) and the median time to first token. The
+first two prompts warm up (alone) and are not counted (`--warmup-prompts`).
 `--logprobs N` serves every configuration a second time with each request asking for logprobs.
 """
 
@@ -38,8 +40,10 @@ from specserve.corpora.datasets import (
 )
 
 WARMUP_PROMPTS = 2
-# timed, but not target forwards: an EAGLE head's forwards, and every drafter's `propose`
-NOT_FORWARDS = ("head", "propose")
+# the drafters' methods that run their own model: EAGLE heads, chain drafters (STANDALONE,
+# EARLY_EXIT) by chain and by tree level, Medusa's heads, an MLPSpeculator's stages
+DRAFT_FORWARDS = ("_run_head", "_step", "_tree_step", "_head_logits", "_stage_run")
+NOT_TARGET = ("draft ", "propose")  # timed keys that are not target forwards
 
 
 def serve(label: str, server_args: dict, prompts: list[tuple[list[int], int]],
@@ -58,7 +62,8 @@ def serve(label: str, server_args: dict, prompts: list[tuple[list[int], int]],
     torch.set_num_threads(threads)
     args = ServerArgs(**server_args).resolve()
     runner = ModelRunner(RunnerConfig(args.model_path, "cpu", "float32",
-                                      max_total_tokens=8192, num_threads=threads))
+                                      max_total_tokens=8192, num_threads=threads,
+                                      activation_digits=args.activation_digits))
     plug = speculation(args)
     spec = None if plug is None else plug.create_worker(runner)
     single_torch_thread(runner)  # as the runner process does
@@ -92,29 +97,13 @@ def serve(label: str, server_args: dict, prompts: list[tuple[list[int], int]],
         return out
 
     runner.forward = timed
-    head = getattr(spec.drafter, "_run_head", None) if spec is not None else None
-    if head is not None:  # an EAGLE head's forwards: over target features, and draft steps
-
-        def timed_head(batch, hidden, fused):
-            t = time.perf_counter()
-            out = head(batch, hidden, fused)
-            if counting:
-                times["head " + ("DRAFT_EXTEND" if fused else "draft step")].append(
-                    time.perf_counter() - t)
-            return out
-
-        spec.drafter._run_head = timed_head
-    if spec is not None:  # the drafter's whole proposal (head forwards included)
-        propose = spec.drafter.propose
-
-        def timed_propose(reqs):
-            t = time.perf_counter()
-            out = propose(reqs)
-            if counting:
-                times["propose"].append(time.perf_counter() - t)
-            return out
-
-        spec.drafter.propose = timed_propose
+    for name in DRAFT_FORWARDS if spec is not None else ():
+        if hasattr(spec.drafter, name):
+            setattr(spec.drafter, name, _timed_draft(getattr(spec.drafter, name), name, times,
+                                                     lambda: counting))
+    if spec is not None:  # the whole proposal, its own forwards included
+        spec.drafter.propose = _timed_draft(spec.drafter.propose, "propose", times,
+                                            lambda: counting, key="propose")
     counting, wall, steps, tokens = False, 0.0, 0, 0
 
     def submit(i: int) -> None:
@@ -151,12 +140,46 @@ def serve(label: str, server_args: dict, prompts: list[tuple[list[int], int]],
     wall = time.perf_counter() - t
     tokens = sched.totals["generation_tokens"] - before
     bar.close()
-    fwd = sum(sum(v) for k, v in times.items() if not k.startswith(NOT_FORWARDS))
+    fwd = sum(sum(v) for k, v in times.items() if not k.startswith(NOT_TARGET))
+    draft = sum(sum(v) for k, v in times.items() if k.startswith("draft "))
     return {"label": label, "wall_s": wall, "tokens": tokens, "steps": steps,
-            "forward_s": fwd, "outside_forward_ms_per_step": (wall - fwd) / max(steps, 1) * 1e3,
+            "forward_s": fwd, "draft_forward_s": draft,
+            "draft_forward_ms_per_step": draft / max(steps, 1) * 1e3,
+            "outside_forward_ms_per_step": (wall - fwd - draft) / max(steps, 1) * 1e3,
             "ttft_median_ms": statistics.median(ttft) * 1e3 if ttft else None,
             "forwards": {k: {"count": len(v), "median_ms": statistics.median(v) * 1e3,
                              "total_s": sum(v)} for k, v in sorted(times.items())}}
+
+
+def _serve_all(args, configs, prompts, digits: int, suffix: str) -> list[dict]:
+    """The baseline and every config at `digits` activation digits (labels + suffix), then
+    each again asking for logprobs (`--logprobs`)."""
+    pen, out = args.repetition_penalty, []
+    plans = [("baseline", {})] + [(c.label, c.server_args) for c in configs]
+    for lp in [None] + ([args.logprobs] if args.logprobs is not None else []):
+        tag = "" if lp is None else f"+logprobs{lp}"
+        for label, server_args in plans:
+            run = serve(label + tag + suffix, {**server_args, "activation_digits": digits},
+                        prompts, args.threads, args.concurrency, args.warmup_prompts, lp,
+                        penalty=pen)
+            out.append({**run, "group": tag + suffix, "activation_digits": digits})
+    return out
+
+
+def _timed_draft(fn, name: str, times: dict, counting, key: str | None = None):
+    """`fn` (a drafter's own-model forward) timed into times["draft <name>[ fused]"] (or
+    times[key])."""
+
+    def timed(*a, **kw):
+        t = time.perf_counter()
+        out = fn(*a, **kw)
+        if counting():
+            fused = name == "_run_head" and (a[2] if len(a) > 2 else kw.get("fused"))
+            times[key or f"draft {name.lstrip('_')}{' fused' if fused else ''}"].append(
+                time.perf_counter() - t)
+        return out
+
+    return timed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                    "tokens' logprobs and N alternatives (what logprobs cost a step)")
     p.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="every request's (greedy) repetition penalty")
+    p.add_argument("--activation-digits", default="3",
+                   help="comma-separated: the baseline and every config at each (e.g. 3,1)")
     p.add_argument("--output", default="results/profile_spec_step.json")
     args = p.parse_args(argv)
     try:
@@ -192,33 +217,32 @@ def main(argv: list[str] | None = None) -> int:
     ids = render_prompts(reqs, lambda m: chat_prompt_ids(tok, m),
                          lambda t: tok.encode(t, add_special_tokens=False))
     prompts = [(p, r.max_new_tokens) for p, r in zip(ids, reqs)]
-    pen = args.repetition_penalty
-    runs = [serve("baseline", {}, prompts, args.threads, args.concurrency, args.warmup_prompts,
-                  penalty=pen)]
-    runs += [serve(c.label, c.server_args, prompts, args.threads, args.concurrency,
-                   args.warmup_prompts, penalty=pen) for c in configs]
-    if args.logprobs is not None:  # each again, every request asking for logprobs
-        lp = f"+logprobs{args.logprobs}"
-        runs += [serve("baseline" + lp, {}, prompts, args.threads, args.concurrency,
-                       args.warmup_prompts, args.logprobs)]
-        runs += [serve(c.label + lp, c.server_args, prompts, args.threads, args.concurrency,
-                       args.warmup_prompts, args.logprobs) for c in configs]
-    decode = runs[0]["forwards"].get(f"DECODE:{args.concurrency}", {}).get("median_ms")
+    runs = []
+    digits = [int(d) for d in args.activation_digits.split(",")]
+    for d in digits:
+        runs += _serve_all(args, configs, prompts, d, f"@{d}d" if len(digits) > 1 else "")
     rows = []
     for r in runs:
+        base = next(b for b in runs if b["label"] == "baseline" + r["group"])
+        decode = base["forwards"].get(f"DECODE:{args.concurrency}", {}).get("median_ms")
         for key, f in r["forwards"].items():
-            if key.startswith(NOT_FORWARDS):  # every run, and their total time
-                ratio = f"{f['median_ms'] / decode:.3f}" if decode and key == "propose" else ""
+            if key.startswith(NOT_TARGET):  # every one, and their total time
+                ratio = f"{f['median_ms'] / decode:.3f}" if decode else "-"
                 rows.append([r["label"], key, f["count"], f"{f['median_ms']:.2f}", ratio,
                              f"total {f['total_s']:.2f} s"])
             elif f["count"] >= 5 and not key.startswith("EXTEND"):
                 ratio = f"{f['median_ms'] / decode:.2f}" if decode else "-"
                 rows.append([r["label"], key, f["count"], f"{f['median_ms']:.1f}", ratio, ""])
-        rows.append([r["label"], "outside forwards", r["steps"],
+        if r["draft_forward_s"]:
+            per = r["draft_forward_ms_per_step"]
+            rows.append([r["label"], "drafter's forwards", r["steps"], f"{per:.2f}",
+                         f"{per / decode:.2f}" if decode else "-", ""])
+        rows.append([r["label"], "outside any forward", r["steps"],
                      f"{r['outside_forward_ms_per_step']:.2f}", "", ""])
         rows.append([r["label"], "TTFT (median)", len(prompts) - args.warmup_prompts,
                      f"{r['ttft_median_ms']:.1f}", "", ""])
-        rows.append([r["label"], "end to end", r["tokens"], "", "",
+        speed = (r["tokens"] / r["wall_s"]) / (base["tokens"] / base["wall_s"])
+        rows.append([r["label"], "end to end", r["tokens"], "", f"{speed:.2f}x",
                      f"{r['tokens'] / r['wall_s']:.1f} tok/s"])
     write_json(args.output, {"args": vars(args), "runs": runs})
     print(format_table(["run", "forward (mode:tokens)", "count", "median ms / step",

@@ -19,6 +19,11 @@ prompt's single-request run, memory must stay flat and the KV must come back.
    figures and a time series every `--rss-every` s are in the JSON too. Then /flush_cache
    and `kv_free == kv_capacity` from /server_info.
 Prints the summary last and writes JSON; exit 0 only when every check holds.
+
+`--mode grammar-abort`: instead, abort under grammars and speculation (benchmark/soak_abort.py):
+`--streams` concurrent streamed chat requests shaped by JSON schemas and forced tool calls, a
+third disconnected mid-stream; afterwards nothing is held (KV, the runner's records, grammar
+matchers, drafter state) and the rest completed with valid JSON.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from typing import Any
 import httpx
 
 from benchmark.common import machine_info, stop_children_on_sigterm, write_json
+from benchmark.soak_abort import grammar_abort
 from benchmark.sweep_serving import server
 from specserve.corpora.datasets import chat_prompt_ids, load_bench_tokenizer, sample_requests
 
@@ -215,6 +221,9 @@ async def soak(url: str, args: argparse.Namespace, prompts: list[list[int]]) -> 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mode", choices=("mixed", "grammar-abort"), default="mixed",
+                   help="mixed: the timed soak above; grammar-abort: one round of constrained "
+                   "streamed requests, a third disconnected (--streams, --max-new-tokens)")
     p.add_argument("--duration", type=float, default=600)
     p.add_argument("--warmup", type=float, default=60, help="seconds before the first RSS")
     p.add_argument("--idle-wait", type=float, default=3.0,
@@ -238,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
                    default="--speculative-algorithm NGRAM --max-running-requests 64")
     p.add_argument("--output", default="results/soak.json")
     args = p.parse_args(argv)
+    if args.mode == "grammar-abort":
+        return run_grammar_abort(args)
     tok = load_bench_tokenizer(None)
     reqs = sample_requests(args.dataset, args.num_prompts, tok, args.seed, args.max_new_tokens)
     prompts = [r.input_ids or (chat_prompt_ids(tok, r.messages) if r.messages
@@ -252,6 +263,18 @@ def main(argv: list[str] | None = None) -> int:
                      indent=1))
     for f in result["failures"]:
         print("failure:", f)
+    return 0 if result["ok"] else 1
+
+
+def run_grammar_abort(args: argparse.Namespace) -> int:
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    with server(shlex.split(args.server_args), Path(args.output).with_suffix(".server.log")) \
+            as url:
+        result = asyncio.run(grammar_abort(url, args.streams, args.max_new_tokens))
+    write_json(args.output, {"config": vars(args), "machine": machine_info(), **result})
+    for f in result["failures"]:
+        print("failure:", f)
+    print(json.dumps({k: v for k, v in result.items() if k != "failures"}, indent=1))
     return 0 if result["ok"] else 1
 
 

@@ -3,7 +3,11 @@
 Each replica is a server of its own, `python -m launch_server` with the user's flags on a free
 loopback port and `--num-threads` = --threads-per-replica: its own scheduler, model runner, KV
 and prefix cache. Once every replica answers /health, sglang-router starts on the user's
---host/--port (specserve/launch/router.py) and the launcher logs one `ready` line. Then:
+--host/--port (specserve/launch/router.py) and the launcher logs one `ready` line. A replica
+that would time its verify-cost curve at start-up (`--speculative-verify-cost measure`) would
+time it while the others load their models beside it, so the first replica starts alone and
+the others, and every restart, start from the curve it timed (a file, passed as
+`--speculative-verify-cost`): one measurement, whatever order the replicas come up in. Then:
 - a replica that exits is taken out of the router's rotation at once (a thread waits on each),
   restarted with the same port and flags by the watchdog, which looks every 0.5 s (while it
   fails to start, again after 1, 2, 4 ... 30 s), and put back once its /health answers. Its
@@ -19,11 +23,14 @@ that order. Their output reaches our stderr line by line, prefixed with their na
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -130,7 +137,8 @@ def replica_argv(given, threads: int, port: int) -> list[str]:
 class DataParallel:
     def __init__(self, given, args) -> None:
         """`given`: the parsed flags; `args`: the same, resolved."""
-        self.args = args
+        self.given, self.args = given, args
+        self.cost_dir: str | None = None  # the start-up curve the replicas share
         threads = args.threads_per_replica
         self.replicas = [Replica(i, port, replica_argv(given, threads, port))
                          for i, port in enumerate(free_port() for _ in range(args.dp_size))]
@@ -196,20 +204,15 @@ class DataParallel:
                      took)
 
     def _start(self) -> None:
-        for r in self.replicas:
-            self._start_replica(r)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        waiting = list(self.replicas)
-        while waiting and self.stop_signal is None:
-            for r in list(waiting):
-                if not r.alive():
-                    raise RuntimeError(f"{r.name} exited during start-up (exit code "
-                                       f"{r.proc.returncode}; its log is above)")
-                if self._healthy(r):
-                    waiting.remove(r)
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"replicas not ready after {START_TIMEOUT_S:.0f}s")
-            time.sleep(POLL_S)
+        if self._measures_cost():
+            # each replica would time its verify-cost curve while the others load their models
+            # beside it: the first times it alone, the others (and every restart) take its curve
+            self._start_and_wait(self.replicas[:1])
+            if self.stop_signal is None:
+                self._share_cost(self.replicas[0])
+            self._start_and_wait(self.replicas[1:])
+        else:
+            self._start_and_wait(self.replicas)
         if self.stop_signal is not None:
             return
         a = self.args
@@ -223,6 +226,45 @@ class DataParallel:
         with self.router_lock:
             for r in self.replicas:
                 r.serving = r.in_router = True
+
+    def _start_and_wait(self, replicas: list[Replica]) -> None:
+        for r in replicas:
+            self._start_replica(r)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        waiting = list(replicas)
+        while waiting and self.stop_signal is None:
+            for r in list(waiting):
+                if not r.alive():
+                    raise RuntimeError(f"{r.name} exited during start-up (exit code "
+                                       f"{r.proc.returncode}; its log is above)")
+                if self._healthy(r):
+                    waiting.remove(r)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"replicas not ready after {START_TIMEOUT_S:.0f}s")
+            time.sleep(POLL_S)
+
+    def _measures_cost(self) -> bool:
+        """Whether the replicas would time a verify-cost curve at start-up."""
+        cfg = self.args.spec_config()
+        return self.args.dp_size > 1 and cfg is not None and cfg.verify_cost == "measure"
+
+    def _share_cost(self, r: Replica) -> None:
+        """Every replica's command (restarts too) takes the curve `r` timed at start-up."""
+        try:
+            curve = self.http.get(f"{r.url}/server_info", timeout=30).json()["verify_cost_prior"]
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            logger.warning("%s: no verify-cost curve to share (%r); each replica times its own",
+                           r.name, exc)
+            return
+        self.cost_dir = tempfile.mkdtemp(prefix="specserve-dp-")  # (mode 0700)
+        path = os.path.join(self.cost_dir, "verify_cost.json")
+        with open(path, "w") as f:
+            json.dump(curve, f)
+        given = dataclasses.replace(self.given, speculative_verify_cost=path)
+        for rep in self.replicas:
+            rep.argv = replica_argv(given, self.args.threads_per_replica, rep.port)
+        logger.info("verify cost: %s's start-up curve (%s) for every replica", r.name,
+                    curve.get("source", ""))
 
     def _healthy(self, r: Replica) -> bool:
         try:
@@ -295,6 +337,8 @@ class DataParallel:
         if self.router is not None:
             self.router.close()
         self.http.close()
+        if self.cost_dir is not None:
+            shutil.rmtree(self.cost_dir, ignore_errors=True)
         logger.info("shut down")
 
 

@@ -146,6 +146,8 @@ class ReqBatchEntry(Msg):
     # nodes the drafter may propose, root included (0: every fresh slot; a constrained request
     # may get more slots than that, for the tokens its grammar forces)
     draft_nodes: int = 0
+    # a probe of the verify cost: draft the whole budget, uncut by the drafter's cost estimate
+    explore: bool = False
     grammar: GrammarPayload | None = None  # also sent once, with the parameters
     spec_trace: bool = False  # also sent once: report its verify steps (`SpecStep`)
 
@@ -162,6 +164,13 @@ class RunBatch(Msg):
     drafter_idle: bool = False
     traffic_off: bool = False
     speculative: bool = False  # the controller planned this decode step (else it is plain)
+    # the verify-cost curve the controller plans with, when it moved (`VerifyCost.to_dict()`):
+    # a drafter that cuts its trees by cost cuts them by it from this step on
+    verify_cost: dict | None = None
+    # with no request: time the verify-cost curve at these row counts over the scratch KV
+    # slots `measure_slots` (pack_ints), and answer with it (`BatchResult.verify_cost`)
+    measure_rows: list[int] | None = None
+    measure_slots: bytes = b""
 
 
 class ShutdownReq(Msg):
@@ -184,6 +193,14 @@ class BatchResult(Msg):
     grammar_states: list[str] | None = None
     # speculative steps in which a traced request drafted: its `SpecStep`, by request id
     spec_trace: dict[str, SpecStep] | None = None
+    # the step's target forward when it ran one (decode or verify: the speculation controller
+    # learns the verify-cost curve from them): its rows, summed over the batch, and seconds
+    forward_rows: int = 0
+    target_s: float = 0.0
+    # the curve timed for `RunBatch.measure_rows` (`VerifyCost.to_dict()`)
+    verify_cost: dict | None = None
+    # what the runner keeps per request after this batch (RunnerWorker.held)
+    held: dict[str, int] | None = None
 
 
 class RunnerReady(Msg):

@@ -56,6 +56,9 @@ class StepPlan(NamedTuple):
     # the drafter's nodes per request when fewer than its slots (a constrained request's other
     # slots are for the tokens its grammar forces); None: every slot
     drafts: list[int] | None = None
+    # per request: a probe of the verify cost (draft the whole budget, uncut by the drafter's
+    # cost estimate); None: none
+    explore: list[bool] | None = None
 
 
 class SpecController(Protocol):
@@ -68,9 +71,22 @@ class SpecController(Protocol):
 
     def plan(self, states: Sequence[Any]) -> StepPlan: ...
 
-    def observe(self, states: Sequence[Any], infos: Sequence[dict], step_s: float) -> None: ...
+    def observe(self, states: Sequence[Any], infos: Sequence[dict], step_s: float,
+                forward: tuple[int, float] | None = None) -> None: ...
 
     def reset(self) -> None: ...
+
+    def curve_update(self) -> VerifyCost | None:
+        """The curve it plans with, when it moved since it was last asked (for the runner's
+        drafter)."""
+
+    def remeasure_rows(self) -> list[int] | None:
+        """Row counts to time the curve at again while the server is idle (its start-up
+        measurement disagrees with what the steps show), or None."""
+
+    def set_prior(self, measured: VerifyCost) -> None: ...
+
+    def cost_info(self) -> dict: ...
 
 
 class SpecWorker(Protocol):
@@ -91,9 +107,13 @@ class SpecWorker(Protocol):
 
     def release(self, rid: str) -> None: ...
 
+    def live_requests(self) -> int: ...  # requests it keeps state for
+
     def reset(self) -> None: ...
 
     def describe(self) -> str: ...
+
+    def set_verify_cost(self, cost: VerifyCost) -> None: ...
 
 
 class Speculation(Protocol):

@@ -14,6 +14,8 @@ fallback (`--speculative-verify-cost table`, and code that runs without a runner
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import json
 import statistics
 import time
 from dataclasses import dataclass
@@ -69,6 +71,7 @@ VERIFY_COST = {
 }
 
 DEFAULT_NS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
+MEASURE_PREFIX = 256  # tokens of context the timed forwards attend to
 
 
 def stored_verify_cost(engine: str) -> VerifyCost:
@@ -76,8 +79,9 @@ def stored_verify_cost(engine: str) -> VerifyCost:
 
 
 @torch.inference_mode()
-def measure_verify_times(runner, prefix: int = 256, ns: tuple[int, ...] = DEFAULT_NS,
-                         reps: int = 3, warmup: int = 2) -> dict[int, float]:
+def measure_verify_times(runner, prefix: int = MEASURE_PREFIX, ns: tuple[int, ...] = DEFAULT_NS,
+                         reps: int = 3, warmup: int = 2,
+                         slots: torch.Tensor | None = None) -> dict[int, float]:
     """Median seconds of one TARGET_VERIFY forward of an n-node chain over a `prefix`-token
     prompt, for each n (n = 1: a DECODE forward, what a plain step runs). Each n runs in a block
     (`warmup` forwards, then `reps` timed), the sizes once largest first and once smallest first,
@@ -86,13 +90,16 @@ def measure_verify_times(runner, prefix: int = 256, ns: tuple[int, ...] = DEFAUL
     the largest size, as a round over every n in turn did, one row read ~2x its steady decode
     time on the AMX machine, which halved every ratio: T(8)/T(1) 1.7 against 2.9.) Uses KV
     slots 1..prefix + max(ns) of `runner`'s pool: call it when no request holds them (start-up),
-    or on a runner of its own."""
+    or on a runner of its own; or pass `slots`, scratch slots lent by the scheduler."""
     from specserve.runtime.forward_batch import ForwardBatch, ForwardMode
 
     room = min(runner.kv_capacity, getattr(runner, "context_length", runner.kv_capacity))
+    if slots is not None:
+        room = min(room, slots.numel())
     ns = tuple(sorted(n for n in ns if n < room)) or (1,)
     prefix = max(1, min(prefix, room - max(ns)))
-    slots = torch.arange(1, prefix + max(ns) + 1, dtype=torch.int64)
+    if slots is None:
+        slots = torch.arange(1, prefix + max(ns) + 1, dtype=torch.int64)
     gen = torch.Generator().manual_seed(0)
     vocab = runner.model_config.vocab_size
     prompt = torch.randint(0, vocab, (prefix + max(ns),), generator=gen).tolist()
@@ -120,13 +127,32 @@ def measure_verify_times(runner, prefix: int = 256, ns: tuple[int, ...] = DEFAUL
     return {n: statistics.median(v) for n, v in times.items()}
 
 
-def measure_verify_cost(runner, prefix: int = 256, ns: tuple[int, ...] = DEFAULT_NS,
-                        reps: int = 3) -> VerifyCost:
+def measure_verify_cost(runner, prefix: int = MEASURE_PREFIX, ns: tuple[int, ...] = DEFAULT_NS,
+                        reps: int = 3, slots: torch.Tensor | None = None,
+                        when: str = "at start-up") -> VerifyCost:
     """This machine's curve, now (see the module docstring)."""
-    t = measure_verify_times(runner, prefix, tuple(sorted(set(ns) | {1})), reps)
+    t = measure_verify_times(runner, prefix, tuple(sorted(set(ns) | {1})), reps, slots=slots)
     ns = tuple(sorted(t))
     if len(ns) < 2:  # a context too short to measure a curve in
         return stored_verify_cost(runner.engine)
     return VerifyCost(ns, tuple([1.0] + [t[n] / t[1] for n in ns[1:]]),
-                      f"measured at start-up: {runner.engine} engine, {prefix}-token prefix, "
+                      f"measured {when}: {runner.engine} engine, {prefix}-token prefix, "
                       f"T(1) = {t[1] * 1e3:.2f} ms", t[1])
+
+
+def extend_curve(measured: VerifyCost, old: VerifyCost) -> VerifyCost:
+    """`measured` (a new timing of the first rows), continued past its last row by `old`'s
+    shape, scaled to meet it there."""
+    last = measured.rows[-1]
+    scale = measured(last) / old(last)
+    beyond = [(n, r * scale) for n, r in zip(old.rows, old.ratios) if n > last]
+    return VerifyCost(measured.rows + tuple(n for n, _ in beyond),
+                      measured.ratios + tuple(r for _, r in beyond), measured.source,
+                      measured.t1_s)
+
+
+def load_verify_cost(path: str) -> VerifyCost:
+    """A curve saved as JSON (`VerifyCost.to_dict()`, as /server_info shows it)."""
+    with open(path) as f:
+        cost = VerifyCost.from_dict(json.load(f))
+    return dataclasses.replace(cost, source=f"{cost.source} (from {path})")

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from specserve.runtime.model_runner.req import RunnerReq
 from specserve.runtime.speculation import TargetRows
-from specserve.speculative.controller import TreeSizes
 from specserve.speculative.options import ResolveContext, SpecConfig, SpecOptions, flag
+from specserve.speculative.planning import TreeSizes
 from specserve.speculative.registry import (
     ALGORITHMS,
     check_algorithm,
@@ -165,6 +165,11 @@ class Drafter(ABC):
 
     def release(self, rid: str) -> None:  # noqa: B027
         """The request finished; drop per-request state."""
+
+    def live_requests(self) -> int:
+        """Requests this drafter keeps state for (0 for a drafter that keeps none; a drafter
+        with per-request state counts it, so /server_info shows a release that never came)."""
+        return 0
 
     def reset(self) -> None:  # noqa: B027
         """Drop all learned state (flush_cache)."""

@@ -6,10 +6,11 @@ was accepted and how long the step took.
 
 What a step yields and costs. A decode step of B requests yields B tokens plus the accepted
 drafts, and costs T(rows) = t1 * C(rows) seconds of target forward, rows summed over the batch
-(each request's root plus its draft nodes; C is the verify-cost curve measured on this machine
-at start-up, specserve/runtime/verify_cost.py) plus d seconds per request that drafted (`draft_s`:
-the drafter's own work, a draft model's forwards, the tree mask, verification, the commit; measured
-from the steps' times). The plan maximises expected tokens per second:
+(each request's root plus its draft nodes; C is the verify-cost curve, learned from the target
+forwards the runner timed over the start-up measurement, specserve/speculative/live_cost.py)
+plus d seconds per request that drafted (`draft_s`: the drafter's own work, a draft model's
+forwards, the tree mask, verification, the commit; the steps' time outside the target forward).
+The plan maximises expected tokens per second:
 
     rate(sizes) = (B + sum_i E_i(n_i)) / (C(rows) + delta * drafting),   delta = d / t1
 
@@ -27,6 +28,15 @@ A probe costs more than a drafting step (a draft model first catches up every po
 it last drafted), so after one that did not pay, the next waits long enough that probes take
 at most PROBE_SHARE of the decode time, by the probes' measured extra time (`probe_s`).
 
+Decisions that can be won back. A probe's own forward enters the curve before the probe is
+judged, and a server-wide probe goes to a request planned below its cap (so it times the cap's
+rows, and SUFFIX drafts it uncut: `StepPlan.explore`). When the learned curve lowers the
+break-even of a base-size or deepest tree by RECONSIDER_MARGIN against the curve under which a
+probe interval last grew, every back-off starts again (`_reconsider`): the next server-wide
+probe comes within max(PROBE_EVERY, cost interval) steps, and one that pays puts the traffic
+back on at the next step, for PROBE_EVERY steps at least (`won_back`; docs/speculative.md
+states the bound).
+
 What the drafter is decides the rest (specserve/speculative/base.py, `Drafter.tree_sizes`): the caps
 (a request decoding alone may go deeper), whether it sizes its own trees by its node estimates (then
 a request drafts while its expected accepted drafts, a / (1 - a), pay a tree of the size such trees
@@ -38,50 +48,22 @@ drafted makes the request wait, doubling).
 
 from __future__ import annotations
 
-import heapq
+import math
+import statistics
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from specserve.runtime.speculation import StepPlan
-from specserve.runtime.verify_cost import VerifyCost
-
-
-@dataclass(frozen=True)
-class TreeSizes:
-    """A drafter's tree sizes and what it can judge itself (`Drafter.tree_sizes`)."""
-
-    base: int  # tree nodes per request per step, root included
-    alone: int  # the most a request may get while it decodes alone (the curve's flat part)
-    # any request alone may get `alone` (the drafter sizes trees by how long its context match
-    # is and leaves what it does not use); otherwise only one whose last step accepted a whole
-    # base-size draft (it is copying)
-    deep_for_all: bool = False
-    self_sized: bool = False  # cuts each tree itself by its node estimates (`best_prefix`)
-    judges_confidence: bool = False  # can draft only what it is sure of
-
-
-@dataclass(slots=True)
-class ReqSpec:
-    """The controller's record of one request (kept on the scheduler's `Req.spec`)."""
-
-    accepted: float  # decayed accepted drafts ...
-    rejected: float  # ... and rejections: the acceptance estimate is their ratio
-    last_accepted: int = 0  # drafts accepted by its last verify step
-    idle: int = 0  # steps kept at one node while it could have drafted
-    interval: int = 0  # probe interval (x batch size); 0 until the first probe
-    # sure drafts (`TreeSizes.judges_confidence`) that kept failing wait this many steps
-    sure_wait: int = 0
-    sure_interval: int = 0
-    # what its last plan gave it beyond the estimate (a probe, the server-wide probe, a sure
-    # draft): whether its accepted drafts paid the rows it drafted sets the next interval
-    out: str = ""
-    constrained: bool = False  # it follows a grammar: slots for the tokens the grammar forces
-    drafting: bool = False  # its last plan gave its drafter nodes (not only forced tokens)
-
-    @property
-    def rate(self) -> float:
-        return self.accepted / (self.accepted + self.rejected)
-
+from specserve.runtime.verify_cost import VerifyCost, extend_curve
+from specserve.speculative.live_cost import REMEASURE_MARGIN, LiveCost
+from specserve.speculative.planning import (
+    ReqSpec,
+    TreeSizes,
+    break_even,
+    expected_gain,
+    plan_drafts,
+    update,
+)
 
 DECAY = 0.9  # ~10 drafting steps of memory: acceptance comes in bursts
 PRIOR_DECAY = 0.98  # the server-wide estimate pools every request's drafting steps
@@ -90,94 +72,53 @@ PROBE_EVERY = 16  # a kept-back request's first probe interval (x batch size)
 MAX_PROBE_INTERVAL = 512
 WARM_STEPS = 8  # steps before a server-wide probe that run the drafter (fresh head state)
 COST_WEIGHT = 0.2  # EMA weight of a step's measured times
+CLIP = 0.5  # the most log(step time / estimate) one step moves an estimate by (x COST_WEIGHT)
+DRAFT_WINDOW = 9  # drafting steps the per-request drafting cost is the median of
 PROBE_SHARE = 0.02  # of the decode time, the most that probes which do not pay may take
 MAX_COST_INTERVAL = 4096  # (steps) the longest wait that PROBE_SHARE may impose
 FORCED_NODES = 8  # slots of a constrained request, at least (grammar-forced tokens)
 # a self-sized drafter's request drafts while it expects at least this many accepted drafts
 # per step, whatever the measured cost says (the cost is unknown until drafting steps ran)
 MIN_GAIN = 0.2
+# a fall of the break-even accepted drafts (at the batch size, of a base-size or deepest tree)
+# by this share since a probe interval last grew resets every back-off: it was decided under a
+# dearer cost
+RECONSIDER_MARGIN = 0.1
+EXPLORE_EVERY = 16  # steps between cost probes of a self-sized drafter's uncut trees
+CURVE_RESEND = 1.05  # the runner's drafter gets the curve again once it moved by this factor
+REMEASURE_EVERY = 1024  # timed forwards before the prior is measured again (doubling after)
 
 
-def expected_gain(rate: float) -> float:
-    """Accepted drafts per drafting step of a request of this acceptance estimate (the mean
-    of the geometric run the chain model assumes)."""
-    return float("inf") if rate >= 1.0 else rate / (1.0 - rate)
-
-
-def update(counts: ReqSpec | list[float], drafted: int, accepted: int, decay: float) -> None:
-    """One verify outcome into decayed (accepted, rejected) counts: a rejection is a step that
-    accepted fewer drafts than it was shown (the maximum-likelihood rate of a geometric run)."""
-    rejected = 1.0 if accepted < drafted else 0.0
-    if isinstance(counts, ReqSpec):
-        counts.accepted = decay * counts.accepted + accepted
-        counts.rejected = decay * counts.rejected + rejected
-    else:
-        counts[0] = decay * counts[0] + accepted
-        counts[1] = decay * counts[1] + rejected
-
-
-def plan_drafts(rates: Sequence[float], caps: Sequence[int], cost: VerifyCost,
-                delta: float = 0.0) -> list[int]:
-    """Nodes per request (root included, 1 = no draft, <= caps[i]) maximising expected tokens
-    per unit of step time, C(rows) + delta per drafting request (see the module docstring)."""
-    sizes = [1] * len(rates)
-    if not sizes:
-        return sizes
-    rows, tokens, drafting = len(sizes), float(len(sizes)), 0
-    best_rate, best_rows = tokens / cost(rows), rows
-    order: list[int] = []  # requests in node hand-out order (heap of marginal yields)
-    heap = [(-a, i) for i, a in enumerate(rates) if caps[i] > 1 and a > 0.0]
-    heapq.heapify(heap)
-    while heap:
-        neg_gain, i = heapq.heappop(heap)
-        drafting += sizes[i] == 1
-        sizes[i] += 1
-        rows += 1
-        tokens -= neg_gain
-        order.append(i)
-        rate = tokens / (cost(rows) + delta * drafting)
-        if rate > best_rate:
-            best_rate, best_rows = rate, rows
-        if sizes[i] < caps[i]:
-            heapq.heappush(heap, (neg_gain * rates[i], i))  # next node: a_i^(n_i)
-    out = [1] * len(rates)
-    for i in order[: best_rows - len(rates)]:
-        out[i] += 1
-    return out
-
-
-def best_prefix(probs: Sequence[float], batch_size: int, cost: VerifyCost | None,
-                delta: float = 0.0) -> int:
-    """Nodes (root included) of a best-first tree worth verifying, from the drafter's own
-    estimate of each node's acceptance (`probs[0]` is the root): the prefix that maximises the
-    step's expected tokens per cost, beside `batch_size - 1` one-row requests:
-    (B + sum of its drafts' probabilities) / (C(B - 1 + nodes) + delta). None: every node."""
-    if cost is None or len(probs) <= 1:
-        return len(probs)
-    others = max(batch_size, 1) - 1
-    best_k, best_rate, tokens = 1, (others + 1) / cost(others + 1), others + 1.0
-    for k in range(2, len(probs) + 1):
-        tokens += probs[k - 1]
-        rate = tokens / (cost(others + k) + delta)
-        if rate > best_rate:
-            best_k, best_rate = k, rate
-    return best_k
+def toward(x: float, t: float) -> float:
+    """x moved toward t by COST_WEIGHT in log space, by at most CLIP: a trimmed EWMA."""
+    step = max(-CLIP, min(CLIP, math.log(t / x)))
+    return x * math.exp(COST_WEIGHT * step)
 
 
 class SpecController:
     """See the module docstring. `adaptive=False` (--speculative-disable-adaptive): every
-    request gets its cap every step."""
+    request gets its cap every step. `learn_cost=False`: plan with the start-up curve `curve`
+    for good (the live estimate, specserve/speculative/live_cost.py, is not kept)."""
 
-    def __init__(self, sizes: TreeSizes, curve: VerifyCost, adaptive: bool = True) -> None:
+    def __init__(self, sizes: TreeSizes, curve: VerifyCost, adaptive: bool = True,
+                 learn_cost: bool = True) -> None:
         self.sizes = sizes
-        self.curve = curve
+        self.cost = LiveCost(curve)
+        self.learn_cost = learn_cost
         self.adaptive = adaptive
         self.base_nodes = sizes.base
+        self.epoch = 0  # back-offs set in an earlier epoch were decided under another cost
+        self._backed_off_under = curve  # the curve when a probe interval last grew
+        self._sent = curve  # the curve the runner's drafter cuts its trees by
+        self._remeasure_at, self._remeasures = REMEASURE_EVERY, 0
+        self.since_explore = 0
         self.reset()
-        # seconds of a one-row forward (EMA over plain steps, starting from the start-up
-        # timing), and a drafting request's extra seconds beyond its verify rows (EMA)
+        # seconds of a one-row step (EMA over plain steps, starting from the start-up timing),
+        # and a drafting request's extra seconds beyond its verify rows (`_measure`)
         self.t1: float | None = curve.t1_s
         self.draft_s: float | None = None
+        self._draft: deque[float] = deque(maxlen=DRAFT_WINDOW)  # its last values
+        self.outside: float | None = None  # a plain step's seconds outside the target forward
         # a probe step's seconds beyond a plain step of the same batch (EMA over probes)
         self.probe_s: float | None = None
 
@@ -187,6 +128,13 @@ class SpecController:
         self.self_sized_nodes = 2.0  # drafts a self-sized drafter's tree keeps (EMA)
         self.global_interval = PROBE_EVERY
         self.since_global = 0
+        self.won_back = 0  # steps left in which a paying server-wide probe keeps the traffic on
+
+    @property
+    def curve(self) -> VerifyCost:
+        """T(n)/T(1) as the plan prices it: learned from the steps' forwards over the start-up
+        prior (`LiveCost`), or the prior alone with `learn_cost=False`."""
+        return self.cost.curve if self.learn_cost else self.cost.prior
 
     @property
     def delta(self) -> float:
@@ -197,7 +145,8 @@ class SpecController:
 
     def new_request(self, constrained: bool = False) -> ReqSpec:
         a = self.prior[0] / (self.prior[0] + self.prior[1])
-        return ReqSpec(PRIOR_WEIGHT * a, PRIOR_WEIGHT * (1.0 - a), constrained=constrained)
+        return ReqSpec(PRIOR_WEIGHT * a, PRIOR_WEIGHT * (1.0 - a), constrained=constrained,
+                       epoch=self.epoch)
 
     # ---- the plan -------------------------------------------------------------------------
     def caps(self, states: Sequence[ReqSpec]) -> list[int]:
@@ -239,29 +188,56 @@ class SpecController:
         else:
             sizes = plan_drafts([s.rate for s in states], caps, self.curve, self.delta)
             off = not self.pays(prior, n, self.sizes.base)
+        if self.won_back:  # a server-wide probe paid: the traffic is on while this lasts
+            self.won_back -= 1
+            off = False
         confident = [False] * n
         kept = [i for i in range(n) if sizes[i] == 1 and caps[i] > 1]
-        probe = self._global_probe(states, kept) if off else None
+        # (a request drafting less than its cap is probed too: a probe times the cap's rows)
+        probe = self._global_probe(states, [i for i in range(n) if sizes[i] < caps[i]]) \
+            if off else None
         sure = self.sizes.judges_confidence and kept and self.pays(1.0, n, max(caps))
         for i in range(n):
             st = states[i]
             st.out = ""
             st.drafting = sizes[i] > 1
+            if i == probe:
+                sizes[i], st.idle, st.drafting, st.out = caps[i], 0, True, "global"
+                continue
             if sizes[i] > 1:
                 st.idle = 0
                 continue
             if caps[i] <= 1:
                 continue
             st.idle += 1
+            if st.epoch != self.epoch:  # its back-off was decided under a dearer cost
+                st.epoch, st.interval, st.sure_interval, st.sure_wait = self.epoch, 0, 0, 0
             st.sure_wait = max(st.sure_wait - 1, 0)
-            if (i == probe) if off else st.idle >= (st.interval or PROBE_EVERY) * n:
-                sizes[i], st.idle, st.drafting = caps[i], 0, True
-                st.out = "global" if off else "probe"
+            if not off and st.idle >= (st.interval or PROBE_EVERY) * n:
+                sizes[i], st.idle, st.drafting, st.out = caps[i], 0, True, "probe"
             elif sure and not st.sure_wait:
                 sizes[i], confident[i], st.drafting = caps[i], True, True
                 st.out = "sure"
         idle = all(k == 1 for k in sizes) and self._steps_to_probe(states, kept, off) > WARM_STEPS
-        return self._with_forced(StepPlan(sizes, confident, idle, off), states)
+        explore = self._explore(states, sizes)
+        return self._with_forced(StepPlan(sizes, confident, idle, off, explore=explore), states)
+
+    def _explore(self, states: Sequence[ReqSpec], sizes: list[int]) -> list[bool] | None:
+        """Which requests draft their whole budget, uncut by the drafter's cost estimate, so
+        that the cost of a bigger tree gets timed: every probe, and every EXPLORE_EVERY steps
+        one drafting request of a self-sized drafter whose budget reaches rows the curve has
+        no data for (else a curve that overprices big trees keeps them from ever running)."""
+        if not self.learn_cost:
+            return None
+        flags = [st.out in ("global", "probe") for st in states]
+        self.since_explore += 1
+        if self.sizes.self_sized and self.since_explore >= EXPLORE_EVERY:
+            rows = len(states) - 1
+            for i, n in enumerate(sizes):
+                if n > 1 and not flags[i] and not self.cost.knows(rows + n):
+                    flags[i], self.since_explore = True, 0
+                    break
+        return flags if any(flags) else None
 
     def _with_forced(self, plan: StepPlan, states: Sequence[ReqSpec]) -> StepPlan:
         """A constrained request gets FORCED_NODES slots at least: the tokens its grammar
@@ -273,14 +249,15 @@ class SpecController:
                  for n, s in zip(plan.sizes, states)]
         return plan._replace(sizes=slots, drafts=list(plan.sizes), idle=False)
 
-    def _global_probe(self, states: Sequence[ReqSpec], kept: list[int]) -> int | None:
-        """The request that probes for the whole server this step, if one is due: the one kept
-        back longest (a probe that could not draft would teach nothing, so it waits for one)."""
+    def _global_probe(self, states: Sequence[ReqSpec], short: list[int]) -> int | None:
+        """The request that probes for the whole server this step, if one is due: of those
+        planned below their cap, the one kept back longest (a probe that could not draft would
+        teach nothing, so it waits for one)."""
         self.since_global += 1
-        if self.since_global < self.global_interval or not kept:
+        if self.since_global < self.global_interval or not short:
             return None
         self.since_global = 0
-        return max(kept, key=lambda i: states[i].idle)
+        return max(short, key=lambda i: states[i].idle)
 
     def _steps_to_probe(self, states: Sequence[ReqSpec], kept: list[int], off: bool) -> int:
         if off:
@@ -290,9 +267,14 @@ class SpecController:
                    default=MAX_PROBE_INTERVAL * n)
 
     # ---- what happened --------------------------------------------------------------------
-    def observe(self, states: Sequence[ReqSpec], infos: Sequence[dict], step_s: float) -> None:
+    def observe(self, states: Sequence[ReqSpec], infos: Sequence[dict], step_s: float,
+                forward: tuple[int, float] | None = None) -> None:
         """A decode step's outcome: per request its `drafted` and `accepted` drafts; the step's
-        time teaches the costs (plain steps t1, drafting steps the extra per drafting request)."""
+        time teaches the costs (plain steps t1, drafting steps the extra per drafting request),
+        and its target forward (rows, seconds) the curve, before any probe of it is judged."""
+        if forward is not None and self.learn_cost:
+            self.cost.add(*forward)
+            self._reconsider(len(states))
         rows, drafting, outcomes = len(states), 0, []
         for st, info in zip(states, infos):
             drafted, accepted = info["drafted"], info["accepted"]
@@ -315,7 +297,8 @@ class SpecController:
                 self.probe_s + COST_WEIGHT * (extra - self.probe_s))
         for st, paid in outcomes:
             self._learn_outcome(st, paid, len(states))
-        self._measure(len(states), rows, drafting, step_s)
+        self._measure(len(states), rows, drafting, step_s,
+                      forward[1] if forward is not None and self.learn_cost else None)
 
     def cost_interval(self, batch_size: int) -> int:
         """Steps between probes that do not pay, at least, so that they take at most
@@ -328,9 +311,15 @@ class SpecController:
     def _learn_outcome(self, st: ReqSpec, paid: bool, batch_size: int) -> None:
         """A probe or a sure draft that paid resets its interval; one that did not doubles it,
         and waits at least as long as PROBE_SHARE allows for the probes' cost."""
+        if st.out in ("global", "probe") and not paid:
+            self._backed_off_under = self.curve
         if st.out == "global":
             self.global_interval = PROBE_EVERY if paid else max(
                 min(2 * self.global_interval, MAX_PROBE_INTERVAL), self.cost_interval(batch_size))
+            if paid and self.learn_cost:
+                # won back: requests plan by their own estimates for PROBE_EVERY steps, and
+                # their drafting steps teach the server-wide one whether it pays again
+                self.won_back = PROBE_EVERY
         elif st.out == "probe":
             # (each of the batch's requests probes once per interval x batch size steps)
             st.interval = PROBE_EVERY if paid else max(
@@ -343,11 +332,73 @@ class SpecController:
             st.sure_wait = st.sure_interval
         st.out = ""
 
-    def _measure(self, batch_size: int, rows: int, drafting: int, step_s: float) -> None:
-        w = COST_WEIGHT
+    def _measure(self, batch_size: int, rows: int, drafting: int, step_s: float,
+                 forward_s: float | None) -> None:
+        """t1 from plain steps (a log-space EMA whose steps are clipped: one slow step moves it
+        little); a drafting request's extra seconds as the median of the last steps': their
+        time outside the target forward beyond a plain step's, where the forward was timed."""
         if not drafting:
             t = step_s / self.curve(batch_size)
-            self.t1 = t if self.t1 is None else self.t1 + w * (t - self.t1)
+            self.t1 = t if self.t1 is None else toward(self.t1, t)
+            if forward_s is not None:
+                o = max(step_s - forward_s, 1e-6)
+                self.outside = o if self.outside is None else toward(self.outside, o)
         elif self.t1 is not None:
-            d = max(0.0, step_s - self.t1 * self.curve(rows)) / drafting
-            self.draft_s = d if self.draft_s is None else self.draft_s + w * (d - self.draft_s)
+            if forward_s is not None and self.outside is not None:
+                d = (step_s - forward_s - self.outside) / drafting
+            else:
+                d = (step_s - self.t1 * self.curve(rows)) / drafting
+            self._draft.append(max(0.0, d))
+            self.draft_s = statistics.median(self._draft)
+
+    # ---- the cost, learned ----------------------------------------------------------------
+    def _reconsider(self, batch_size: int) -> None:
+        """After the curve moved: if a tree of the base size, or of a probe's (the cap),
+        now breaks even on RECONSIDER_MARGIN fewer accepted drafts than when a probe interval
+        last grew, every back-off starts again (the server-wide interval now, each request's
+        at its next plan: `epoch`)."""
+        curve, old = self.curve, self._backed_off_under
+        if curve is old:
+            return
+        delta = self.delta
+        for nodes in (self.sizes.base, self.sizes.alone):
+            before = break_even(old, batch_size, nodes, delta)
+            now = break_even(curve, batch_size, nodes, delta)
+            if now < before - RECONSIDER_MARGIN * abs(before):
+                self.global_interval = max(PROBE_EVERY, self.cost_interval(batch_size))
+                self.epoch += 1
+                self._backed_off_under = curve
+                return
+
+    def curve_update(self) -> VerifyCost | None:
+        """The curve, when it moved by CURVE_RESEND since the runner's drafter last got it."""
+        curve = self.curve
+        if curve is self._sent:
+            return None
+        moved = max(abs(math.log(curve(n) / self._sent(n))) for n in curve.rows)
+        if moved < math.log(CURVE_RESEND):
+            return None
+        self._sent = curve
+        return curve
+
+    def remeasure_rows(self) -> list[int] | None:
+        """Row counts to time the prior at again (while the server is idle) when a bucket of
+        the live estimate disagrees with it by more than REMEASURE_MARGIN; at most once per
+        REMEASURE_EVERY timed forwards, the wait doubling after each measurement."""
+        c = self.cost
+        if not self.learn_cost or c.samples < self._remeasure_at or \
+                c.disagreement() <= REMEASURE_MARGIN:
+            return None
+        self._remeasures += 1
+        self._remeasure_at = c.samples + REMEASURE_EVERY * 2 ** self._remeasures
+        top = max(16, 2 * c.learned_rows())
+        return sorted({n for n in c.prior.rows if n <= top} | {1})
+
+    def cost_info(self) -> dict:
+        """For /server_info: the curve planned with, its prior and the forwards behind it."""
+        return {"verify_cost": self.curve.to_dict(), "verify_cost_prior": self.cost.prior.to_dict(),
+                "verify_cost_timed_forwards": self.cost.samples}
+
+    def set_prior(self, measured: VerifyCost) -> None:
+        """The prior timed again on its first rows; past them, the old one's shape."""
+        self.cost.set_prior(extend_curve(measured, self.cost.prior))

@@ -51,9 +51,10 @@ class SpecOptions:
     disable_adaptive: bool = option(
         False, "always draft the full budget, even when drafts keep failing")
     verify_cost: str = option(
-        "measure", "the verify-cost curve T(n)/T(1) that the speculation controller "
-        "plans with: measure it on this machine at start-up (a few hundred ms of verify "
-        "forwards), or use the stored table of the engine", choices=("measure", "table"))
+        "measure", "the verify-cost curve T(n)/T(1) the speculation controller starts from "
+        "(it then learns the curve from the server's own steps): measure (on this machine at "
+        "start-up, a few seconds of verify forwards), table (the engine's stored one), or a "
+        "JSON file of a curve measured once (as /server_info's verify_cost shows it)")
     tree_ops: str = option(
         "auto", "how a step's trees are verified, same results either way: walk each tree in "
         "Python, or one batched tensor op from the kernel registry (torch reference, Triton); "
@@ -230,7 +231,22 @@ def resolve_spec_options(algorithm: str, given: dict[str, Any], ctx: ResolveCont
                              f"{' / '.join(algos)}, not {algo}")
     opts = cls.options(**{n: given.get(n, f.default) for n, f in mine.items()})
     opts = cls.resolve_options(opts, ctx)
+    check_verify_cost(opts.verify_cost)
     return SpecConfig(algo, **{n: getattr(opts, n) for n in mine})
+
+
+def check_verify_cost(value: str) -> None:
+    """--speculative-verify-cost: measure, table, or a readable curve file."""
+    if value in ("measure", "table"):
+        return
+    from specserve.runtime.verify_cost import load_verify_cost
+
+    try:
+        load_verify_cost(value)
+    except (OSError, ValueError, KeyError, TypeError, AssertionError) as exc:
+        raise ValueError(f"{flag('verify_cost')} must be measure, table or a JSON file of a "
+                         f"curve ({{\"rows\": [1, ...], \"ratios\": [1.0, ...]}}): {value!r}: "
+                         f"{exc}") from exc
 
 
 def _spec_config(algorithm: str, values: dict[str, Any]) -> SpecConfig:

@@ -40,7 +40,12 @@ from specserve.runtime.sampling.penalties import RowHistory, apply_penalties
 from specserve.runtime.sampling.sampler import SamplingBatchInfo, expand, process_logits
 from specserve.runtime.sampling.seeded import seed_to_int64, seeded_sample
 from specserve.runtime.speculation import TargetRows
-from specserve.runtime.verify_cost import VerifyCost, measure_verify_cost, stored_verify_cost
+from specserve.runtime.verify_cost import (
+    VerifyCost,
+    load_verify_cost,
+    measure_verify_cost,
+    stored_verify_cost,
+)
 from specserve.speculative.base import Drafter
 from specserve.speculative.options import SpecConfig
 from specserve.speculative.tree import DraftTree
@@ -182,7 +187,8 @@ class SpeculativeWorker:
     @classmethod
     def create(cls, cfg: SpecConfig, runner, before_measure=None) -> SpeculativeWorker:
         """The worker of a server (or benchmark): its drafter, and the verify-cost curve
-        measured on this machine now unless `--speculative-verify-cost table`. Call it before
+        measured on this machine now unless `--speculative-verify-cost` is `table` or a curve
+        file (a curve measured once and handed to several servers). Call it before
         any request holds KV slots (the measurement writes scratch KV). `before_measure` is
         called just before the timing (the runner process waits there for its neighbours'
         start-up work to finish)."""
@@ -199,6 +205,8 @@ class SpeculativeWorker:
         if measure and before_measure is not None:
             before_measure()
         cost = measure_verify_cost(runner) if measure else None
+        if cfg.verify_cost not in ("measure", "table"):
+            cost = load_verify_cost(cfg.verify_cost)
         return cls(cfg, drafter, runner, cost)
 
     # ---- what the runner asks of it (specserve/runtime/speculation.py: SpecWorker)
@@ -218,6 +226,10 @@ class SpeculativeWorker:
     def describe(self) -> str:
         return self.drafter.describe()
 
+    def set_verify_cost(self, cost: VerifyCost) -> None:
+        """The curve the scheduler's controller learned from the steps (it moved)."""
+        self.verify_cost = self.drafter.verify_cost = cost
+
     def observe(self, rid: str, history: list[int], num_new: int) -> None:
         self.drafter.observe(rid, history, num_new)
 
@@ -226,6 +238,9 @@ class SpeculativeWorker:
 
     def release(self, rid: str) -> None:
         self.drafter.release(rid)
+
+    def live_requests(self) -> int:
+        return self.drafter.live_requests()
 
     def reset(self) -> None:
         """Forget everything learned (called on flush_cache, when no request runs)."""

@@ -23,7 +23,7 @@ def test_profile_times_decode_and_verify_forwards_and_serves_every_token(tmp_pat
                                                    if k.startswith("EXTEND")}
     assert any(k.startswith("TARGET_VERIFY") for k in ngram["forwards"])
     table = capsys.readouterr().out
-    assert "outside forwards" in table and "end to end" in table
+    assert "outside any forward" in table and "end to end" in table
 
 
 def test_profile_rejects_an_unknown_config(capsys):
@@ -42,6 +42,7 @@ def test_logprobs_flag_serves_every_configuration_again_asking_for_them(monkeypa
                    logprobs=None, penalty=1.0):
         calls.append((label, logprobs))
         return {"label": label, "wall_s": 1.0, "tokens": 1, "steps": 1, "forward_s": 0.5,
+                "draft_forward_s": 0.0, "draft_forward_ms_per_step": 0.0,
                 "outside_forward_ms_per_step": 1.0, "ttft_median_ms": 1.0, "forwards": {}}
 
     monkeypatch.setattr(pss, "serve", fake_serve)
@@ -50,3 +51,38 @@ def test_logprobs_flag_serves_every_configuration_again_asking_for_them(monkeypa
                  "--output", str(tmp_path / "p.json")]) == 0
     assert calls == [("baseline", None), ("NGRAM", None), ("baseline+logprobs3", 3),
                      ("NGRAM+logprobs3", 3)]
+
+
+def test_a_drafters_own_forwards_are_timed_apart_from_the_rest(tmp_path):
+    """EAGLE-3's head forwards are counted as the drafter's, not as time outside any forward:
+    the outside share is what remains after both the target's and the head's forwards."""
+    out = tmp_path / "profile.json"
+    assert main(["--dataset", "sharegpt", "--split", "train", "--num-prompts", "1",
+                 "--warmup-prompts", "1", "--max-new-tokens", "16",
+                 "--configs", "EAGLE3:disable_adaptive=true", "--output", str(out)]) == 0
+    run = {r["label"]: r for r in json.loads(out.read_text())["runs"]}[
+        "EAGLE3:disable_adaptive=true"]
+    assert {"draft run_head fused", "draft run_head"} <= set(run["forwards"])
+    drafted = sum(f["total_s"] for k, f in run["forwards"].items() if k.startswith("draft "))
+    assert run["draft_forward_s"] == drafted > 0
+    outside = run["wall_s"] - run["forward_s"] - run["draft_forward_s"]
+    assert abs(run["outside_forward_ms_per_step"] - outside / run["steps"] * 1e3) < 1e-6
+
+
+def test_activation_digits_serve_the_baseline_and_every_config_at_each(monkeypatch, tmp_path):
+    import benchmark.profile_spec_step as pss
+
+    calls = []
+
+    def fake_serve(label, server_args, prompts, threads, concurrency=1, warmup=2,
+                   logprobs=None, penalty=1.0):
+        calls.append((label, server_args.get("activation_digits")))
+        return {"label": label, "wall_s": 1.0, "tokens": 2, "steps": 1, "forward_s": 0.5,
+                "draft_forward_s": 0.0, "draft_forward_ms_per_step": 0.0,
+                "outside_forward_ms_per_step": 1.0, "ttft_median_ms": 1.0, "forwards": {}}
+
+    monkeypatch.setattr(pss, "serve", fake_serve)
+    assert main(["--dataset", "rewrite", "--split", "train", "--num-prompts", "1",
+                 "--configs", "NGRAM", "--activation-digits", "3,1",
+                 "--output", str(tmp_path / "p.json")]) == 0
+    assert calls == [("baseline@3d", 3), ("NGRAM@3d", 3), ("baseline@1d", 1), ("NGRAM@1d", 1)]

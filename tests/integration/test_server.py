@@ -124,7 +124,7 @@ BAD_INPUTS = [
     ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
     ("/generate", {"text": "hi", "sampling_params": {"temperature": -0.5}}, "temperature"),
     ("/generate", {"text": "hi", "sampling_params": {"top_p": 1.5}}, "top_p"),
-    ("/generate", {"text": ""}, "prompt"),
+    ("/generate", {"text": ""}, "text"),
     ("/generate", {"text": "word " * 9000}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ("/v1/chat/completions", {"messages": [], "max_tokens": 5}, "messages"),

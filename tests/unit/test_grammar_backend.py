@@ -129,6 +129,20 @@ def test_matcher_rollback_fork_and_forced_tokens(backend):
     assert allowed(backend, m) == first  # a refused token changes nothing
 
 
+def test_forced_tokens_inside_a_multibyte_character_are_accepted_ones_not_an_error(backend):
+    """A token that ends inside a character ("â" is two byte tokens here) leaves forced bytes
+    that are no UTF-8 text: xgrammar's binding raises decoding them, which in the runner's
+    speculative step would end the model runner and the server with it."""
+    m = backend.matcher(backend.compile(GrammarSpec("regex", "JJ\u00e22")))
+    ids = backend.tokenizer.encode("JJ\u00e22", add_special_tokens=False)
+    assert len(ids) > len("JJ\u00e22"), "the character must span tokens"
+    for t in ids:
+        forced, probe = m.forced_tokens(), m.fork()
+        assert all(probe.accept(f) for f in forced)
+        assert m.accept(t)
+    assert m.accept(EOS_ID) and m.is_terminated()
+
+
 class _SlowBackend:
     """The tiny backend, its compiles held until `release` is set (counted)."""
 

@@ -26,7 +26,7 @@ from specserve.runtime.model_runner.runner_process import RunnerWorker
 from specserve.runtime.sampling.logprobs import LogprobOptions
 from specserve.runtime.sampling.sampling_params import SamplingParams
 from specserve.speculative.base import SpecConfig, create_drafter
-from specserve.speculative.controller import TreeSizes
+from specserve.speculative.planning import TreeSizes
 from specserve.speculative.worker import SpeculativeWorker
 from tests.helpers.grammar_reference import (
     LLGuidanceReference,
@@ -207,6 +207,34 @@ def test_abort_mid_grammar_frees_kv_and_the_matcher(tiny, env):  # noqa: F811
     h.run()
     assert all(h.finish[f"a{i}"]["type"] == "abort" for i in range(3))
     assert not h.worker.states and len(h.worker.grammars.live) == 0
+    h.sched.check_no_leak()
+
+
+@pytest.mark.parametrize("algo", ["NGRAM", "SUFFIX"])
+def test_aborts_mid_speculation_leave_no_runner_state_in_the_servers_counts(tiny, env,  # noqa: F811
+                                                                          algo):
+    """What /server_info reports the runner holds (records, grammar matchers, drafter state)
+    is there while constrained requests speculate, and all 0 once a third were aborted and
+    the rest finished."""
+    cfg = SpecConfig(algo, 8)
+    spec = SpeculativeWorker(cfg, create_drafter(cfg, tiny[1]), tiny[1])
+    h = harness(tiny, env, spec, num_draft_tokens=8, max_running_requests=6)
+    for i, p in enumerate(prompts(6, seed=48)):
+        submit(h, env, f"c{i}", p, *GRAMMARS[i % 3], max_new_tokens=NEW)
+    for _ in range(3):
+        h.sched.step()
+    held, live = h.sched.info(), len(h.sched.running) + len(h.sched.released)
+    assert live >= 4 and held["runner_requests"] == live  # (released: on the next batch)
+    assert held["grammar_matchers"] == held["drafter_requests"] == live
+    aborted = [r.rid for r in h.sched.running[:2]]
+    for rid in aborted:
+        h.sched.handle(AbortReq(rid=rid))
+    h.run()
+    assert [h.finish[rid]["type"] for rid in aborted] == ["abort", "abort"]
+    info = h.sched.info()
+    assert (info["runner_requests"], info["grammar_matchers"], info["drafter_requests"]) == \
+        (0, 0, 0)
+    assert info["kv_used_by_requests"] == 0
     h.sched.check_no_leak()
 
 

@@ -105,6 +105,7 @@ class ToyGrammars:
 
     def __init__(self) -> None:
         self.backend = ToyBackend()
+        self.live: list[Matcher] = []  # the runner reports how many matchers are alive
 
     def load(self, payload) -> Future:
         f: Future = Future()

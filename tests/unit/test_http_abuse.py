@@ -5,11 +5,15 @@ Also the OpenAPI spec, served behind --api-key."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import httpx
+import jsonschema
 import pytest
 
+from specserve.runtime.entrypoints.field_types import BOUND_KEY
 from specserve.runtime.entrypoints.http_server import create_app
+from specserve.runtime.entrypoints.request_bodies import MAX_N
 from tests.helpers.fake_tm import CONTEXT_LENGTH, MODEL_NAME, make_fake_tm
 from tests.helpers.live_server import live_server
 
@@ -140,6 +144,47 @@ def test_openapi_spec_is_served_with_request_body_schemas(env):
     assert body["/generate"]["oneOf"] == [{"required": ["text"]}, {"required": ["input_ids"]}]
     assert chat["stream_options"]["anyOf"][0]["properties"]["include_usage"]
     assert client.get("/docs").status_code == 200
+
+
+def test_the_spec_states_this_servers_bounds_and_is_valid_json_schema(env):
+    """Generated from the body types, with the server's own numbers: what a fuzzer draws from
+    it is what the server accepts."""
+    client, tm, _ = env
+    spec = client.get("/openapi.json").json()
+    bodies = {path: spec["paths"][path]["post"]["requestBody"]["content"]["application/json"][
+        "schema"] for path in ("/generate", "/v1/completions", "/v1/chat/completions")}
+    for schema in bodies.values():
+        jsonschema.Draft202012Validator.check_schema(schema)
+        text = json.dumps(schema)
+        assert BOUND_KEY not in text and '"ge"' not in text and '"le"' not in text
+    ids = bodies["/generate"]["properties"]["input_ids"]["anyOf"][0]
+    assert ids["items"]["maximum"] == tm.vocab_size - 1 and ids["minItems"] == 1
+    sampling = bodies["/generate"]["properties"]["sampling_params"]["anyOf"][0]["properties"]
+    assert sampling["max_new_tokens"]["anyOf"][0]["maximum"] == CONTEXT_LENGTH - 1
+    assert sampling["top_p"]["anyOf"][0] == {"type": "number", "exclusiveMinimum": 0,
+                                             "maximum": 1}
+    chat = bodies["/v1/chat/completions"]["properties"]
+    named = chat["tool_choice"]["anyOf"][1]
+    assert named["properties"]["function"]["properties"]["name"]["type"] == "string"
+    assert chat["logit_bias"]["anyOf"][0]["maxProperties"] == 0  # served empty only
+    n_max = min(MAX_N, tm.server_args.max_sequences_per_request)
+    assert chat["n"]["anyOf"][0]["maximum"] == n_max
+    args = dataclasses.replace(tm.server_args, max_sequences_per_request=8)
+    with live_server(create_app(tm, args)) as url, httpx.Client(base_url=url, timeout=10) as c:
+        small = c.get("/openapi.json").json()["paths"]["/v1/chat/completions"]["post"]
+    assert small["requestBody"]["content"]["application/json"]["schema"]["properties"]["n"][
+        "anyOf"][0]["maximum"] == 8
+
+
+def test_a_named_tool_choice_whose_name_is_an_object_is_a_400_naming_its_path(env):
+    client, _, sched = env
+    before = len(sched.requests)
+    r = _post_raw(client, "/v1/chat/completions", '{"messages":[{"role":"user","content":"hi"}],'
+                  '"tools":[],"tool_choice":{"type":"function","function":{"name":{}}},'
+                  '"max_tokens":4}')
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "tool_choice.function.name"
+    assert len(sched.requests) == before
 
 
 def test_openapi_spec_sits_behind_the_api_key(env):

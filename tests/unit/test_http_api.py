@@ -198,7 +198,7 @@ LONG_TEXT = "the quick brown fox " * 100
     ({"text": "a", "sampling_params": {"max_new_tokens": "5"}}, "sampling_params.max_new_tokens"),
     ({"text": "a", "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
     ({"text": "a", "sampling_params": {"top_p": 1.5}}, "sampling_params.top_p"),
-    ({"text": "a", "sampling_params": {"stop": [""]}}, "sampling_params.stop"),
+    ({"text": "a", "sampling_params": {"stop": [""]}}, "sampling_params.stop.0"),
     ({"text": "a", "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
     ({"text": "a", "sampling_params": [{}]}, "sampling_params"),
     ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),

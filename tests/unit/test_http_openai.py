@@ -170,8 +170,10 @@ def test_chat_logprobs_and_stream(env):
     ("completions", {"prompt": "a", "max_tokens": "5"}, "max_tokens"),
     ("completions", {"prompt": "a", "temperature": -0.5}, "temperature"),
     ("completions", {"prompt": "a", "top_p": 0}, "top_p"),
+    # float32 makes it 0, and a masked logit's -inf times 0 is NaN (NaN logprobs: a 500)
+    ("completions", {"prompt": "a", "repetition_penalty": 5e-324}, "repetition_penalty"),
     ("completions", {"prompt": "a", "n": 0}, "n"),
-    ("completions", {"prompt": "a", "stop": [""]}, "stop"),
+    ("completions", {"prompt": "a", "stop": [""]}, "stop.0"),
     ("completions", {"prompt": "a", "logit_bias": {"5": 10}}, "logit_bias"),
     ("completions", {"prompt": "a", "logprobs": 21}, "logprobs"),
     ("completions", {"prompt": "a", "logprobs": -1}, "logprobs"),

@@ -78,6 +78,10 @@ def test_generate_sends_the_compiled_grammar(env, sampling, kind):
     ({"sampling_params": {"regex": "[^\\s\\S]"}}, "sampling_params.regex", "no output"),
     ({"text": ["a", "b"], "sampling_params": [{}, {"regex": "("}]}, "sampling_params.regex",
      "item 1"),
+    ({"sampling_params": {"json_schema": {"type": "object"}}}, "sampling_params.json_schema",
+     "must be a string"),
+    ({"text": ["a", "b"], "sampling_params": [{}, {"ebnf": 5}]}, "sampling_params.1.ebnf",
+     "must be a string"),
 ])
 def test_a_bad_grammar_is_a_400_naming_it_and_the_server_answers_on(env, body, param, words):
     _, raw, _, sched = env
@@ -133,6 +137,20 @@ def test_response_format_maps_to_a_json_schema_grammar(env):
         {"id": "1", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]},
      "messages.0.tool_calls.0.function.arguments"),
     ({"functions": [{"name": "f"}]}, "functions"),
+    # a wrong shape deep inside: the path, from the types
+    ({"tools": [], "tool_choice": {"type": "function", "function": {"name": {}}},
+      "max_tokens": 4}, "tool_choice.function.name"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {
+        "name": ["get_weather"]}}}, "tool_choice.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+     "tools.0.function.parameters"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": "x"}}},
+     "response_format.json_schema.schema"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "messages.0.content.0.text"),
+    ({"messages": [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": {}}}]}]},
+     "messages.1.tool_calls.0.function.arguments"),
 ])
 def test_openai_grammar_fields_are_checked(env, body, param):
     _, raw, _, sched = env

@@ -83,9 +83,11 @@ def test_top_p_keeps_smallest_set_reaching_top_p() -> None:
     info = SamplingBatchInfo.from_params([SamplingParams(top_p=0.81)], vocab_size=4)
     probs = process_logits(logits, info)[0]
     torch.testing.assert_close(probs, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
-    # The most likely token always survives.
-    info = SamplingBatchInfo.from_params([SamplingParams(top_p=0.01)], vocab_size=4)
-    assert process_logits(logits, info)[0].tolist() == [1.0, 0.0, 0.0, 0.0]
+    # The most likely token always survives, also below the float64 slack (TOP_P_EPS) and
+    # for a top_p that float32 rounds to 0.
+    for top_p in (0.01, 1e-10, 5e-324):
+        info = SamplingBatchInfo.from_params([SamplingParams(top_p=top_p)], vocab_size=4)
+        assert process_logits(logits, info)[0].tolist() == [1.0, 0.0, 0.0, 0.0], top_p
 
 
 def test_top_p_applies_after_top_k_renormalisation() -> None:

@@ -31,6 +31,10 @@ VOCAB = 100
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"repetition_penalty": -1.0}, "repetition_penalty"),
         ({"repetition_penalty": math.inf}, "repetition_penalty"),
+        # float32 makes 5e-324 a 0 (-inf logits times it are NaN) and 1e31 overflows
+        ({"repetition_penalty": 5e-324}, "repetition_penalty"),
+        ({"repetition_penalty": 1e31}, "repetition_penalty"),
+        ({"temperature": 1e39}, "temperature"),
         ({"frequency_penalty": 2.5}, "frequency_penalty"),
         ({"frequency_penalty": -2.01}, "frequency_penalty"),
         ({"presence_penalty": 3}, "presence_penalty"),

@@ -15,7 +15,8 @@ from specserve.runtime.sampling.sampling_params import SamplingParams
 from specserve.runtime.scheduler.scheduler import Scheduler, SchedulerConfig
 from specserve.runtime.scheduler.stop import StopChecker
 from specserve.runtime.verify_cost import stored_verify_cost
-from specserve.speculative.controller import SpecController, TreeSizes
+from specserve.speculative.controller import SpecController
+from specserve.speculative.planning import TreeSizes
 from tests.helpers.tiny_models import write_tiny_model
 
 
@@ -59,6 +60,7 @@ class Harness:
         assert self.sched.spec.adaptive, "traffic_off needs load_aware=True"
         self.sched.spec.prior = [0.0, 1e9]
         self.sched.spec.global_interval = global_interval
+        self.sched.spec.learn_cost = False  # (a cost learned lower would bring probes back)
 
     def emit(self, msg):
         if isinstance(msg, TokenOut):
@@ -401,7 +403,9 @@ def test_runner_replaces_a_stale_state_when_a_new_request_reuses_its_id(tiny):
     ref = reference(tiny, [new], ignore_eos=True, repetition_penalty=1.3)[0]
     h = Harness(tiny)
     h.submit("x", [5, 6, 7], ignore_eos=True, max_new_tokens=2)  # a short history
-    while "x" not in h.finish:  # (not to idle: an idle scheduler sends its releases)
+    # (a request still running: a scheduler that goes idle sends its releases at once)
+    h.submit("y", [8, 9], ignore_eos=True, max_new_tokens=40)
+    while "x" not in h.finish:
         h.sched.step()
     # a release that has not reached the runner: its old state is still there
     h.sched.released = []

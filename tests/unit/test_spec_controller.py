@@ -14,13 +14,9 @@ from specserve.speculative.controller import (
     PROBE_EVERY,
     PROBE_SHARE,
     WARM_STEPS,
-    ReqSpec,
     SpecController,
-    TreeSizes,
-    best_prefix,
-    plan_drafts,
-    update,
 )
+from specserve.speculative.planning import ReqSpec, TreeSizes, best_prefix, plan_drafts, update
 
 FLAT = VerifyCost((1, 64), (1.0, 1.0))  # memory-bound: any number of rows costs one pass
 LINEAR = VerifyCost((1, 2), (1.0, 2.0))  # compute-bound from the first row

@@ -209,6 +209,7 @@ def test_load_aware_budget_drafts_alone_and_not_when_the_batch_is_compute_bound(
         return drafters[-1]
 
     h = spec_harness(tiny, make, num_draft_tokens=4, load_aware=True)
+    h.sched.spec.learn_cost = False  # (the plan on the CPU engine's curve, not the tiny model's)
     h.submit("alone", ps[0], ignore_eos=True, max_new_tokens=24)
     h.run()
     alone = drafters[0].steps
@@ -276,6 +277,7 @@ def test_a_drafter_that_does_not_pay_is_skipped_between_server_wide_probes(tiny,
                 load_aware=True)
     h.sched.spec.prior = [0.0, 1e9]  # the drafter does not pay on this traffic ...
     h.sched.spec.global_interval = 64  # (as after a few probes that did not pay)
+    h.sched.spec.learn_cost = False  # (a cost learned lower would bring the probes back)
     runner = tiny[1]
     cfg = SpecConfig("TEST", 4)
     drafter = OffRecordingOracle(cfg, runner, truth, 3)

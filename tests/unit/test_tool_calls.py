@@ -10,6 +10,8 @@ import random
 import pytest
 
 from specserve.runtime.constrained import GrammarSpec, create_backend
+from specserve.runtime.entrypoints.protocol import parse_model
+from specserve.runtime.entrypoints.request_bodies import ChatCompletionRequest
 from specserve.runtime.errors import InvalidRequestError
 from specserve.runtime.model_loader.tokenizer import load_tokenizer
 from specserve.runtime.tool_calls.formats import HermesFormat, SmolLM2Format, ToolCall, tool_format
@@ -71,6 +73,8 @@ def test_a_streamed_text_gives_the_whole_texts_calls_and_content(seed):
 
 
 def test_tool_request_fields_are_checked():
+    """Shapes are the HTTP types' (a 400 naming the path); `parse_tool_request` checks what
+    they cannot say."""
     req = parse_tool_request([WEATHER, TIME], {"type": "function",
                                                "function": {"name": "get_time"}}, False)
     assert (req.choice, req.function, req.parallel, req.forced) == ("function", "get_time",
@@ -84,14 +88,19 @@ def test_tool_request_fields_are_checked():
          "tools.0.function.extra"),
         ([{"type": "function", "function": {"name": "f", "parameters": []}}], None,
          "tools.0.function.parameters"),
-        ([{"type": "code"}], None, "tools.0"),
+        ([{"type": "code"}], None, "tools.0.type"),
         ([WEATHER], {"type": "function", "function": {"name": "nope"}},
+         "tool_choice.function.name"),
+        ([WEATHER], {"type": "function", "function": {"name": {}}},
          "tool_choice.function.name"),
         ([WEATHER], "always", "tool_choice"),
         (None, "required", "tool_choice"),
     ]:
         with pytest.raises(InvalidRequestError) as info:
-            parse_tool_request(tools, choice, None)
+            body = parse_model(ChatCompletionRequest, {
+                "messages": [{"role": "user", "content": "hi"}], "tools": tools,
+                "tool_choice": choice})
+            parse_tool_request(body.tools_json(), body.tool_choice_json(), None)
         assert info.value.field == field
 
 

@@ -1,14 +1,17 @@
 """The verify-cost curve measured on this machine at start-up (specserve/runtime/verify_cost.py):
-what it measures, and that a server plans with it."""
+what it measures, that a server plans with it, or with a curve file handed to it."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import threading
 import time
 
+import pytest
 import torch
 
+from specserve.launch.server_args import parse_args
 from specserve.runtime.model_runner.model_runner import ModelRunner, RunnerConfig
 from specserve.runtime.model_runner.runner_process import StartupQuiet
 from specserve.runtime.verify_cost import (
@@ -76,3 +79,17 @@ def test_startup_quiet_waits_for_every_event_and_gives_up_after_its_timeout(monk
     t0 = time.monotonic()
     StartupQuiet((ctx.Event(),)).wait()  # never set: measured anyway, with a warning
     assert 0.5 <= time.monotonic() - t0 < 3.0
+
+
+def test_a_curve_file_is_used_as_it_is_and_a_bad_one_is_refused(tmp_path):
+    runner = tiny_runner(tmp_path)
+    path = tmp_path / "curve.json"
+    path.write_text(json.dumps({"rows": [1, 4], "ratios": [1.0, 1.3], "source": "replica0"}))
+    worker = SpeculativeWorker.create(SpecConfig("NGRAM", 4, verify_cost=str(path)), runner,
+                                      before_measure=lambda: pytest.fail("nothing to time"))
+    assert worker.verify_cost.ratios == (1.0, 1.3) and "replica0" in worker.verify_cost.source
+    args = ["--speculative-algorithm", "NGRAM", "--speculative-verify-cost"]
+    assert parse_args([*args, str(path)]).resolve().spec_config().verify_cost == str(path)
+    for bad in (str(tmp_path / "missing.json"), "fast"):
+        with pytest.raises(ValueError, match="--speculative-verify-cost"):
+            parse_args([*args, bad]).resolve()

@@ -462,7 +462,8 @@ class Packed:
 
 @dataclass
 class PackedModel:
-    layers: list[dict[str, Packed]]  # qkv, o, gate_up, down
+    # qkv (a list of parts where q / k / v formats differ, see cpu_weights), o, gate_up, down
+    layers: list[dict[str, Packed | list[Packed]]]
     norms: list[dict[str, torch.Tensor]]  # in_norm, post_norm (+ q_norm, k_norm)
     embed: Packed
     lm_head: Packed  # the same object as embed when tied
@@ -472,7 +473,9 @@ class PackedModel:
     @property
     def nbytes(self) -> int:
         seen, total = set(), 0
-        for p in [self.embed, self.lm_head] + [p for layer in self.layers for p in layer.values()]:
+        parts = [p for layer in self.layers for v in layer.values()
+                 for p in (v if isinstance(v, list) else [v])]
+        for p in [self.embed, self.lm_head] + parts:
             if id(p) not in seen:
                 seen.add(id(p))
                 total += p.data.numel()

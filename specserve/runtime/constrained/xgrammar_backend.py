@@ -44,7 +44,12 @@ class XGrammarMatcher(Matcher):
         return bool(self._m.is_terminated())
 
     def forced_tokens(self) -> list[int]:
-        text = self._m.find_jump_forward_string()
+        try:
+            text = self._m.find_jump_forward_string()
+        except UnicodeDecodeError:
+            # inside a multi-byte character (a token ended mid-way) xgrammar's forced bytes are
+            # no UTF-8 text; the mask still forces them, one token at a time
+            return []
         if not text:
             return []
         # the last token of the forced text may merge with what follows it: leave it out

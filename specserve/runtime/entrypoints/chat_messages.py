@@ -1,98 +1,115 @@
-"""OpenAI chat messages, checked and put in the one shape the chat templates get."""
+"""OpenAI chat messages: their types, and the one shape the chat templates get."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Annotated, Any, Literal
 
+from annotated_types import MinLen
+from pydantic import Field, model_validator
+
+from specserve.runtime.entrypoints.field_types import Body
+from specserve.runtime.entrypoints.openai_types import TextPart
 from specserve.runtime.errors import InvalidRequestError
 
-_CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-# `name` is accepted and not shown to the model; the others only where they belong
-_MESSAGE_KEYS = {"role", "content", "name"}
-_ROLE_KEYS = {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}
+Content = str | list[TextPart]
 
 
-def chat_messages(raw: Any) -> list[dict[str, Any]]:
-    """OpenAI chat messages as `[{role, content: str}]` for the chat template, assistant
-    messages with their earlier `tool_calls` ([{id, type, function: {name, arguments:
-    object}}]) and tool results (`role` "tool", with their `tool_call_id`).
+class _Message(Body):
+    name: str | None = None  # accepted, not shown to the model
 
-    Text parts of a content list are joined with newlines; images, audio and files are
-    rejected (we cannot honour them). A "developer" message is a system message.
-    """
-    if not isinstance(raw, list) or not raw:
-        raise InvalidRequestError("messages", "must be a non-empty list of messages")
-    return [_message(msg, f"messages.{i}") for i, msg in enumerate(raw)]
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_empty_extras(cls, data: Any) -> Any:
+        # Clients echo assistant messages back with null or empty extras (refusal, audio).
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items()
+                    if k in cls.model_fields or v not in (None, [], {})}
+        return data
+
+
+class SystemMessage(_Message):
+    role: Literal["system", "developer"]  # a "developer" message is a system message
+    content: Content
+
+
+class UserMessage(_Message):
+    role: Literal["user"]
+    content: Content
+
+
+class CallFunction(Body):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCallIn(Body):
+    """An earlier call the assistant made, as a client sends it back."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CallFunction
+
+
+class AssistantMessage(_Message):
+    role: Literal["assistant"]
+    content: Content | None = None  # null when the message is calls only
+    tool_calls: list[ToolCallIn] | None = None
+
+
+class ToolMessage(_Message):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str | None = None
+
+
+Message = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage,
+                    Field(discriminator="role")]
+Messages = Annotated[list[Message], MinLen(1)]
+
+
+def chat_messages(messages: list[Message]) -> list[dict[str, Any]]:
+    """The messages as `[{role, content: str}]` for the chat template, assistant messages with
+    their earlier `tool_calls` ([{id, type, function: {name, arguments: object}}]) and tool
+    results (`role` "tool", with their `tool_call_id`). Text parts of a content list are joined
+    with newlines."""
+    return [_message(m, f"messages.{i}") for i, m in enumerate(messages)]
 
 
 def _message(msg: Any, where: str) -> dict[str, Any]:
-    if not isinstance(msg, dict):
-        raise InvalidRequestError(where, "each message must be an object")
-    role = msg.get("role")
-    if role not in _CHAT_ROLES:
-        raise InvalidRequestError(f"{where}.role", f"must be one of {_CHAT_ROLES}, got "
-                                  f"{role!r}")
-    allowed = _MESSAGE_KEYS | _ROLE_KEYS.get(role, set())
-    for key, value in msg.items():
-        # Clients echo assistant messages back with null/empty extras (refusal, audio).
-        if key not in allowed and value not in (None, [], {}):
-            raise InvalidRequestError(f"{where}.{key}", "is not supported by this server")
-    calls = _tool_calls(msg.get("tool_calls"), f"{where}.tool_calls") if role == "assistant" \
-        else []
-    content = msg.get("content")
-    if content is None and calls:
+    calls = _tool_calls(msg.tool_calls or [], f"{where}.tool_calls") \
+        if isinstance(msg, AssistantMessage) else []
+    content = msg.content
+    if content is None:
+        if not calls:  # (what a type cannot say: null content needs calls)
+            raise InvalidRequestError(f"{where}.content", "must be a string or a list of "
+                                      "content parts unless the message makes tool calls")
         content = ""
-    out: dict[str, Any] = {"role": "system" if role == "developer" else role,
-                           "content": _message_text(content, f"{where}.content")}
+    out: dict[str, Any] = {"role": "system" if msg.role == "developer" else msg.role,
+                           "content": _text(content)}
     if calls:
         out["tool_calls"] = calls
-    if role == "tool":
-        call_id = msg.get("tool_call_id")
-        if call_id is not None and not isinstance(call_id, str):
-            raise InvalidRequestError(f"{where}.tool_call_id", "must be a string")
-        out["tool_call_id"] = call_id or ""
+    if isinstance(msg, ToolMessage):
+        out["tool_call_id"] = msg.tool_call_id or ""
     return out
 
 
-def _tool_calls(raw: Any, where: str) -> list[dict]:
-    if raw in (None, []):
-        return []
-    if not isinstance(raw, list):
-        raise InvalidRequestError(where, "must be a list of tool calls")
-    calls = []
-    for j, call in enumerate(raw):
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
-                not isinstance(fn.get("arguments"), str):
-            raise InvalidRequestError(f"{where}.{j}", 'a tool call is {"id": ..., "type": '
-                                      '"function", "function": {"name": str, "arguments": str}}')
+def _tool_calls(calls: list[ToolCallIn], where: str) -> list[dict]:
+    out = []
+    for j, call in enumerate(calls):
         try:
-            args = json.loads(fn["arguments"])
+            args = json.loads(call.function.arguments)
         except (ValueError, RecursionError):
             args = None
         if not isinstance(args, dict):
             raise InvalidRequestError(f"{where}.{j}.function.arguments", "must be a JSON object "
                                       "(as a string)")
-        calls.append({"id": str(call.get("id") or f"call_{j}"), "type": "function",
-                      "function": {"name": fn["name"], "arguments": args}})
-    return calls
+        out.append({"id": call.id or f"call_{j}", "type": "function",
+                    "function": {"name": call.function.name, "arguments": args}})
+    return out
 
 
-def _message_text(content: Any, where: str) -> str:
+def _text(content: str | list[TextPart]) -> str:
     if isinstance(content, str):
         return content
-    if not isinstance(content, list):
-        raise InvalidRequestError(where, "must be a string or a list of content parts")
-    texts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-            raise InvalidRequestError(f"{where}.{j}", "each content part must be an object "
-                                      "with a 'type'")
-        if part["type"] != "text":
-            raise InvalidRequestError(f"{where}.{j}.type", f"content parts of type "
-                                      f"{part['type']!r} are not supported (text only)")
-        if not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
-            raise InvalidRequestError(f"{where}.{j}", "a text part is {type: 'text', text: str}")
-        texts.append(part["text"])
-    return "\n".join(texts)
+    return "\n".join(part.text for part in content)

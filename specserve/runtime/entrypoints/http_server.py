@@ -22,18 +22,20 @@ from starlette.responses import JSONResponse, Response
 from specserve.runtime.entrypoints import native_api
 from specserve.runtime.entrypoints.middleware import RequestGuard
 from specserve.runtime.entrypoints.openai_api import OpenAIServing
+from specserve.runtime.entrypoints.openapi import openapi_body
 from specserve.runtime.entrypoints.playground import PAGE_PATHS, add_playground
 from specserve.runtime.entrypoints.protocol import (
-    AbortRequest,
     BodyTooLarge,
+    error_body,
+    error_for,
+    parse_model,
+    read_json,
+)
+from specserve.runtime.entrypoints.request_bodies import (
+    AbortRequest,
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
-    error_body,
-    error_for,
-    openapi_body,
-    parse_model,
-    read_json,
 )
 from specserve.runtime.entrypoints.streaming import ClientDisconnected, last_chunk
 from specserve.runtime.errors import InvalidRequestError, ModelNotFoundError, QueueFullError
@@ -70,6 +72,8 @@ def create_app(tm: Any, server_args: Any) -> FastAPI:
                        max_body_bytes=server_args.max_request_bytes,
                        open_paths=PAGE_PATHS if playground else frozenset())
     openai = OpenAIServing(tm, server_args.model_path)
+    limits = {"vocab_size": tm.vocab_size, "context_length": tm.context_length,
+              "max_sequences_per_request": server_args.max_sequences_per_request}
     _add_error_handlers(app)
     if playground:
         add_playground(app)
@@ -119,7 +123,7 @@ def create_app(tm: Any, server_args: Any) -> FastAPI:
         app.add_api_route("/flush_cache", flush_cache, methods=[method],
                           operation_id=f"flush_cache_{method.lower()}")
 
-    @app.post("/abort_request", openapi_extra=openapi_body(AbortRequest))
+    @app.post("/abort_request", openapi_extra=openapi_body(AbortRequest, limits))
     async def abort_request(request: Request) -> dict:
         body = parse_model(AbortRequest, await read_json(request))
         tm.abort(body.rid)
@@ -136,7 +140,7 @@ def create_app(tm: Any, server_args: Any) -> FastAPI:
             logger.warning("metrics: scheduler gauges are stale: %r", exc)
         return Response(tm.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/generate", openapi_extra=openapi_body(GenerateRequest))
+    @app.post("/generate", openapi_extra=openapi_body(GenerateRequest, limits))
     async def generate(request: Request) -> Response:
         return await native_api.generate(request, tm, server_args.incremental_streaming_output)
 
@@ -144,11 +148,11 @@ def create_app(tm: Any, server_args: Any) -> FastAPI:
     async def models() -> dict:
         return openai.models()
 
-    @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
+    @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest, limits))
     async def completions(request: Request) -> Response:
         return await openai.completions(request)
 
-    @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
+    @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest, limits))
     async def chat_completions(request: Request) -> Response:
         return await openai.chat(request)
 

@@ -9,15 +9,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from specserve.runtime.entrypoints.logprob_format import SglangLogprobs, TokenTexts
-from specserve.runtime.entrypoints.protocol import (
-    MAX_N,
-    GenerateRequest,
-    int_ids,
-    is_int_list,
-    is_str_list,
-    parse_model,
-    read_json,
-)
+from specserve.runtime.entrypoints.protocol import parse_model, read_json
+from specserve.runtime.entrypoints.request_bodies import MAX_N, GenerateRequest, SamplingBody
 from specserve.runtime.entrypoints.streaming import (
     SSEResponse,
     StreamCursor,
@@ -71,24 +64,14 @@ def parse_generate(body: GenerateRequest, tm: Any) -> tuple[bool, list[_Item]]:
     if (body.text is None) == (body.input_ids is None):
         raise InvalidRequestError("text", "give exactly one of 'text' and 'input_ids'")
     if body.text is not None:
-        field = "text"
-        if isinstance(body.text, str):
-            batch, prompts = False, [tm.tokenize(body.text)]
-        elif is_str_list(body.text) and body.text:
-            batch, prompts = True, [tm.tokenize(t) for t in body.text]
-        else:
-            raise InvalidRequestError("text", "must be a string or a non-empty list of strings")
+        field, batch = "text", isinstance(body.text, list)
+        prompts = [tm.tokenize(t) for t in body.text] if batch else [tm.tokenize(body.text)]
     else:
-        field, ids = "input_ids", body.input_ids
-        if is_int_list(ids):
-            batch, prompts = False, [int_ids(ids)]
-        elif isinstance(ids, list) and all(is_int_list(p) for p in ids):
-            batch, prompts = True, [int_ids(p) for p in ids]
-        else:
-            raise InvalidRequestError("input_ids", "must be a list of token ids or a list of "
-                                      "lists of token ids")
-    params = _per_item(body.sampling_params, "sampling_params", batch, len(prompts), dict, {})
-    rids = _per_item(body.rid, "rid", batch, len(prompts), str, None)
+        field, batch = "input_ids", isinstance(body.input_ids[0], list)
+        prompts = [list(p) for p in body.input_ids] if batch else [list(body.input_ids)]
+    params = _per_item(body.sampling_params, "sampling_params", batch, len(prompts),
+                       SamplingBody())
+    rids = _per_item(body.rid, "rid", batch, len(prompts), None)
     n, params = parallel_samples(params)
     items = []
     for k, (ids, sp, rid) in enumerate(zip(prompts, params, rids)):
@@ -118,17 +101,19 @@ def parse_generate(body: GenerateRequest, tm: Any) -> tuple[bool, list[_Item]]:
     return batch or n > 1, items
 
 
-def parallel_samples(params: list[dict]) -> tuple[int, list[dict]]:
+def parallel_samples(params: list[SamplingBody | dict]) -> tuple[int, list[dict]]:
     """SGLang's parallel sampling: `sampling_params.n` samples of every prompt, the same `n`
     for every prompt of a batch; the response is then a list, prompt by prompt, its n samples
-    in a row (SGLang's order). Returns n and the sampling dicts without "n"."""
-    ns = [1 if sp.get("n") is None else integral(sp["n"]) for sp in params]
+    in a row (SGLang's order). Takes typed bodies (HTTP) or plain dicts (Engine users, checked
+    here as the type would); returns n and the sampling dicts (the fields given, without "n")."""
+    fields = [sp.given() if isinstance(sp, SamplingBody) else dict(sp) for sp in params]
+    ns = [1 if f.get("n") is None else integral(f["n"]) for f in fields]
     for n in ns:
         if type(n) is not int or not 1 <= n <= MAX_N:
             raise InvalidRequestError("sampling_params.n", f"must be an integer in [1, {MAX_N}]")
     if len(set(ns)) > 1:
         raise InvalidRequestError("sampling_params.n", "must be the same for every prompt")
-    return ns[0], [{k: v for k, v in sp.items() if k != "n"} for sp in params]
+    return ns[0], [{k: v for k, v in f.items() if k != "n"} for f in fields]
 
 
 def _logprob_options(body: GenerateRequest, prompt_len: int,
@@ -143,21 +128,20 @@ def _logprob_options(body: GenerateRequest, prompt_len: int,
         raise InvalidRequestError(exc.field, where + exc.message) from None
 
 
-def _per_item(value: Any, field: str, batch: bool, count: int, kind: type,
-              default: Any) -> list[Any]:
+def _per_item(value: Any, field: str, batch: bool, count: int, default: Any) -> list[Any]:
     """One value for every item: given once (shared) or, for a batch, as a list of `count`."""
     if value is None:
         return [default] * count
-    if isinstance(value, kind):
-        if kind is str and batch and count > 1:
+    if not isinstance(value, list):
+        if isinstance(value, str) and batch and count > 1:  # request ids are unique
             raise InvalidRequestError(field, f"a batch needs a list of {count} request ids")
         return [value] * count
-    if batch and isinstance(value, list) and all(isinstance(v, kind) for v in value):
-        if len(value) != count:
-            raise InvalidRequestError(field, f"has {len(value)} entries for {count} prompts")
-        return list(value)
-    expected = "an object" if kind is dict else "a string"
-    raise InvalidRequestError(field, f"must be {expected}" + (" or a list" if batch else ""))
+    if not batch:
+        raise InvalidRequestError(field, "a list is for a batch of prompts; this request has "
+                                  "one")
+    if len(value) != count:
+        raise InvalidRequestError(field, f"has {len(value)} entries for {count} prompts")
+    return list(value)
 
 
 async def compile_grammars(tm: Any, items: list[_Item], batch: bool) -> None:
@@ -173,7 +157,6 @@ async def compile_grammars(tm: Any, items: list[_Item], batch: bool) -> None:
 
 async def generate(request: Request, tm: Any, incremental: bool = False) -> Response:
     body = parse_model(GenerateRequest, await read_json(request))
-    body.check_supported()
     priority = tm.check_priority(body.priority)
     batch, items = parse_generate(body, tm)
     tm.admit(len(items))

@@ -23,14 +23,12 @@ from specserve.runtime.entrypoints.logprob_format import (
     chat_content,
     merge_pieces,
 )
-from specserve.runtime.entrypoints.protocol import (
+from specserve.runtime.entrypoints.protocol import parse_model, read_json
+from specserve.runtime.entrypoints.request_bodies import (
     ChatCompletionRequest,
     CompletionRequest,
-    parse_model,
     prompt_batch,
-    read_json,
 )
-from specserve.runtime.entrypoints.response_format import response_format_grammar
 from specserve.runtime.entrypoints.streaming import (
     SSEResponse,
     first_chunks,
@@ -120,7 +118,8 @@ class OpenAIServing:
         prompts = prompt_batch(body.prompt, self.tm.tokenize)
         sampling = body.base_sampling()
         sampling["max_new_tokens"] = 16 if body.max_tokens is None else body.max_tokens
-        sampling.update(response_format_grammar(body.response_format))
+        if body.response_format is not None:
+            sampling.update(body.response_format.grammar())
         shape = _Shape(body.top_logprobs(), bool(body.echo),
                        spec_trace=bool(body.return_spec_trace),
                        disable_speculation=bool(body.disable_speculation))
@@ -135,9 +134,10 @@ class OpenAIServing:
     async def chat(self, request: Request) -> Response:
         body = parse_model(ChatCompletionRequest, await read_json(request))
         self.check_model(body.model)
-        body.check_supported()
+        top = body.logprob_top()
         priority = self.tm.check_priority(body.priority)
-        tools = parse_tool_request(body.tools, body.tool_choice, body.parallel_tool_calls)
+        tools = parse_tool_request(body.tools_json(), body.tool_choice_json(),
+                                   body.parallel_tool_calls)
         ids = self._chat_ids(chat_messages(body.messages), tools)
         limit = body.max_completion_tokens if body.max_completion_tokens is not None \
             else body.max_tokens
@@ -146,7 +146,7 @@ class OpenAIServing:
         sampling["max_new_tokens"] = limit if limit is not None \
             else max(1, self.tm.context_length - len(ids))
         sampling.update(self._chat_grammar(body.response_format, tools))
-        shape = _Shape(body.logprob_top(), tools=tools if tools.offered else None,
+        shape = _Shape(top, tools=tools if tools.offered else None,
                        spec_trace=bool(body.return_spec_trace),
                        disable_speculation=bool(body.disable_speculation))
         job = self._choices("chatcmpl", [ids], sampling, body.num_choices(),
@@ -170,7 +170,7 @@ class OpenAIServing:
     def _chat_grammar(self, response_format: Any, tools: ToolRequest) -> dict[str, str]:
         """The grammar sampling parameter of a chat request: its response_format's, or the
         forced tool call's (tool_choice "required" or a named function)."""
-        grammar = response_format_grammar(response_format)
+        grammar = {} if response_format is None else response_format.grammar()
         if not tools.forced:
             return grammar
         if grammar:

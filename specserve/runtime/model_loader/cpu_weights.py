@@ -186,6 +186,27 @@ def _pack(parts: list[_Weight], bias: np.ndarray | None = None) -> Packed:
     return Packed(fmt, parts[0].shape[1], n, torch.from_numpy(finish(fmt, tiles)), b)
 
 
+def _pack_qkv(parts: list[_Weight], bias: np.ndarray | None) -> Packed | list[Packed]:
+    """q / k / v fused when one format holds them exactly; else (a Q4_K_M file's Q4_K q / k
+    beside a Q6_K v, which only f32 would hold) one part per run of equal formats, each
+    multiplied in its own format: f32 would stream ~7x the bytes."""
+    fmts = {p.fmt for p in parts}
+    k = parts[0].shape[1]
+    if common_format(fmts, k) != Fmt.F32 or not all(f.is_block for f in fmts) \
+            or any(p.shape[0] % 16 for p in parts):
+        return _pack(parts, bias)
+    out, begin = [], 0
+    while begin < len(parts):
+        end = begin + 1
+        while end < len(parts) and parts[end].fmt == parts[begin].fmt:
+            end += 1
+        lo = sum(p.shape[0] for p in parts[:begin])
+        hi = lo + sum(p.shape[0] for p in parts[begin:end])
+        out.append(_pack(parts[begin:end], None if bias is None else bias[lo:hi]))
+        begin = end
+    return out
+
+
 def load_packed_model(cfg: ModelConfig, weight_format: str = "auto",
                       progress: bool = True, shard: TpShard | None = None) -> PackedModel:
     """Read and pack every weight of `cfg.model_dir` (see the module docstring); with a
@@ -233,7 +254,7 @@ def load_packed_model(cfg: ModelConfig, weight_format: str = "auto",
             gate_up.bias = torch.from_numpy(interleave_bias(src.float(gb).float().numpy(),
                                                             src.float(ub).float().numpy()))
         layers.append({
-            "qkv": note(_pack(qkv, bias)),
+            "qkv": _note_all(note, _pack_qkv(qkv, bias)),
             "o": note(_pack([o])),
             "gate_up": note(gate_up),
             "down": note(_pack([down])),
@@ -244,6 +265,12 @@ def load_packed_model(cfg: ModelConfig, weight_format: str = "auto",
         note(p)
     final = _norm(src, cfg, "norm.weight")
     return PackedModel(layers, norms, embed, lm_head, final, formats)
+
+
+def _note_all(note, packed: Packed | list[Packed]) -> Packed | list[Packed]:
+    for p in packed if isinstance(packed, list) else [packed]:
+        note(p)
+    return packed
 
 
 def load_packed_head(cfg: ModelConfig, weight_format: str = "auto") -> tuple[Packed, Packed]:

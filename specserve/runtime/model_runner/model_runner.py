@@ -14,7 +14,7 @@ import torch
 
 from specserve.kernels.cpu import DEFAULT_ACTIVATION_DIGITS
 from specserve.kernels.cpu.packing import FORMAT_NAMES
-from specserve.runtime.forward_batch import ForwardBatch
+from specserve.runtime.forward_batch import ForwardBatch, ForwardMode
 from specserve.runtime.layers.attention import create_attention_backend
 from specserve.runtime.mem_cache.kv_pool import KVPool
 from specserve.runtime.model_loader.config import ModelConfig
@@ -200,6 +200,10 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(
             backend, self.kv_pool, heads, mc.attention_scale
         )
+        # full decode / verify forwards run so far, and the last one's (rows, seconds): the
+        # speculation controller learns the verify-cost curve from the steps' own forwards
+        self.timed_forwards = 0
+        self.last_timed: tuple[int, float] = (0, 0.0)
         logger.info(
             "model %s (%s, %d layers) on %s/%s, %d KV slots, %s, %.1fs to load",
             mc.model_dir, mc.architecture, mc.num_hidden_layers, self.device,
@@ -252,12 +256,19 @@ class ModelRunner:
         entering layer begin). On the CPU engine every layer's result is batch-invariant, so a
         token's hidden state after layer E is the same in an early-exit draft pass and in the
         full pass: a verify pass may resume at E from the draft's hidden states, exactly."""
+        t0 = time.perf_counter()
         batch.check()
         if self.tp is not None and self.tp.leader:  # every rank runs it (tp_follower.py)
             self.tp.send_forward(batch, return_final_hidden, layers, hidden_in)
         batch = batch.to(self.device)
         batch.attn_metadata = None
         self.attn_backend.init_forward_metadata(batch)
-        if layers is None and hidden_in is None:
-            return self.model(batch, self.attn_backend, return_final_hidden)
-        return self.model(batch, self.attn_backend, return_final_hidden, layers, hidden_in)
+        if layers is not None or hidden_in is not None:
+            return self.model(batch, self.attn_backend, return_final_hidden, layers, hidden_in)
+        out = self.model(batch, self.attn_backend, return_final_hidden)
+        if batch.mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.timed_forwards += 1
+            self.last_timed = (batch.num_tokens, time.perf_counter() - t0)
+        return out

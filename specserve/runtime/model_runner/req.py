@@ -44,6 +44,7 @@ class RunnerReq:
     # constrained request's grammar-forced tokens take them: specserve/speculative/worker.py)
     budget: int = 1
     confident_only: bool = False  # draft only what the drafter is sure of
+    explore: bool = False  # a probe of the verify cost: the whole budget, uncut by cost
 
     def __post_init__(self) -> None:
         self.tokens = self.prompt_ids + self.output_ids

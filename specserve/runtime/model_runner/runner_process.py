@@ -51,6 +51,7 @@ from specserve.runtime.proc_utils import (
 from specserve.runtime.sampling.logprobs import logit_top, logprob_rows, split_rows
 from specserve.runtime.sampling.sampler import SamplingBatchInfo, sample
 from specserve.runtime.speculation import Speculation, SpecWorker, TargetRows
+from specserve.runtime.verify_cost import VerifyCost, measure_verify_cost
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +156,7 @@ class RunnerWorker:
             self._matchers(e.rid, st)
             st.prefix_len, st.confident_only = e.prefix_len, e.confident_only
             st.budget = e.draft_nodes or st.slots.numel() - e.prefix_len
+            st.explore = e.explore
         out, infos = self.spec.step(states, idle=msg.drafter_idle, traffic_off=msg.traffic_off)
         grammar = [self._append(st, toks) for st, toks in zip(states, out)]
         lps = [info.pop("logprobs", None) for info in infos]
@@ -169,6 +171,16 @@ class RunnerWorker:
                            logprobs=lps if any(p is not None for p in lps) else None,
                            grammar_states=grammar if any(grammar) else None,
                            spec_trace=traces)
+
+    def _measure(self, msg: RunBatch) -> BatchResult:
+        """The verify-cost curve timed now, over the scratch slots the scheduler lent."""
+        slots = unpack_ints(msg.measure_slots)
+        cost = measure_verify_cost(self.runner, ns=tuple(msg.measure_rows), slots=slots,
+                                   when="again while idle")
+        logger.info("verify cost T(n)/T(1) measured again (%s): %s", cost.source, ", ".join(
+            f"{n}: {r:.2f}" for n, r in zip(cost.rows, cost.ratios)))
+        return BatchResult(batch_id=msg.batch_id, next_token_ids=[],
+                           verify_cost=cost.to_dict())
 
     @staticmethod
     def _prefill_rows(msg: RunBatch, states: list[RunnerReq],
@@ -187,11 +199,32 @@ class RunnerWorker:
         return rows
 
     def run(self, msg: RunBatch) -> BatchResult:
+        forwards = self.runner.timed_forwards
+        result = self._run(msg)
+        if self.runner.timed_forwards == forwards + 1:  # one target forward: the step's own
+            result.forward_rows, result.target_s = self.runner.last_timed
+        result.held = self.held()
+        return result
+
+    def held(self) -> dict[str, int]:
+        """What the runner keeps per request (/server_info): its records, the grammar
+        matchers alive (wherever a reference to one is held) and the drafter's state. All 0
+        when no request is live: a count left above that after aborts is a leak."""
+        matchers = len(self.grammars.live) if self.grammars is not None else 0
+        drafter = self.spec.live_requests() if self.spec is not None else 0
+        return {"runner_requests": len(self.states), "grammar_matchers": matchers,
+                "drafter_requests": drafter}
+
+    def _run(self, msg: RunBatch) -> BatchResult:
         t0 = time.perf_counter()
         for rid in msg.released_rids:
             self._release(rid)
         if msg.reset_drafter and self.spec is not None:
             self.spec.reset()
+        if msg.verify_cost is not None and self.spec is not None:
+            self.spec.set_verify_cost(VerifyCost.from_dict(msg.verify_cost))
+        if msg.measure_rows:
+            return self._measure(msg)
         if not msg.reqs:
             return BatchResult(batch_id=msg.batch_id, next_token_ids=[])
         mode = ForwardMode(msg.mode)

@@ -30,6 +30,10 @@ from specserve.runtime.models.llama import ModelOutput
 from specserve.runtime.sampling.logprobs import LogitStats
 
 
+def _parts(packed) -> list:
+    return packed if isinstance(packed, list) else [packed]
+
+
 class _FinalNorm:
     """The final RMSNorm as a callable with a `.weight`, like
     `specserve.runtime.layers.norm.RMSNorm`."""
@@ -91,7 +95,8 @@ class CpuLlamaForCausalLM:
         )
         for layer, norm in zip(packed.layers, packed.norms):
             self.core.add_layer(
-                layer["qkv"].to_ext(ext), layer["o"].to_ext(ext), layer["gate_up"].to_ext(ext),
+                [q.to_ext(ext) for q in _parts(layer["qkv"])], layer["o"].to_ext(ext),
+                layer["gate_up"].to_ext(ext),
                 layer["down"].to_ext(ext), norm["in_norm"], norm["post_norm"],
                 norm.get("q_norm"), norm.get("k_norm"),
             )

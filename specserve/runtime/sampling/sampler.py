@@ -225,7 +225,8 @@ def _top_k_top_p(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
                                  full_totals[todo])  # [R]
             cum = masked.cumsum(dim=-1, dtype=torch.float64)  # [R, K]
             target = top_ps[todo].double() * totals - TOP_P_EPS  # [R]
-            drop = (cum - masked >= target[:, None]) & p_on[todo][:, None]  # [R, K]
+            # (never the first token: a top_p below TOP_P_EPS would otherwise keep none)
+            drop = (cum - masked >= target[:, None]) & (pos > 0) & p_on[todo][:, None]
             first = torch.where(drop.any(dim=-1), drop.to(torch.uint8).argmax(dim=-1),
                                 torch.full_like(ks, K))  # [R]
             keep = torch.minimum(keep, first)

@@ -13,7 +13,11 @@ from specserve.runtime.errors import InvalidRequestError
 MAX_STOP_STRINGS = 16
 # Temperatures below this are treated as greedy: dividing logits by them overflows float32.
 GREEDY_TEMPERATURE_EPS = 1e-5
-_MAX_SEED = 2**64  # torch.Generator.manual_seed accepts [0, 2**64)
+MAX_SEED = 2**64  # torch.Generator.manual_seed accepts [0, 2**64)
+# The sampler scales float32 logits by a temperature and a repetition penalty; within these
+# bounds a finite logit stays finite and a nonzero one nonzero (float32 reaches 3.4e38, and
+# 5e-324 is 0 in it: -inf logits times 0 are NaN).
+MIN_SCALE, MAX_SCALE = 1e-30, 1e30
 
 _INT_FIELDS = ("max_new_tokens", "top_k")
 _INT_KEYS = (*_INT_FIELDS, "seed")  # integers in a request's sampling dict
@@ -118,8 +122,8 @@ class SamplingParams:
         """Raise `InvalidRequestError` naming the first bad field; `vocab_size` bounds ids/top_k."""
         self._check_types()
 
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            _fail("temperature", f"must be a finite number >= 0, got {self.temperature}")
+        if not 0 <= self.temperature <= MAX_SCALE:
+            _fail("temperature", f"must be in [0, {MAX_SCALE:g}], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             _fail("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
@@ -129,8 +133,8 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             _fail("min_p", f"must be in [0, 1], got {self.min_p}")
         rp = self.repetition_penalty
-        if not (math.isfinite(rp) and rp > 0):
-            _fail("repetition_penalty", f"must be a finite number > 0, got {rp}")
+        if not MIN_SCALE <= rp <= MAX_SCALE:
+            _fail("repetition_penalty", f"must be in [{MIN_SCALE:g}, {MAX_SCALE:g}], got {rp}")
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
@@ -146,7 +150,7 @@ class SamplingParams:
             if not 0 <= token_id < upper:
                 bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
                 _fail("stop_token_ids", f"token id {token_id} is out of range {bound}")
-        if self.seed is not None and not 0 <= self.seed < _MAX_SEED:
+        if self.seed is not None and not 0 <= self.seed < MAX_SEED:
             _fail("seed", f"must be in [0, 2**64), got {self.seed}")
         grammar_of(self._grammar_fields())  # a string within size, JSON that parses, one
 
@@ -193,7 +197,7 @@ class SamplingParams:
         q = dataclasses.replace(self, stop=list(self.stop),
                                 stop_token_ids=list(self.stop_token_ids))
         if q.seed is not None:
-            q.seed = (q.seed + j) % _MAX_SEED
+            q.seed = (q.seed + j) % MAX_SEED
         return q
 
 

@@ -49,6 +49,7 @@ from specserve.runtime.sampling import logprobs as lp_payload
 from specserve.runtime.scheduler.req import Req
 from specserve.runtime.scheduler.stop import StopChecker
 from specserve.runtime.speculation import SpecController, StepPlan
+from specserve.runtime.verify_cost import MEASURE_PREFIX, VerifyCost
 
 logger = logging.getLogger(__name__)
 MAX_DESCRIBED = 64  # running requests /server_info lists, at most
@@ -142,6 +143,9 @@ class Scheduler:
                             "spec_decode_num_accepted_tokens": 0, "spec_tokens_from_verify": 0,
                             "spec_draft_s": 0.0}  # drafting time, shared out over requests
         self.spec_accepted_per_pos: list[int] = []
+        # what the runner last said it keeps per request (records, grammar matchers, drafter
+        # state): all 0 once every request is released
+        self.runner_held: dict[str, int] = {}
 
     # ---- messages from the tokenizer side ------------------------------------------------
     def handle(self, msg) -> None:
@@ -175,7 +179,7 @@ class Scheduler:
                     self.spec.reset()
                 # the drafter's learned state (e.g. the n-gram trie) is a cache too
                 self.batch_id += 1
-                self.run_batch(RunBatch(batch_id=self.batch_id, mode=ForwardMode.DECODE.value,
+                self._run(RunBatch(batch_id=self.batch_id, mode=ForwardMode.DECODE.value,
                                         reqs=[], released_rids=self.released,
                                         reset_drafter=True))
                 self.released = []
@@ -205,6 +209,7 @@ class Scheduler:
             "kv_used_by_requests": self.allocator.num_used - self.cache.total_size,
             "radix_cache_tokens": self.cache.total_size,
             "kv_usage": self.allocator.num_used / self.allocator.capacity,
+            **self.runner_held,
             **self.totals,
             **self._spec_info(),
             "running_requests": [self._describe(r) for r in self.running[:MAX_DESCRIBED]],
@@ -226,7 +231,8 @@ class Scheduler:
         t = self.spec_totals
         steps = max(t["spec_verify_steps"], 1)
         return {**t, "spec_decode_num_accepted_tokens_per_pos": list(self.spec_accepted_per_pos),
-                "avg_spec_accept_length": t["spec_tokens_from_verify"] / steps}
+                "avg_spec_accept_length": t["spec_tokens_from_verify"] / steps,
+                **self.spec.cost_info()}
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> bool:
@@ -250,20 +256,52 @@ class Scheduler:
             return False
         self.batch_id += 1
         plan = self._plan if mode == ForwardMode.DECODE else None
+        curve = self.spec.curve_update() if plan is not None else None
         msg = RunBatch(
             batch_id=self.batch_id, mode=mode.value,
             reqs=[e for _, e, _ in entries], released_rids=self.released,
             drafter_idle=plan is not None and plan.idle,
             traffic_off=plan is not None and plan.traffic_off, speculative=plan is not None,
+            verify_cost=curve.to_dict() if curve is not None else None,
         )
         self.released = []
-        result = self.run_batch(msg)
+        result = self._run(msg)
         assert result.batch_id == self.batch_id, "runner answered another batch"
         if plan is not None and result.spec_info is not None:
+            forward = (result.forward_rows, result.target_s) if result.forward_rows else None
             self.spec.observe([req.spec for req, _, _ in entries], result.spec_info,
-                              result.forward_s)
+                              result.forward_s, forward)
         self._apply(entries, result)
+        if self.idle:  # the last requests finished: the runner forgets them now, not later
+            self._send_releases()
         return True
+
+    def measure_when_idle(self) -> None:
+        """With nothing to run: time the verify-cost curve again where the controller asks
+        (its start-up measurement disagrees with what the steps show), over scratch KV
+        slots lent to the runner for it."""
+        if self.spec is None or not self.idle:
+            return
+        rows = self.spec.remeasure_rows()
+        if not rows:
+            return
+        slots = self._alloc(MEASURE_PREFIX + max(rows))
+        if slots is None:
+            return
+        self.batch_id += 1
+        result = self._run(RunBatch(
+            batch_id=self.batch_id, mode=ForwardMode.DECODE.value, reqs=[],
+            released_rids=self.released, measure_rows=rows, measure_slots=pack_ints(slots)))
+        self.released = []
+        self.allocator.free(slots)
+        if result.verify_cost is not None:
+            self.spec.set_prior(VerifyCost.from_dict(result.verify_cost))
+
+    def _run(self, msg: RunBatch) -> BatchResult:
+        result = self.run_batch(msg)
+        if result.held is not None:
+            self.runner_held = result.held
+        return result
 
     def _send_releases(self) -> None:
         """With nothing to run, tell the runner which requests it can forget now (their
@@ -271,7 +309,7 @@ class Scheduler:
         if not self.released:
             return
         self.batch_id += 1
-        self.run_batch(RunBatch(batch_id=self.batch_id, mode=ForwardMode.DECODE.value, reqs=[],
+        self._run(RunBatch(batch_id=self.batch_id, mode=ForwardMode.DECODE.value, reqs=[],
                                 released_rids=self.released))
         self.released = []
 
@@ -442,6 +480,7 @@ class Scheduler:
         entries = []
         sizes, confident = [1] * len(decoding), [False] * len(decoding)
         drafts = [0] * len(decoding)  # (0: every slot)
+        explore = [False] * len(decoding)
         if speculate:
             for r in decoding:
                 if r.spec is None:
@@ -449,11 +488,12 @@ class Scheduler:
             self._plan = self.spec.plan([r.spec for r in decoding])
             sizes, confident = self._plan.sizes, self._plan.confident
             drafts = self._plan.drafts or drafts
+            explore = self._plan.explore or explore
             if plain:  # (the controller learns nothing from a step without a draft)
                 sizes, confident, drafts = list(sizes), list(confident), list(drafts)
                 for i in plain:
                     sizes[i], confident[i], drafts[i] = 1, False, 0
-        for req, n, sure, k in zip(decoding, sizes, confident, drafts):
+        for req, n, sure, k, x in zip(decoding, sizes, confident, drafts, explore):
             req.planned_nodes = n
             # never draft past the context length: the tree's positions must exist
             room = self.stop.context_length - req.kv_len
@@ -467,6 +507,7 @@ class Scheduler:
             entries.append(self._entry(req, 1, slots))
             entries[-1][1].confident_only = sure
             entries[-1][1].draft_nodes = min(k, slots.numel())
+            entries[-1][1].explore = x
         return entries
 
     def _retract(self, req: Req, why: str = "KV cache full") -> None:

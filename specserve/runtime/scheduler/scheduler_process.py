@@ -104,6 +104,7 @@ def run_scheduler_process(server_args, ipc_dir: str, parent_pid: int, loaded=Non
             if msg is None:
                 if not parent_alive(parent_pid):
                     return
+                sched.measure_when_idle()  # (a second without a request)
                 continue
             sched.handle(msg)
         for msg in recv.drain():

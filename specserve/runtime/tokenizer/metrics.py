@@ -37,6 +37,17 @@ class ServingMetrics:
         self.running = gauge("specserve_num_running_reqs", "requests decoding")
         self.queued = gauge("specserve_num_queue_reqs", "requests waiting")
         self.kv_usage = gauge("specserve_token_usage", "fraction of KV slots in use")
+        # per-request state (all 0 when no request is live)
+        self.held = {
+            "open_requests": gauge("specserve_open_requests",
+                                   "requests the front end tracks (streams, waiting results)"),
+            "runner_requests": gauge("specserve_runner_requests",
+                                     "requests the model runner keeps records for"),
+            "grammar_matchers": gauge("specserve_grammar_matchers",
+                                      "grammar matchers the model runner keeps"),
+            "drafter_requests": gauge("specserve_drafter_requests",
+                                      "requests the drafter keeps state for"),
+        }
         self.grammar_compile_s = hist("specserve_grammar_compile_seconds",
                                       "time to compile a grammar (cache misses)", COMPILE_BUCKETS)
 
@@ -54,6 +65,8 @@ class ServingMetrics:
         self.running.set(info.get("num_running_reqs", 0))
         self.queued.set(info.get("num_waiting_reqs", 0))
         self.kv_usage.set(info.get("kv_usage", 0.0))
+        for key, g in self.held.items():
+            g.set(info.get(key, 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -431,6 +431,7 @@ class TokenizerManager:
     async def server_info(self) -> dict:
         req_id = uuid.uuid4().hex
         info = await self._ask(GetInfoReq(req_id=req_id), req_id)
+        info["open_requests"] = len(self._states)
         if self.grammars is not None:
             info["grammar"] = {"backend": self.server_args.grammar_backend,
                                **self.grammars.info()}

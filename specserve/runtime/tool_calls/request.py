@@ -4,15 +4,12 @@ rendered for a chat template that may or may not know about tools."""
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
-from typing import Any
 
 from specserve.runtime.constrained.spec import MAX_GRAMMAR_BYTES
 from specserve.runtime.errors import InvalidRequestError
 from specserve.runtime.tool_calls.formats import ToolFormat
 
-_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's function names (plus dots)
 _FUNCTION_KEYS = ("name", "description", "parameters", "strict")
 MAX_TOOLS = 128
 
@@ -47,46 +44,28 @@ class ToolRequest:
         return fmt.grammar(tools, self.parallel and self.function is None)
 
 
-def parse_tool_request(tools: Any, tool_choice: Any, parallel: Any) -> ToolRequest:
-    """OpenAI's fields checked (a 400 naming the field otherwise)."""
-    checked = _tools(tools)
-    if parallel is not None and not isinstance(parallel, bool):
-        raise InvalidRequestError("parallel_tool_calls", "must be a boolean")
-    choice, function = _choice(tool_choice, {t["function"]["name"] for t in checked})
+def parse_tool_request(tools: list[dict] | None, tool_choice: str | dict | None,
+                       parallel: bool | None) -> ToolRequest:
+    """OpenAI's fields, their shapes already checked (the HTTP layer's types,
+    specserve/runtime/entrypoints/openai_types.py), checked for what a type cannot say: no
+    function named twice, the tools within the grammar size limit, a named or required call
+    among the request's tools (a 400 naming the field otherwise)."""
+    checked = _tools(tools or [])
+    names = {t["function"]["name"] for t in checked}
+    choice, function = _choice(tool_choice, names)
     if choice in ("required", "function") and not checked:
         raise InvalidRequestError("tool_choice", f"{tool_choice!r} needs `tools`")
     return ToolRequest(checked, choice, function, parallel is not False)
 
 
-def _tools(tools: Any) -> list[dict]:
-    if tools is None:
-        return []
-    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
-        raise InvalidRequestError("tools", f"must be a list of at most {MAX_TOOLS} tools")
+def _tools(tools: list[dict]) -> list[dict]:
     out, seen = [], set()
     for i, tool in enumerate(tools):
-        where = f"tools.{i}"
-        if not isinstance(tool, dict) or tool.get("type") != "function" or \
-                not isinstance(tool.get("function"), dict) or set(tool) - {"type", "function"}:
-            raise InvalidRequestError(where, 'must be {"type": "function", "function": {...}}')
         fn = tool["function"]
-        for key in fn:
-            if key not in _FUNCTION_KEYS:
-                raise InvalidRequestError(f"{where}.function.{key}", "unknown parameter")
-        name = fn.get("name")
-        if not isinstance(name, str) or not _NAME.match(name):
-            raise InvalidRequestError(f"{where}.function.name", "must be 1-64 characters of "
-                                      "a-z, A-Z, 0-9, '_', '-', '.'")
-        if name in seen:
-            raise InvalidRequestError(f"{where}.function.name", f"{name!r} is named twice")
-        seen.add(name)
-        if fn.get("description") is not None and not isinstance(fn["description"], str):
-            raise InvalidRequestError(f"{where}.function.description", "must be a string")
-        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
-            raise InvalidRequestError(f"{where}.function.parameters", "must be a JSON Schema "
-                                      "object")
-        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
-            raise InvalidRequestError(f"{where}.function.strict", "must be a boolean")
+        if fn["name"] in seen:
+            raise InvalidRequestError(f"tools.{i}.function.name", f"{fn['name']!r} is named "
+                                      "twice")
+        seen.add(fn["name"])
         out.append({"type": "function", "function": {k: fn[k] for k in _FUNCTION_KEYS
                                                      if fn.get(k) is not None}})
     if len(json.dumps(out)) > MAX_GRAMMAR_BYTES:
@@ -94,20 +73,16 @@ def _tools(tools: Any) -> list[dict]:
     return out
 
 
-def _choice(choice: Any, names: set[str]) -> tuple[str, str | None]:
+def _choice(choice: str | dict | None, names: set[str]) -> tuple[str, str | None]:
     if choice is None:
         return ("auto" if names else "none"), None
-    if choice in ("none", "auto", "required"):
+    if isinstance(choice, str):
         return choice, None
-    if isinstance(choice, dict) and choice.get("type") == "function" and \
-            isinstance(choice.get("function"), dict):
-        name = choice["function"].get("name")
-        if name not in names:
-            raise InvalidRequestError("tool_choice.function.name",
-                                      f"{name!r} is not one of the request's tools")
-        return "function", name
-    raise InvalidRequestError("tool_choice", 'must be "none", "auto", "required" or '
-                              '{"type": "function", "function": {"name": ...}}')
+    name = choice["function"]["name"]
+    if name not in names:
+        raise InvalidRequestError("tool_choice.function.name",
+                                  f"{name!r} is not one of the request's tools")
+    return "function", name
 
 
 def render_messages(messages: list[dict], req: ToolRequest, fmt: ToolFormat,

@@ -563,6 +563,9 @@ class EagleDrafter(Drafter):
         for rid in rids:
             self._req(rid).idle += 1
 
+    def live_requests(self) -> int:
+        return len(self.reqs)
+
     def release(self, rid: str) -> None:
         q = self.reqs.get(rid)
         if q is None:

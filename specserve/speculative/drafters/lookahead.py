@@ -127,6 +127,9 @@ class LookaheadDrafter(Drafter):
             for end in range(self.N, len(tokens) + 1):
                 self._add(st, tokens[end - self.N : end], share=False)
 
+    def live_requests(self) -> int:
+        return len(self.reqs)
+
     def release(self, rid: str) -> None:
         self.reqs.pop(rid, None)
 

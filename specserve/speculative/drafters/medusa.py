@@ -148,6 +148,9 @@ class MedusaDrafter(Drafter):
         h = torch.stack([self.hidden[r.rid] for r in reqs])
         return self.heads.logits(h, self._lm_head, len(self.ranks))
 
+    def live_requests(self) -> int:
+        return len(self.hidden)
+
     def release(self, rid: str) -> None:
         self.hidden.pop(rid, None)
 

@@ -17,7 +17,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from specserve.speculative.base import Drafter, RunnerReq, register_algorithm
-from specserve.speculative.controller import TreeSizes
 from specserve.speculative.ngram_cache import (
     NgramCache,
     NgramConfig,
@@ -30,6 +29,7 @@ from specserve.speculative.ngram_context import (
     own_context_tree,
 )
 from specserve.speculative.options import ResolveContext, SpecConfig, SpecOptions, flag, option
+from specserve.speculative.planning import TreeSizes
 from specserve.speculative.tree import DraftTree
 
 logger = logging.getLogger(__name__)
@@ -176,6 +176,9 @@ class NgramDrafter(Drafter):
         else:
             self.reqs.move_to_end(rid)
         return q
+
+    def live_requests(self) -> int:
+        return len(self.reqs)
 
     def release(self, rid: str) -> None:
         q = self.reqs.pop(rid, None)

@@ -259,6 +259,9 @@ class StandaloneDrafter(ChainDrafter):
                 # verified: root + accepted drafts; the fed ones have draft KV in place
                 q.valid = r.prefix_len + min(len(r.tree_nodes), q.fed)
 
+    def live_requests(self) -> int:
+        return len(self.reqs)
+
     def release(self, rid: str) -> None:
         self.reqs.pop(rid, None)
 

@@ -36,10 +36,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from specserve.speculative.base import Drafter, RunnerReq, register_algorithm
-from specserve.speculative.controller import TreeSizes, best_prefix
 from specserve.speculative.ngram_cache import NgramCache, NgramConfig, trie_extension
 from specserve.speculative.ngram_context import ContextIndex
 from specserve.speculative.options import ResolveContext, SpecConfig, SpecOptions, flag, option
+from specserve.speculative.planning import TreeSizes, best_prefix
 from specserve.speculative.tree import DraftTree
 
 # A request the controller keeps from drafting still drafts a tree this confident: the
@@ -238,7 +238,7 @@ class SuffixDrafter(Drafter):
         q = self.reqs.get(r.rid)
         if q is not None:
             q.pending = None
-        if r.budget <= 1 or not self.can_pay(batch_size, r.budget):
+        if r.budget <= 1 or not (r.explore or self.can_pay(batch_size, r.budget)):
             return root
         c = self.cfg
         tail = r.tokens[-c.suffix_max_tree_depth:]
@@ -267,7 +267,8 @@ class SuffixDrafter(Drafter):
             return root
         origins: list[int] = []
         tokens, parents, probs = merge_best_first([t for _, t in found], r.budget, origins)
-        k = self.worth_drafting(probs, batch_size)
+        # (a probe of the verify cost keeps the whole tree: its forward times the bigger size)
+        k = len(probs) if r.explore else self.worth_drafting(probs, batch_size)
         self.last_probs = probs[:k]
         if k > 1 and q is not None:
             srcs = [found[o][0] for o in origins[1:k]]
@@ -356,6 +357,9 @@ class SuffixDrafter(Drafter):
         ctx_out = tokens[max(start, len(tokens) - num_new - depth):len(tokens) - num_new]
         self.global_tree.extend(rid, ctx_out, new)
         out.extend(new)
+
+    def live_requests(self) -> int:
+        return len(self.reqs)
 
     def release(self, rid: str) -> None:
         self.reqs.pop(rid, None)

@@ -81,7 +81,7 @@ class Eagle3CpuCore:
         core.set_eagle3(layer.hidden_norm.weight.data)
         core.set_fc(pack_linear(f, _dense(head.fc), head.fc.bias).to_ext(ext))
         attn, mlp = layer.self_attn, layer.mlp
-        core.add_layer(pack_linear(f, _dense(attn.qkv_proj), attn.qkv_proj.bias).to_ext(ext),
+        core.add_layer([pack_linear(f, _dense(attn.qkv_proj), attn.qkv_proj.bias).to_ext(ext)],
                        pack_linear(f, _dense(attn.o_proj), attn.o_proj.bias).to_ext(ext),
                        pack_gate_up(f, _dense(mlp.gate_up_proj), lc.intermediate_size)
                        .to_ext(ext),

@@ -480,7 +480,10 @@ struct RowStats {
 // ---- the model ----------------------------------------------------------------------------
 
 struct Layer {
-  PackedLinear qkv, o, gate_up, down;
+  // q/k/v: one fused matrix, or parts concatenated along N whose formats differ (a Q4_K_M
+  // file's Q4_K q/k beside a Q6_K v), each multiplied in its own format
+  std::vector<PackedLinear> qkv;
+  PackedLinear o, gate_up, down;
   torch::Tensor in_norm, post_norm, q_norm, k_norm;  // q/k norms: Qwen3, Gemma 3
   // Gemma 3: the attention and MLP outputs are normed before their residual adds, and
   // sliding-window layers (window > 0) see only their last `window` positions, with local RoPE
@@ -520,10 +523,15 @@ class CpuModel {
   int num_threads() const { return nthreads_; }
   void set_num_threads(int n) { nthreads_ = n < 1 ? 1 : n; }
 
-  void add_layer(PackedLinear qkv, PackedLinear o, PackedLinear gate_up, PackedLinear down,
-                 torch::Tensor in_norm, torch::Tensor post_norm,
+  void add_layer(std::vector<PackedLinear> qkv, PackedLinear o, PackedLinear gate_up,
+                 PackedLinear down, torch::Tensor in_norm, torch::Tensor post_norm,
                  c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm) {
-    TORCH_CHECK(qkv.K == attn_in_width() && qkv.N == (Hq_ + 2 * KVH_) * D_, "qkv shape");
+    int qkv_n = 0;
+    for (const PackedLinear& p : qkv) {
+      TORCH_CHECK(p.K == attn_in_width() && (qkv.size() == 1 || p.N % NR == 0), "qkv part shape");
+      qkv_n += p.N;
+    }
+    TORCH_CHECK(!qkv.empty() && qkv_n == (Hq_ + 2 * KVH_) * D_, "qkv shape");
     TORCH_CHECK(o.K == Hq_ * D_ && o.N == H_, "o_proj shape");
     TORCH_CHECK(gate_up.K == H_ && gate_up.N == 2 * I_ && gate_up.tiles % 2 == 0 &&
                 I_ % NR == 0, "gate_up shape (interleaved gate/up tiles)");
@@ -934,7 +942,10 @@ std::vector<torch::Tensor> CpuModel::forward(
       }
       tp.barrier(tid);
       mark(1);
-      mm(L.qkv, T, xn, Win, qkv, Nqkv, EPI_STORE, tid, n);
+      for (size_t p = 0, col = 0; p < L.qkv.size(); col += L.qkv[p].N, ++p) {
+        if (p) tp.barrier(tid);  // the next part quantizes into the activation buffers again
+        mm(L.qkv[p], T, xn, Win, qkv + col, Nqkv, EPI_STORE, tid, n);
+      }
       tp.barrier(tid);
       mark(2);
       // q/k norm (Qwen3), rotary, and this layer's K/V into the cache: items (token, head)
