@@ -51,7 +51,8 @@ def test_tiny_model_ngram_greedy_equals_plain(tiny, concurrency):  # noqa: F811
 @pytest.mark.slow
 @pytest.mark.parametrize("algo", GROUPS[0])
 def test_default_model_spec_equals_plain_on_the_strongest_prompts(algo, plain_reference):
-    """NGRAM, SUFFIX, LOOKAHEAD and MEDUSA (the others: test_spec_lossless_draft_models.py)."""
+    """NGRAM, SUFFIX, LOOKAHEAD, MEDUSA, MLP_SPECULATOR and JUMP_FORWARD (the others:
+    test_spec_lossless_draft_models.py)."""
     check_spec_equals_plain(algo, plain_reference)
 
 
