@@ -24,6 +24,8 @@ switching them off.
 - A bucket without data takes the correction log(live / prior) of its neighbours (linear in log
   rows between buckets with data; past the last one, that one's), and the curve never falls
   with n: the prior keeps the shape where the server never went, live data sets its level.
+- The curve is rebuilt only when its inputs moved (REBUILD_TOLERANCE): the controller reads it
+  every step, and an unchanged object lets it skip reconsidering and resending.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ STALE_ONES = 64  # forwards after the last one-row forward, beyond which it no l
 # disagrees with it by more than this factor
 REMEASURE_SAMPLES = 5
 REMEASURE_MARGIN = 1.25
+# the curve is rebuilt (and the controller re-plans under it) only once its inputs moved by
+# more than this in log seconds: a step's forward mostly leaves them where they were
+REBUILD_TOLERANCE = 0.005
 
 
 class LiveCost:
@@ -59,6 +64,7 @@ class LiveCost:
         """The prior, measured again: the data stay."""
         self.prior = prior
         self._curve: VerifyCost | None = None
+        self._key: tuple | None = None  # the inputs `_curve` was built from
 
     # ---- data ---------------------------------------------------------------------------
     def add(self, rows: int, seconds: float) -> None:
@@ -76,7 +82,6 @@ class LiveCost:
                 s = v - self._p(g)
             self.buckets.setdefault(g, deque(maxlen=WINDOW)).append(v - s)
             self.levels.append(v - low(self.buckets[g]))
-        self._curve = None
 
     def _add_one(self, v: float) -> None:
         guessed = None if self._ones_fresh() else self.level()
@@ -129,9 +134,14 @@ class LiveCost:
     # ---- the curve ----------------------------------------------------------------------
     @property
     def curve(self) -> VerifyCost:
-        if self._curve is None:
-            self._curve = self._build()
+        key = self._inputs()
+        if self._curve is None or not _close(key, self._key):
+            self._curve, self._key = self._build(), key
         return self._curve
+
+    def _inputs(self) -> tuple:
+        """What the curve is built from: the level, and each bucket's value and firmness."""
+        return (self.level(), {g: (low(v), len(v) >= FIRM) for g, v in self.buckets.items()})
 
     def _build(self) -> VerifyCost:
         corr = self.corrections()
@@ -170,6 +180,16 @@ class LiveCost:
 
     def _p(self, n: int) -> float:
         return math.log(self.prior(n))
+
+
+def _close(a: tuple, b: tuple | None) -> bool:
+    """Whether two `_inputs` differ by at most REBUILD_TOLERANCE everywhere."""
+    if b is None or (a[0] is None) != (b[0] is None) or a[1].keys() != b[1].keys():
+        return False
+    if a[0] is not None and abs(a[0] - b[0]) > REBUILD_TOLERANCE:
+        return False
+    return all(f == b[1][g][1] and abs(x - b[1][g][0]) <= REBUILD_TOLERANCE
+               for g, (x, f) in a[1].items())
 
 
 def low(values: deque[float]) -> float:

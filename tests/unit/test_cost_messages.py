@@ -38,8 +38,10 @@ def test_forwards_are_timed_the_curve_reaches_the_drafter_and_output_is_plain(ti
     ctl = h.sched.spec
     assert info["verify_cost_timed_forwards"] == ctl.cost.samples > 0
     assert ctl.cost.learned_rows() > 1  # verify forwards, not only decode ones
+    # the drafter holds a learned curve (it is resent only once it moved by CURVE_RESEND, so
+    # the controller's may have gained a bucket since)
     drafter_curve = h.worker.spec.drafter.verify_cost
-    assert drafter_curve is not prior and drafter_curve.rows == ctl.curve.rows
+    assert drafter_curve is not prior and drafter_curve.source.startswith("learned from")
     h.sched.check_no_leak()
 
 
