@@ -128,13 +128,14 @@ def main(argv: list[str] | None = None) -> dict:
     for spec in args.engines.split(","):
         runner = make_runner(model_dir, spec, capacity)
         gen = LocalGenerator(runner)
-        diffs, flips, total, agree, ties = [], 0, 0, [], 0
+        diffs, flips, total, agree, ties, frees = [], 0, 0, [], 0, []
         for ids, ans, ref in tqdm(list(zip(prompts, ref_answers, ref_logits)), desc=spec):
             ours = answer_logits(runner, ids, ans)
             diffs.append((ours - ref).abs().amax(dim=-1))  # [len(ans)] per position
             flips += int((ours.argmax(-1) != ref.argmax(-1)).sum())
             total += len(ans)
             free = gen.generate([ids], params)[0].output_ids
+            frees.append(free)
             first = next((i for i, (a, b) in enumerate(zip(free, ans)) if a != b), len(ans))
             agree.append(first)
             if first < len(ans):
@@ -151,7 +152,6 @@ def main(argv: list[str] | None = None) -> dict:
             "perplexity": perplexity(runner, texts), "reference_perplexity": ref_ppl,
         })
         if hf is not None:
-            frees = [gen.generate([ids], params)[0].output_ids for ids in prompts]
             to_hf = [first_difference(f, h) for f, h in zip(frees, hf)]
             rows[-1].update(hf_identical=sum(d >= args.max_new_tokens for d in to_hf),
                             hf_median_tokens_before_divergence=statistics.median(to_hf))
