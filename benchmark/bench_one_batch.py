@@ -13,7 +13,7 @@
   prefix, n = 1..64, and T(n)/T(1) — what a speculative step costs against a plain decode;
 - `--compare-hf`: Hugging Face transformers greedy `generate` on the same prompt, same run,
   and the end-to-end tokens/s ratio.
-Prints a table last and writes JSON (`--output`).
+Prints a table last and writes JSON (`--output`); `--plot PNG` draws the verify-cost curve.
 """
 
 from __future__ import annotations
@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--compare-hf", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default="results/bench_one_batch.json")
+    p.add_argument("--plot", default=None, help="PNG path for the verify-cost curve")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     if args.threads:
@@ -154,6 +155,10 @@ def main(argv: list[str] | None = None) -> dict:
         result["hf"] = bench_hf(model_dir, args)
         logging.info("HF baseline measured in %.0fs", time.perf_counter() - t0)
     path = write_json(args.output, result)
+    if args.plot:
+        from benchmark.plots import plot_verify_curve
+
+        print(f"plot: {plot_verify_curve(result, args.plot)}")
 
     rows = []
     for eng in result["engines"]:

@@ -96,3 +96,33 @@ def plot_speculative(result: dict[str, Any], path: str | Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_verify_curve(result: dict[str, Any], path: str | Path) -> Path:
+    """bench_one_batch's verify-cost curve: T(n)/T(1) against n per engine, with the line
+    T(n) = T(1) (rows for free) and T(n) = n T(1) (no sharing) for reference."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    ns_all: list[int] = []
+    for eng in result["engines"]:
+        curve = eng["verify_curve"]
+        ns = [c["n"] for c in curve]
+        ns_all += ns
+        ax.plot(ns, [c["ratio_to_n1"] for c in curve], marker="o", label=eng["engine"])
+    if ns_all:
+        top = max(ns_all)
+        ax.plot([1, top], [1, 1], color="grey", linestyle=":", label="rows for free")
+        ax.plot([1, top], [1, top], color="grey", linestyle="--", label="no sharing (n x T(1))")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("verify rows n (chain nodes, one request)")
+    ax.set_ylabel("T(n) / T(1)")
+    prefix = result.get("args", {}).get("verify_prefix")
+    ax.set_title(f"verify cost on a {prefix}-token prefix" if prefix else "verify cost")
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
