@@ -64,6 +64,21 @@ def parse_curve(text: str) -> tuple[list[float], list[float]]:
     return [n for n, _ in pts], [r for _, r in pts]
 
 
+def true_path(tree, truth: list[int]) -> tuple[torch.Tensor, list[bool]]:
+    """The target's argmax at each node of `tree` when its output continues `truth` (truth[0]
+    follows the root): known on the true path, -1 elsewhere (greedy verification never
+    continues from any other node); and which nodes lie on that path."""
+    depth = tree.depth.tolist()
+    on_path = [True] + [False] * (tree.num_nodes - 1)
+    argmax = [truth[0]] + [-1] * (tree.num_nodes - 1)
+    for u in range(1, tree.num_nodes):
+        p, d = int(tree.parents[u]), depth[u]
+        if on_path[p] and d <= len(truth) and int(tree.tokens[u]) == truth[d - 1]:
+            on_path[u] = True
+            argmax[u] = truth[d] if d < len(truth) else -1
+    return torch.tensor(argmax), on_path
+
+
 def resolve(config: str) -> tuple[str, SpecConfig, int]:
     """A config string → (label, SpecConfig, max draft tokens), as the server has them."""
     cfg = parse_spec_config(config)
@@ -134,18 +149,9 @@ def replay(items: list[tuple[list[int], list[int]]], spec: SpecConfig, max_draft
             plan = controller.plan([st])
             tree = drafter.propose([RunnerReq.drafting(rid, history, plan.sizes[0], greedy,
                                                        confident_only=plan.confident[0])])[0]
-            # the target's argmax is known on the true path (the next output token); the walk
-            # never continues from any other node
             truth = out[pos:]
-            depth = tree.depth.tolist()
-            on_path = [True] + [False] * (tree.num_nodes - 1)
-            argmax = [truth[0]] + [-1] * (tree.num_nodes - 1)
-            for u in range(1, tree.num_nodes):
-                p, d = int(tree.parents[u]), depth[u]
-                if on_path[p] and d <= len(truth) and int(tree.tokens[u]) == truth[d - 1]:
-                    on_path[u] = True
-                    argmax[u] = truth[d] if d < len(truth) else -1
-            res = verify_greedy(tree, torch.tensor(argmax))
+            argmax, on_path = true_path(tree, truth)
+            res = verify_greedy(tree, argmax)
             probs = getattr(drafter, "last_probs", None)
             if probs is not None and len(probs) == tree.num_nodes:
                 for u in range(1, tree.num_nodes):

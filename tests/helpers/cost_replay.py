@@ -9,8 +9,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
-import torch
-
+from benchmark.replay_ngram import true_path
 from specserve.launch.server_args import ServerArgs
 from specserve.runtime.verify_cost import VerifyCost
 from specserve.speculative.base import RunnerReq, create_drafter
@@ -136,12 +135,4 @@ def _step(ctl: SpecController, drafter, streams: list[_Stream], rng: random.Rand
 
 def _accepted(tree, truth: list[int]) -> int:
     """Drafts greedy verification accepts when the target's argmax continues `truth`."""
-    depth = tree.depth.tolist()
-    on_path = [True] + [False] * (tree.num_nodes - 1)
-    argmax = [truth[0]] + [-1] * (tree.num_nodes - 1)
-    for u in range(1, tree.num_nodes):
-        p, d = int(tree.parents[u]), depth[u]
-        if on_path[p] and d <= len(truth) and int(tree.tokens[u]) == truth[d - 1]:
-            on_path[u] = True
-            argmax[u] = truth[d] if d < len(truth) else -1
-    return len(verify_greedy(tree, torch.tensor(argmax)).accepted_tokens)
+    return len(verify_greedy(tree, true_path(tree, truth)[0]).accepted_tokens)
