@@ -65,6 +65,7 @@ class LiveCost:
         self.prior = prior
         self._curve: VerifyCost | None = None
         self._key: tuple | None = None  # the inputs `_curve` was built from
+        self._checked = -1  # `samples` when the inputs were last compared
 
     # ---- data ---------------------------------------------------------------------------
     def add(self, rows: int, seconds: float) -> None:
@@ -134,6 +135,9 @@ class LiveCost:
     # ---- the curve ----------------------------------------------------------------------
     @property
     def curve(self) -> VerifyCost:
+        if self._curve is not None and self._checked == self.samples:
+            return self._curve  # no forward since the last look
+        self._checked = self.samples
         key = self._inputs()
         if self._curve is None or not _close(key, self._key):
             self._curve, self._key = self._build(), key
